@@ -1,0 +1,262 @@
+//! The one CLI every training example shares (see DESIGN.md, "One CLI").
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use serde::Serialize;
+
+use crate::TrainError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    Single,
+    Ddp,
+    Zero1,
+    Zero2,
+    #[value(alias = "fsdp")]
+    Zero3,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum Precision {
+    #[value(name = "32-true")]
+    #[serde(rename = "32-true")]
+    F32True,
+    #[value(name = "16-mixed")]
+    #[serde(rename = "16-mixed")]
+    F16Mixed,
+    #[value(name = "bf16-mixed")]
+    #[serde(rename = "bf16-mixed")]
+    Bf16Mixed,
+    #[value(name = "16-true")]
+    #[serde(rename = "16-true")]
+    F16True,
+    #[value(name = "bf16-true")]
+    #[serde(rename = "bf16-true")]
+    Bf16True,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offload {
+    None,
+    Optimizer,
+    Params,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Adamw,
+    Adam,
+    Sgd,
+    Adafactor,
+    Adam8bit,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    Constant,
+    Cosine,
+}
+
+/// Training flags, flattened into each example's own `clap` parser.
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp).
+    #[arg(long, value_enum, default_value = "single")]
+    pub strategy: Strategy,
+    /// In-process ranks (under mpirun the world comes from MPI).
+    #[arg(long, default_value_t = 1)]
+    pub devices: usize,
+    /// Numeric precision of weights and compute.
+    #[arg(long, value_enum, default_value = "32-true")]
+    pub precision: Precision,
+    /// Recompute each block in backward instead of keeping its activations.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// Keep optimizer state (or parameters) in host memory.
+    #[arg(long, value_enum, default_value = "none")]
+    pub offload: Offload,
+    /// Disk-backed offload directory (NVMe-style).
+    #[arg(long)]
+    pub offload_dir: Option<PathBuf>,
+    #[arg(long, value_enum, default_value = "adamw")]
+    pub optimizer: OptimizerKind,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 5e-4)]
+    pub lr: f64,
+    /// Decoupled weight decay, applied to matrices and embeddings only (as minGPT).
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f64,
+    /// SGD momentum (0 disables it).
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    #[arg(long, value_enum, default_value = "cosine")]
+    pub schedule: Schedule,
+    /// Linear warm-up steps before the schedule.
+    #[arg(long, default_value_t = 0)]
+    pub warmup_steps: usize,
+    /// Final learning rate of the cosine schedule, as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub min_lr_ratio: f64,
+    /// Micro-batch size per rank.
+    #[arg(long, default_value_t = 16)]
+    pub batch_size: usize,
+    /// Micro-batches accumulated into one optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub accumulate: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 1000)]
+    pub max_steps: usize,
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Clip the global gradient norm to this value (0 disables clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub grad_clip: f64,
+    /// Evaluate every N steps (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    pub eval_interval: usize,
+    /// Write machine-readable results here.
+    #[arg(long)]
+    pub summary_json: Option<PathBuf>,
+    /// Write one CSV row of metrics per optimizer step here.
+    #[arg(long)]
+    pub metrics_csv: Option<PathBuf>,
+}
+
+impl TrainArgs {
+    /// Rejects flag values that cannot run, and those whose technique has not landed yet,
+    /// instead of silently ignoring them.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let not_yet = |flag: &str, why: &str| {
+            Err(TrainError::NotYetSupported(format!(
+                "{flag}: {why}; today only --strategy single --precision 32-true on one device run"
+            )))
+        };
+        if self.strategy != Strategy::Single {
+            return not_yet(
+                &format!("--strategy {}", value_name(self.strategy)),
+                "sharded strategies arrive with the sharding engine",
+            );
+        }
+        if self.devices != 1 {
+            return not_yet(
+                &format!("--devices {}", self.devices),
+                "multi-rank runs arrive with the collectives engine",
+            );
+        }
+        if self.precision != Precision::F32True {
+            return not_yet(
+                &format!("--precision {}", value_name(self.precision)),
+                "mixed and 16-bit precision arrive with the precision policies",
+            );
+        }
+        if self.checkpoint_activations {
+            return not_yet(
+                "--checkpoint-activations",
+                "per-block checkpointing arrives with the precision/checkpointing work",
+            );
+        }
+        if self.offload != Offload::None || self.offload_dir.is_some() {
+            return not_yet(
+                "--offload/--offload-dir",
+                "offload arrives with the sharding engine",
+            );
+        }
+        if matches!(
+            self.optimizer,
+            OptimizerKind::Adafactor | OptimizerKind::Adam8bit
+        ) {
+            return not_yet(
+                &format!("--optimizer {}", value_name(self.optimizer)),
+                "lean optimizers are not built yet; use adamw, adam or sgd",
+            );
+        }
+        let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
+        if self.batch_size == 0 || self.accumulate == 0 || self.max_steps == 0 {
+            return invalid(format!(
+                "--batch-size, --accumulate and --max-steps must be at least 1 (got {}, {}, {})",
+                self.batch_size, self.accumulate, self.max_steps
+            ));
+        }
+        if !(self.lr > 0.0 && self.lr <= 1.0) {
+            return invalid(format!("--lr must be in (0, 1], got {}", self.lr));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return invalid(format!(
+                "--min-lr-ratio must be in [0, 1], got {}",
+                self.min_lr_ratio
+            ));
+        }
+        if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
+            return invalid("--grad-clip and --weight-decay must not be negative".into());
+        }
+        Ok(())
+    }
+}
+
+/// The name a value has on the command line.
+pub fn value_name<T: ValueEnum>(value: T) -> String {
+    value
+        .to_possible_value()
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<TrainArgs, String> {
+        let argv = std::iter::once("test").chain(args.iter().copied());
+        Cli::try_parse_from(argv)
+            .map(|c| c.train)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_are_valid() {
+        parse(&[]).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn unlanded_techniques_are_rejected_not_ignored() {
+        for args in [
+            &["--strategy", "zero3"][..],
+            &["--strategy", "fsdp"],
+            &["--devices", "2"],
+            &["--precision", "bf16-mixed"],
+            &["--checkpoint-activations"],
+            &["--offload", "optimizer"],
+            &["--optimizer", "adam8bit"],
+        ] {
+            let err = parse(args).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains("not yet supported"), "{args:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn unknown_values_are_named() {
+        let err = parse(&["--strategy", "zero4"]).unwrap_err();
+        assert!(err.contains("zero4") && err.contains("zero3"), "{err}");
+        let err = parse(&["--batch-size", "0"])
+            .unwrap()
+            .validate()
+            .unwrap_err();
+        assert!(err.to_string().contains("--batch-size"), "{err}");
+    }
+}

@@ -1,0 +1,61 @@
+//! Language-model batches: random windows of a token stream, seeded.
+
+use burn::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::TrainError;
+
+/// Draws `[batch, block]` inputs and their next-token targets from random offsets.
+pub struct TokenWindows {
+    tokens: Vec<i64>,
+    block: usize,
+    rng: StdRng,
+}
+
+impl TokenWindows {
+    pub fn new(tokens: Vec<i64>, block: usize, seed: u64) -> Result<Self, TrainError> {
+        if tokens.len() <= block {
+            return Err(TrainError::InvalidArgs(format!(
+                "a token stream of {} tokens is too short for block size {block}; use more data or a smaller --block-size",
+                tokens.len()
+            )));
+        }
+        Ok(Self {
+            tokens,
+            block,
+            rng: StdRng::seed_from_u64(seed),
+        })
+    }
+
+    /// `(inputs, targets)`, both `[batch, block]`.
+    pub fn batch(&mut self, batch: usize, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+        let (mut x, mut y) = (Vec::with_capacity(batch * self.block), Vec::new());
+        for _ in 0..batch {
+            let start = self.rng.random_range(0..self.tokens.len() - self.block);
+            x.extend_from_slice(&self.tokens[start..start + self.block]);
+            y.extend_from_slice(&self.tokens[start + 1..start + self.block + 1]);
+        }
+        let shape = [batch, self.block];
+        (
+            Tensor::from_data(TensorData::new(x, shape), device),
+            Tensor::from_data(TensorData::new(y, shape), device),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn targets_are_inputs_shifted_by_one() {
+        let device = Device::default();
+        let mut w = TokenWindows::new((0..100).collect(), 8, 0).unwrap();
+        let (x, y) = w.batch(4, &device);
+        let x: Vec<i64> = x.into_data().try_into_vec_as().unwrap();
+        let y: Vec<i64> = y.into_data().try_into_vec_as().unwrap();
+        assert!(x.iter().zip(&y).all(|(a, b)| a + 1 == *b));
+        assert!(TokenWindows::new((0..8).collect(), 8, 0).is_err());
+    }
+}

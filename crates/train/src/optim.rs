@@ -1,0 +1,299 @@
+//! Optimizers from burn-optim, stepped parameter by parameter with their state keyed by
+//! parameter path, so the state can later be sharded, offloaded and checkpointed by name.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{
+    AdamConfig, AdamWConfig, DynOptimizer, DynState, GradientsParams, SgdConfig, StateSink,
+};
+use burn::prelude::*;
+
+use crate::TrainError;
+use crate::cli::{OptimizerKind, Schedule, TrainArgs, value_name};
+
+/// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
+/// embeddings, rank >= 2) and one without decay (biases, norms), as minGPT configures AdamW.
+pub struct ParamOptimizer {
+    decay: Arc<dyn DynOptimizer>,
+    no_decay: Arc<dyn DynOptimizer>,
+    states: HashMap<String, DynState>,
+    grad_bytes: usize,
+}
+
+impl ParamOptimizer {
+    pub fn new(args: &TrainArgs) -> Result<Self, TrainError> {
+        let build = |weight_decay: f64| -> Result<Arc<dyn DynOptimizer>, TrainError> {
+            let (b1, b2, wd) = (args.beta1 as f32, args.beta2 as f32, weight_decay as f32);
+            Ok(match args.optimizer {
+                OptimizerKind::Adamw => Arc::new(
+                    AdamWConfig::new()
+                        .with_beta_1(b1)
+                        .with_beta_2(b2)
+                        .with_epsilon(1e-8)
+                        .with_weight_decay(wd)
+                        .build(),
+                ),
+                OptimizerKind::Adam => Arc::new(
+                    AdamConfig::new()
+                        .with_beta_1(b1)
+                        .with_beta_2(b2)
+                        .with_epsilon(1e-8)
+                        .with_weight_decay((wd > 0.0).then(|| WeightDecayConfig::new(wd)))
+                        .build(),
+                ),
+                OptimizerKind::Sgd => Arc::new(
+                    SgdConfig::new()
+                        .with_momentum(
+                            (args.momentum > 0.0)
+                                .then(|| MomentumConfig::new().with_momentum(args.momentum)),
+                        )
+                        .with_weight_decay((wd > 0.0).then(|| WeightDecayConfig::new(wd)))
+                        .build(),
+                ),
+                other => {
+                    return Err(TrainError::NotYetSupported(format!(
+                        "--optimizer {}",
+                        value_name(other)
+                    )));
+                }
+            })
+        };
+        Ok(Self {
+            decay: build(args.weight_decay)?,
+            no_decay: build(0.0)?,
+            states: HashMap::new(),
+            grad_bytes: 0,
+        })
+    }
+
+    /// Applies one update to every parameter that has a gradient.
+    pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> M {
+        let mut mapper = StepMapper {
+            path: Vec::new(),
+            optim: self,
+            grads: &mut grads,
+            lr,
+            grad_bytes: 0,
+        };
+        let model = model.map(&mut mapper);
+        self.grad_bytes = mapper.grad_bytes;
+        model
+    }
+
+    /// Bytes of optimizer state held (moments, momentum buffers).
+    pub fn state_bytes(&self) -> usize {
+        self.states
+            .iter()
+            .map(|(path, state)| {
+                let mut sink = StateSink::default();
+                self.for_rank(state.rank())
+                    .state_flatten(path, state, &mut sink);
+                sink.tensors
+                    .iter()
+                    .map(|(_, d)| d.num_elements() * d.dtype().size())
+                    .sum::<usize>()
+            })
+            .sum()
+    }
+
+    /// Bytes of the gradients the last step consumed.
+    pub fn last_grad_bytes(&self) -> usize {
+        self.grad_bytes
+    }
+
+    fn for_rank(&self, rank: usize) -> &Arc<dyn DynOptimizer> {
+        if rank >= 2 {
+            &self.decay
+        } else {
+            &self.no_decay
+        }
+    }
+}
+
+struct StepMapper<'a> {
+    path: Vec<String>,
+    optim: &'a mut ParamOptimizer,
+    grads: &'a mut GradientsParams,
+    lr: f64,
+    grad_bytes: usize,
+}
+
+impl ModuleMapper for StepMapper<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let Some(grad) = self.grads.remove::<D>(param.id) else {
+            return param;
+        };
+        self.grad_bytes += tensor_bytes(&grad);
+        let path = self.path.join(".");
+        let (id, tensor, mapper) = param.consume();
+        let require_grad = tensor.is_require_grad();
+        let optim = self.optim.for_rank(D).clone();
+        let state = self.optim.states.remove(&path);
+        let (updated, state) = optim.step_dyn(
+            D,
+            self.lr,
+            tensor.inner().into_bridge(),
+            grad.into_bridge(),
+            state,
+        );
+        if let Some(state) = state {
+            self.optim.states.insert(path, state);
+        }
+        let mut updated = Tensor::from_inner(Tensor::<D>::from_bridge(updated));
+        if require_grad {
+            updated = updated.require_grad();
+        }
+        Param::from_mapped_value(id, updated, mapper)
+    }
+}
+
+/// Scales all gradients so their global L2 norm is at most `max_norm`; returns the norm
+/// before clipping. `max_norm <= 0` only measures.
+pub fn clip_global_norm<M: Module>(model: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
+    let mut squares = SquareSum {
+        grads,
+        total: None,
+        ids: Vec::new(),
+    };
+    model.visit(&mut squares);
+    let Some(total) = squares.total else {
+        return 0.0;
+    };
+    let ids = squares.ids;
+    let norm = total.sqrt().into_scalar::<f32>() as f64;
+    if max_norm > 0.0 && norm > max_norm {
+        let scale = max_norm / (norm + 1e-6);
+        model.visit(&mut Rescale { grads, ids, scale });
+    }
+    norm
+}
+
+struct SquareSum<'a> {
+    grads: &'a GradientsParams,
+    total: Option<Tensor<1>>,
+    ids: Vec<ParamId>,
+}
+
+impl ModuleVisitor for SquareSum<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = self.grads.get::<D>(param.id) {
+            let sq = grad.square().sum();
+            self.total = Some(match self.total.take() {
+                Some(total) => total + sq,
+                None => sq,
+            });
+            self.ids.push(param.id);
+        }
+    }
+}
+
+struct Rescale<'a> {
+    grads: &'a mut GradientsParams,
+    ids: Vec<ParamId>,
+    scale: f64,
+}
+
+impl ModuleVisitor for Rescale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.ids.contains(&param.id)
+            && let Some(grad) = self.grads.remove::<D>(param.id)
+        {
+            self.grads.register(param.id, grad * self.scale);
+        }
+    }
+}
+
+/// Learning rate per optimizer step: linear warm-up, then constant or burn-optim's cosine
+/// annealing down to `min_lr_ratio * lr` at the last step.
+pub struct LrSchedule {
+    warmup: usize,
+    peak: f64,
+    cosine: Option<ModuleLrScheduler>,
+    step: usize,
+}
+
+impl LrSchedule {
+    pub fn new(args: &TrainArgs) -> Result<Self, TrainError> {
+        let cosine = match args.schedule {
+            Schedule::Constant => None,
+            Schedule::Cosine => Some(
+                CosineAnnealingLrSchedulerConfig::new(
+                    args.lr,
+                    args.max_steps.saturating_sub(args.warmup_steps).max(1),
+                )
+                .with_min_lr(args.lr * args.min_lr_ratio)
+                .init()
+                .map_err(TrainError::InvalidArgs)?,
+            ),
+        };
+        Ok(Self {
+            warmup: args.warmup_steps,
+            peak: args.lr,
+            cosine,
+            step: 0,
+        })
+    }
+
+    /// The rate for the next optimizer step.
+    pub fn next_lr(&mut self) -> f64 {
+        self.step += 1;
+        if self.step <= self.warmup {
+            return self.peak * self.step as f64 / self.warmup as f64;
+        }
+        match &mut self.cosine {
+            Some(cosine) => cosine.step().base(),
+            None => self.peak,
+        }
+    }
+}
+
+pub(crate) fn tensor_bytes<const D: usize>(t: &Tensor<D>) -> usize {
+    t.shape().num_elements() * t.dtype().size()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        train: TrainArgs,
+    }
+
+    fn args(extra: &[&str]) -> TrainArgs {
+        let argv = ["t", "--lr", "0.1", "--max-steps", "10"];
+        Cli::parse_from(argv.iter().chain(extra)).train
+    }
+
+    #[test]
+    fn cosine_with_warmup() {
+        let mut s = LrSchedule::new(&args(&["--warmup-steps", "2"])).unwrap();
+        let lrs: Vec<f64> = (0..10).map(|_| s.next_lr()).collect();
+        assert!((lrs[0] - 0.05).abs() < 1e-12 && (lrs[1] - 0.1).abs() < 1e-12);
+        assert!((lrs[2] - 0.1).abs() < 1e-12, "cosine starts at the peak");
+        assert!(lrs.windows(2).skip(2).all(|w| w[1] < w[0]), "{lrs:?}");
+        assert!(lrs[9] > 0.01 && lrs[9] < 0.03, "{lrs:?}");
+    }
+
+    #[test]
+    fn constant_schedule() {
+        let mut s = LrSchedule::new(&args(&["--schedule", "constant"])).unwrap();
+        assert!((0..10).all(|_| s.next_lr() == 0.1));
+    }
+}

@@ -1,0 +1,183 @@
+//! The closing report: a human table and the `--summary-json` object.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::cli::{OptimizerKind, Precision, Strategy, TrainArgs};
+use crate::memory::human_bytes;
+use crate::{TrainError, memory};
+
+/// What one rank holds of the model states, measured by the runner.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct ModelStateBytes {
+    pub params: usize,
+    pub grads: usize,
+    pub optimizer: usize,
+}
+
+impl ModelStateBytes {
+    pub fn total(&self) -> usize {
+        self.params + self.grads + self.optimizer
+    }
+
+    /// The ZeRO paper's count for pure f32 training with one rank and no sharding:
+    /// 4 bytes of weights + 4 of gradients + the optimizer's f32 state per parameter
+    /// (Adam/AdamW: 8, SGD with momentum: 4, plain SGD: 0).
+    pub fn predicted_f32(num_params: usize, optimizer: OptimizerKind, momentum: bool) -> usize {
+        let state = match optimizer {
+            OptimizerKind::Adamw | OptimizerKind::Adam => 8,
+            OptimizerKind::Sgd if momentum => 4,
+            _ => 0,
+        };
+        num_params * (4 + 4 + state)
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+pub enum Throughput {
+    Tokens(f64),
+    Samples(f64),
+}
+
+/// Everything a run reports; serialised as the `--summary-json` object.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunSummary {
+    pub strategy: Strategy,
+    pub precision: Precision,
+    pub world_size: usize,
+    pub optimizer: OptimizerKind,
+    pub steps: usize,
+    pub final_loss: f64,
+    pub val_loss: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accuracy: Option<f64>,
+    pub elapsed_s: f64,
+    /// Peak live heap bytes of this process during training (counting allocator).
+    pub peak_mem_bytes: usize,
+    pub num_params: usize,
+    pub model_state_bytes_per_rank: usize,
+    pub model_state: ModelStateBytes,
+    /// Which formula `model_state_predicted_bytes` uses.
+    pub model_state_convention: &'static str,
+    pub model_state_predicted_bytes: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_s: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub samples_per_s: Option<f64>,
+    /// Measured f32 GEMM rate of the device, FLOP/s.
+    pub peak_flops: f64,
+    /// 6·P·tokens/s over `peak_flops` (token models only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+}
+
+impl RunSummary {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        args: &TrainArgs,
+        steps: usize,
+        final_loss: f64,
+        val_loss: f64,
+        accuracy: Option<f64>,
+        elapsed_s: f64,
+        peak_mem_bytes: usize,
+        num_params: usize,
+        model_state: ModelStateBytes,
+        throughput: Throughput,
+        peak_flops: f64,
+    ) -> Self {
+        let (tokens_per_s, samples_per_s) = match throughput {
+            Throughput::Tokens(t) => (Some(t), None),
+            Throughput::Samples(s) => (None, Some(s)),
+        };
+        let mfu = tokens_per_s.map(|t| 6.0 * num_params as f64 * t / peak_flops);
+        Self {
+            strategy: args.strategy,
+            precision: args.precision,
+            world_size: args.devices,
+            optimizer: args.optimizer,
+            steps,
+            final_loss,
+            val_loss,
+            accuracy,
+            elapsed_s,
+            peak_mem_bytes,
+            num_params,
+            model_state_bytes_per_rank: model_state.total(),
+            model_state,
+            model_state_convention: "f32 training: 4 B params + 4 B grads + optimizer f32 state per parameter",
+            model_state_predicted_bytes: ModelStateBytes::predicted_f32(
+                num_params,
+                args.optimizer,
+                args.momentum > 0.0,
+            ),
+            tokens_per_s,
+            samples_per_s,
+            peak_flops,
+            mfu,
+        }
+    }
+
+    pub fn write_json(&self, path: &Path) -> Result<(), TrainError> {
+        let io = |source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let json = serde_json::to_string_pretty(self).map_err(|e| io(e.into()))?;
+        std::fs::write(path, json + "\n").map_err(io)
+    }
+
+    /// The closing table.
+    pub fn table(&self) -> String {
+        let mut rows: Vec<(&str, String)> = vec![
+            ("time elapsed", format!("{:.1} s", self.elapsed_s)),
+            (
+                "memory used (peak, process)",
+                if memory::is_counting() {
+                    human_bytes(self.peak_mem_bytes)
+                } else {
+                    "not measured (no counting allocator installed)".into()
+                },
+            ),
+            (
+                "model states per rank",
+                format!(
+                    "{} (params {} + grads {} + optimizer {}); formula {}",
+                    human_bytes(self.model_state.total()),
+                    human_bytes(self.model_state.params),
+                    human_bytes(self.model_state.grads),
+                    human_bytes(self.model_state.optimizer),
+                    human_bytes(self.model_state_predicted_bytes),
+                ),
+            ),
+            ("parameters", format!("{}", self.num_params)),
+            ("steps", format!("{}", self.steps)),
+            ("final train loss", format!("{:.4}", self.final_loss)),
+            ("validation loss", format!("{:.4}", self.val_loss)),
+        ];
+        if let Some(acc) = self.accuracy {
+            rows.push(("test accuracy", format!("{:.2}%", 100.0 * acc)));
+        }
+        if let Some(t) = self.tokens_per_s {
+            rows.push(("throughput", format!("{t:.0} tokens/s")));
+        }
+        if let Some(s) = self.samples_per_s {
+            rows.push(("throughput", format!("{s:.1} samples/s")));
+        }
+        if let Some(mfu) = self.mfu {
+            rows.push((
+                "MFU",
+                format!(
+                    "{:.1}% of measured peak GEMM {:.1} GFLOP/s",
+                    100.0 * mfu,
+                    self.peak_flops / 1e9
+                ),
+            ));
+        }
+        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        rows.iter()
+            .map(|(k, v)| format!("{k:<width$}  {v}\n"))
+            .collect()
+    }
+}

@@ -1,0 +1,197 @@
+//! Character-level minGPT on Shakespeare (eight plays, CC BY 2.5; see data/shakespeare/).
+//!
+//!     cargo run --release --example mingpt_char -- --max-steps 200 --summary-json /tmp/s.json
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result, bail};
+use burn::prelude::*;
+use burnscale::mingpt::{Gpt, GptConfig, Sampling, cross_entropy, loader};
+use burnscale::train::data::TokenWindows;
+use burnscale::train::memory::CountingAllocator;
+use burnscale::train::{TrainArgs, TrainTask, train};
+use clap::Parser;
+use rand::SeedableRng;
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+const SHAKESPEARE: &str = include_str!("../data/shakespeare/input.txt");
+
+#[derive(Parser)]
+#[command(about = "Train a character-level minGPT on Shakespeare")]
+struct Cli {
+    /// minGPT model type (gpt-nano, gpt-micro, gpt-mini, gopher-44m, gpt2, ...).
+    #[arg(long, default_value = "gpt-micro")]
+    model: String,
+    /// Override the preset's layer count.
+    #[arg(long)]
+    n_layer: Option<usize>,
+    /// Override the preset's head count.
+    #[arg(long)]
+    n_head: Option<usize>,
+    /// Override the preset's width.
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// Context length in characters.
+    #[arg(long, default_value_t = 128)]
+    block_size: usize,
+    /// Dropout of embeddings, attention and residual paths.
+    #[arg(long, default_value_t = 0.1)]
+    dropout: f64,
+    /// A UTF-8 text file to train on instead of the bundled Shakespeare.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Validation batches per evaluation.
+    #[arg(long, default_value_t = 20)]
+    eval_batches: usize,
+    /// Characters to sample after training (0: none).
+    #[arg(long, default_value_t = 300)]
+    sample_len: usize,
+    /// Save the trained weights as GPT-2-layout safetensors.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+/// Characters <-> token ids, the sorted set of characters in the text.
+struct CharVocab {
+    chars: Vec<char>,
+}
+
+impl CharVocab {
+    fn new(text: &str) -> Self {
+        let mut chars: Vec<char> = text.chars().collect();
+        chars.sort_unstable();
+        chars.dedup();
+        Self { chars }
+    }
+
+    fn encode(&self, text: &str) -> Vec<i64> {
+        text.chars()
+            .filter_map(|c| self.chars.binary_search(&c).ok())
+            .map(|i| i as i64)
+            .collect()
+    }
+
+    fn decode(&self, tokens: &[usize]) -> String {
+        tokens.iter().filter_map(|&t| self.chars.get(t)).collect()
+    }
+}
+
+struct CharTask {
+    train: TokenWindows,
+    val: Vec<i64>,
+    block: usize,
+    batch: usize,
+    eval_batches: usize,
+    seed: u64,
+}
+
+impl TrainTask for CharTask {
+    type Model = Gpt;
+    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+
+    fn next_batch(&mut self, device: &Device) -> Self::Batch {
+        self.train.batch(self.batch, device)
+    }
+
+    fn loss(&self, model: &Gpt, (x, y): Self::Batch) -> Tensor<1> {
+        model.forward_loss(x, y).1
+    }
+
+    fn items(&self, (x, _): &Self::Batch) -> usize {
+        x.shape().num_elements()
+    }
+
+    fn counts_tokens(&self) -> bool {
+        true
+    }
+
+    fn evaluate(&mut self, model: &Gpt) -> (f64, Option<f64>) {
+        // The same validation windows at every evaluation.
+        let Ok(mut windows) = TokenWindows::new(self.val.clone(), self.block, self.seed) else {
+            return (f64::NAN, None);
+        };
+        let device = model.wte.weight.val().device();
+        let total: f64 = (0..self.eval_batches)
+            .map(|_| {
+                let (x, y) = windows.batch(self.batch, &device);
+                cross_entropy(model.forward(x), y).into_scalar::<f32>() as f64
+            })
+            .sum();
+        (total / self.eval_batches as f64, None)
+    }
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    cli.train.validate()?;
+    let text = match &cli.data {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read training text {}", path.display()))?,
+        None => SHAKESPEARE.to_string(),
+    };
+    let vocab = CharVocab::new(&text);
+    let tokens = vocab.encode(&text);
+    if tokens.len() < 20 * cli.block_size {
+        bail!(
+            "{} characters is too little text for block size {}; give a larger --data file",
+            tokens.len(),
+            cli.block_size
+        );
+    }
+    let split = tokens.len() * 9 / 10;
+    let mut config =
+        GptConfig::preset(&cli.model, vocab.chars.len(), cli.block_size)?.with_dropout(cli.dropout);
+    config.n_layer = cli.n_layer.unwrap_or(config.n_layer);
+    config.n_head = cli.n_head.unwrap_or(config.n_head);
+    config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
+    config.validate()?;
+
+    let device = Device::default().autodiff();
+    device.seed(cli.train.seed);
+    let model = Gpt::new(&config, &device)?;
+    println!(
+        "minGPT {} ({} layers, {} heads, width {}): {} parameters, vocab {}, {} train / {} val chars",
+        cli.model,
+        config.n_layer,
+        config.n_head,
+        config.n_embd,
+        config.num_params(),
+        config.vocab_size,
+        split,
+        tokens.len() - split
+    );
+
+    let mut task = CharTask {
+        train: TokenWindows::new(tokens[..split].to_vec(), cli.block_size, cli.train.seed)?,
+        val: tokens[split..].to_vec(),
+        block: cli.block_size,
+        batch: cli.train.batch_size,
+        eval_batches: cli.eval_batches,
+        seed: cli.train.seed,
+    };
+    let (model, summary) = train(model, &mut task, &cli.train, &device)?;
+    print!("{}", summary.table());
+
+    let model = model.valid();
+    if cli.sample_len > 0 {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(cli.train.seed);
+        let prompt = vocab.encode("O God, O God!");
+        let prompt: Vec<usize> = prompt.iter().map(|&t| t as usize).collect();
+        let sampling = Sampling::TopK {
+            k: 10,
+            temperature: 0.8,
+        };
+        let device = device.inner();
+        let out = model.generate(&prompt, cli.sample_len, sampling, &mut rng, &device);
+        println!("--- sample ---\n{}\n--------------", vocab.decode(&out));
+    }
+    if let Some(path) = &cli.save {
+        loader::save(&model, path)?;
+        println!("saved weights to {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,214 @@
+use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::activation::{gelu_approximate, log_softmax, softmax};
+
+use crate::{GptConfig, GptError};
+
+/// Causal self-attention with one fused q/k/v projection, as GPT-2's `attn.c_attn`.
+#[derive(Module, Debug)]
+pub struct CausalSelfAttention {
+    pub c_attn: Linear,
+    pub c_proj: Linear,
+    attn_dropout: Dropout,
+    resid_dropout: Dropout,
+    n_head: usize,
+}
+
+impl CausalSelfAttention {
+    fn new(config: &GptConfig, device: &Device) -> Self {
+        let d = config.n_embd;
+        Self {
+            c_attn: linear(d, 3 * d, 0.02, device),
+            c_proj: linear(d, d, residual_std(config), device),
+            attn_dropout: DropoutConfig::new(config.attn_pdrop).init(),
+            resid_dropout: DropoutConfig::new(config.resid_pdrop).init(),
+            n_head: config.n_head,
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, c] = x.dims();
+        let hd = c / self.n_head;
+        let heads = |x: Tensor<3>| x.reshape([b, t, self.n_head, hd]).swap_dims(1, 2);
+        let qkv = self.c_attn.forward(x); // [b, t, 3c]
+        let mut qkv = qkv.chunk(3, 2).into_iter();
+        let (q, k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
+            (Some(q), Some(k), Some(v)) => (heads(q), heads(k), heads(v)), // [b, nh, t, hd]
+            _ => unreachable!("chunk(3) yields three tensors"),
+        };
+
+        let att = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, t]
+        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &att.device()).unsqueeze::<4>(); // true where j > i
+        let att = softmax(att.mask_fill(future, f32::NEG_INFINITY), 3);
+        let att = self.attn_dropout.forward(att);
+        let y = att.matmul(v); // [b, nh, t, hd]
+        let y = y.swap_dims(1, 2).reshape([b, t, c]);
+        self.resid_dropout.forward(self.c_proj.forward(y))
+    }
+}
+
+/// The 4x MLP with GPT-2's tanh-approximated GELU.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    pub c_fc: Linear,
+    pub c_proj: Linear,
+    dropout: Dropout,
+}
+
+impl Mlp {
+    fn new(config: &GptConfig, device: &Device) -> Self {
+        let d = config.n_embd;
+        Self {
+            c_fc: linear(d, 4 * d, 0.02, device),
+            c_proj: linear(4 * d, d, residual_std(config), device),
+            dropout: DropoutConfig::new(config.resid_pdrop).init(),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let h = gelu_approximate(self.c_fc.forward(x)); // [b, t, 4c]
+        self.dropout.forward(self.c_proj.forward(h))
+    }
+}
+
+/// One pre-LN transformer block: the unit that sharding and checkpointing wrap.
+#[derive(Module, Debug)]
+pub struct Block {
+    pub ln_1: LayerNorm,
+    pub attn: CausalSelfAttention,
+    pub ln_2: LayerNorm,
+    pub mlp: Mlp,
+}
+
+impl Block {
+    fn new(config: &GptConfig, device: &Device) -> Self {
+        Self {
+            ln_1: LayerNormConfig::new(config.n_embd).init(device),
+            attn: CausalSelfAttention::new(config, device),
+            ln_2: LayerNormConfig::new(config.n_embd).init(device),
+            mlp: Mlp::new(config, device),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
+        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+}
+
+/// The language model. Field names are GPT-2's (`wte`, `wpe`, `h`, `ln_f`, `lm_head`).
+#[derive(Module, Debug)]
+pub struct Gpt {
+    pub wte: Embedding,
+    pub wpe: Embedding,
+    drop: Dropout,
+    pub h: Vec<Block>,
+    pub ln_f: LayerNorm,
+    pub lm_head: Linear,
+    block_size: usize,
+}
+
+impl Gpt {
+    /// A freshly initialised model, as minGPT's `_init_weights` does it.
+    pub fn new(config: &GptConfig, device: &Device) -> Result<Self, GptError> {
+        config.validate()?;
+        let embedding = |n, d| {
+            EmbeddingConfig::new(n, d)
+                .with_initializer(Initializer::Normal {
+                    mean: 0.0,
+                    std: 0.02,
+                })
+                .init(device)
+        };
+        let lm_head = LinearConfig::new(config.n_embd, config.vocab_size)
+            .with_bias(false)
+            .with_initializer(Initializer::Normal {
+                mean: 0.0,
+                std: 0.02,
+            })
+            .init(device);
+        Ok(Self {
+            wte: embedding(config.vocab_size, config.n_embd),
+            wpe: embedding(config.block_size, config.n_embd),
+            drop: DropoutConfig::new(config.embd_pdrop).init(),
+            h: (0..config.n_layer)
+                .map(|_| Block::new(config, device))
+                .collect(),
+            ln_f: LayerNormConfig::new(config.n_embd).init(device),
+            lm_head,
+            block_size: config.block_size,
+        })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The repeated blocks, for wrap policies (sharding, checkpointing).
+    pub fn blocks(&self) -> &[Block] {
+        &self.h
+    }
+
+    /// Logits for every position. Panics if the sequence is longer than `block_size`:
+    /// callers crop their context, as [`Gpt::generate`] does.
+    pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        let [b, t] = idx.dims();
+        assert!(
+            t <= self.block_size,
+            "cannot forward a sequence of length {t}, block size is only {}",
+            self.block_size
+        );
+        let pos = Tensor::<1, Int>::arange(0..t as i64, &idx.device()).reshape([1, t]);
+        let tok_emb = self.wte.forward(idx); // [b, t, c]
+        let pos_emb = self.wpe.forward(pos); // [1, t, c]
+        let mut x = self.drop.forward(tok_emb + pos_emb);
+        for block in &self.h {
+            x = block.forward(x);
+        }
+        let x = self.ln_f.forward(x);
+        let logits = self.lm_head.forward(x); // [b, t, vocab]
+        let [_, _, v] = logits.dims();
+        debug_assert_eq!(logits.dims(), [b, t, v]);
+        logits
+    }
+
+    /// Logits and the mean cross-entropy against `targets` (`-1` marks ignored positions).
+    pub fn forward_loss(
+        &self,
+        idx: Tensor<2, Int>,
+        targets: Tensor<2, Int>,
+    ) -> (Tensor<3>, Tensor<1>) {
+        let logits = self.forward(idx);
+        let loss = cross_entropy(logits.clone(), targets);
+        (logits, loss)
+    }
+}
+
+/// Mean token cross-entropy; positions whose target is negative are ignored (PyTorch's
+/// `ignore_index=-1`, which minGPT uses).
+pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, t, v] = logits.dims();
+    let n = b * t;
+    let logp = log_softmax(logits.reshape([n, v]), 1); // [n, v]
+    let targets = targets.reshape([n]);
+    let keep = targets.clone().greater_equal_elem(0).float(); // [n]
+    let picked = logp
+        .gather(1, targets.clamp_min(0).reshape([n, 1]))
+        .reshape([n]);
+    (picked * keep.clone()).sum().neg() / keep.sum().clamp_min(1.0)
+}
+
+/// A linear layer initialised as minGPT: N(0, std) weight, zero bias.
+fn linear(d_in: usize, d_out: usize, std: f64, device: &Device) -> Linear {
+    let mut layer = LinearConfig::new(d_in, d_out)
+        .with_initializer(Initializer::Normal { mean: 0.0, std })
+        .init(device);
+    layer.bias = Some(Initializer::Zeros.init([d_out], device));
+    layer
+}
+
+/// GPT-2's scaled init of the projections that write into the residual stream.
+fn residual_std(config: &GptConfig) -> f64 {
+    0.02 / (2.0 * config.n_layer as f64).sqrt()
+}

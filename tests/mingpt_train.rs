@@ -1,0 +1,180 @@
+//! The runner trains a tiny minGPT: the loss falls, runs are reproducible, reports are filled.
+
+use burn::prelude::*;
+use burnscale::mingpt::{Gpt, GptConfig, cross_entropy};
+use burnscale::train::data::TokenWindows;
+use burnscale::train::{RunSummary, TrainArgs, TrainTask, train};
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(args_override_self = true)]
+struct Cli {
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+fn args(extra: &[&str]) -> TrainArgs {
+    let base = ["test", "--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
+    Cli::parse_from(base.iter().chain(extra)).train
+}
+
+/// A repeating pattern a model can learn in a few steps.
+struct Pattern {
+    windows: TokenWindows,
+    val: TokenWindows,
+    batch: usize,
+}
+
+impl Pattern {
+    fn new(seed: u64, batch: usize) -> Self {
+        let tokens: Vec<i64> = (0..2000).map(|i| (i * 7 % 11) as i64).collect();
+        Self {
+            windows: TokenWindows::new(tokens.clone(), 8, seed).unwrap(),
+            val: TokenWindows::new(tokens, 8, seed + 1).unwrap(),
+            batch,
+        }
+    }
+}
+
+impl TrainTask for Pattern {
+    type Model = Gpt;
+    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+
+    fn next_batch(&mut self, device: &Device) -> Self::Batch {
+        self.windows.batch(self.batch, device)
+    }
+    fn loss(&self, model: &Gpt, (x, y): Self::Batch) -> Tensor<1> {
+        model.forward_loss(x, y).1
+    }
+    fn items(&self, (x, _): &Self::Batch) -> usize {
+        x.shape().num_elements()
+    }
+    fn counts_tokens(&self) -> bool {
+        true
+    }
+    fn evaluate(&mut self, model: &Gpt) -> (f64, Option<f64>) {
+        let device = model.wte.weight.val().device();
+        let (x, y) = self.val.batch(8, &device);
+        (
+            cross_entropy(model.forward(x), y).into_scalar::<f32>() as f64,
+            None,
+        )
+    }
+}
+
+/// Trains a dropout-free tiny model (dropout would make runs with different call patterns
+/// draw different masks).
+fn run(extra: &[&str]) -> (Gpt, RunSummary) {
+    let device = Device::default().autodiff();
+    device.seed(7);
+    let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
+    let args = args(extra);
+    let mut task = Pattern::new(7, args.batch_size);
+    train(model, &mut task, &args, &device).unwrap()
+}
+
+fn params(model: &Gpt) -> Vec<f32> {
+    model
+        .lm_head
+        .weight
+        .val()
+        .into_data()
+        .try_into_vec()
+        .unwrap()
+}
+
+#[test]
+fn tiny_mingpt_loss_falls() {
+    let (_, first) = run(&["--max-steps", "1"]);
+    let (_, trained) = run(&["--max-steps", "40"]);
+    let start = first.final_loss;
+    assert!(
+        start > 2.0,
+        "an untrained model is near ln(11) = 2.4, got {start}"
+    );
+    assert!(
+        trained.final_loss < 0.6 * start,
+        "loss {start} -> {}",
+        trained.final_loss
+    );
+    assert!(
+        trained.val_loss < 0.6 * start,
+        "val loss {}",
+        trained.val_loss
+    );
+    assert_eq!(trained.steps, 40);
+    assert!(trained.tokens_per_s.unwrap() > 0.0 && trained.mfu.unwrap() > 0.0);
+}
+
+#[test]
+fn same_seed_same_model() {
+    let (a, _) = run(&["--max-steps", "3"]);
+    let (b, _) = run(&["--max-steps", "3"]);
+    assert_eq!(params(&a), params(&b));
+}
+
+#[test]
+fn model_states_match_the_16_bytes_per_param_formula() {
+    let (_, summary) = run(&["--max-steps", "2"]);
+    let p = GptConfig::tiny().num_params();
+    assert_eq!(summary.num_params, p);
+    assert_eq!(summary.model_state.params, 4 * p);
+    assert_eq!(summary.model_state.grads, 4 * p);
+    assert_eq!(summary.model_state.optimizer, 8 * p);
+    assert_eq!(summary.model_state_predicted_bytes, 16 * p);
+
+    let (_, sgd) = run(&["--max-steps", "2", "--optimizer", "sgd"]);
+    assert_eq!(sgd.model_state.optimizer, 4 * p, "momentum buffer");
+}
+
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / x.abs().max(y.abs()).max(1e-3))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn accumulating_two_micro_batches_equals_one_double_batch() {
+    // The window sampler draws the same 16 windows either way.
+    let (big, _) = run(&["--max-steps", "3", "--batch-size", "16"]);
+    let (acc, _) = run(&["--max-steps", "3", "--batch-size", "8", "--accumulate", "2"]);
+    let (small, _) = run(&["--max-steps", "3", "--batch-size", "8"]);
+    let d = max_rel_diff(&params(&big), &params(&acc));
+    assert!(d < 1e-4, "accumulated step differs by {d}");
+    assert!(max_rel_diff(&params(&big), &params(&small)) > 1e-3);
+}
+
+#[test]
+fn clipping_scales_the_whole_update_by_one_factor() {
+    // Plain SGD: the update is lr * g, so clipping the global norm scales every element's
+    // update by the same factor max_norm / norm.
+    let sgd = [
+        "--max-steps",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0",
+        "--weight-decay",
+        "0",
+    ];
+    let (init, _) = run(&[&sgd[..], &["--lr", "1e-9"]].concat());
+    let (free, _) = run(&[&sgd[..], &["--lr", "1", "--grad-clip", "0"]].concat());
+    let (clipped, _) = run(&[&sgd[..], &["--lr", "1", "--grad-clip", "0.01"]].concat());
+    let (p0, pf, pc) = (params(&init), params(&free), params(&clipped));
+    let ratios: Vec<f32> = p0
+        .iter()
+        .zip(&pf)
+        .zip(&pc)
+        .filter(|((a, b), _)| (*b - *a).abs() > 1e-3)
+        .map(|((a, b), c)| (c - a) / (b - a))
+        .collect();
+    assert!(ratios.len() > 10);
+    let r = ratios[0];
+    assert!(r > 0.0 && r < 1.0, "clipping shrinks the update: {r}");
+    assert!(
+        ratios.iter().all(|x| (x - r).abs() < 1e-2 * r),
+        "{ratios:?}"
+    );
+}
