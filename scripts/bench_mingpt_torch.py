@@ -95,7 +95,10 @@ def main():
         "params_excl_lm_head": model.num_params(include_lm_head=False),  # the number minGPT prints
         "tokens_per_s": round(tokens / total, 1),
         "step_ms": round(1000 * total / args.steps, 2),
+        # The host can be noisy (shared VMs): median/min are more robust than the mean.
         "step_ms_median": round(1000 * statistics.median(step_times), 2),
+        "step_ms_min": round(1000 * min(step_times), 2),
+        "tokens_per_s_median": round(args.batch_size * args.block_size / statistics.median(step_times), 1),
         "threads": torch.get_num_threads(),
         "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd,
         "block_size": args.block_size, "batch_size": args.batch_size, "vocab_size": args.vocab_size,

@@ -88,7 +88,8 @@ pub struct TrainArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 5e-4)]
     pub lr: f64,
-    /// Decoupled weight decay, applied to matrices and embeddings only (as minGPT).
+    /// Decoupled weight decay, applied to rank >= 2 parameters only: matrices and embeddings
+    /// (as nanoGPT; minGPT also spares embeddings).
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f64,
     #[arg(long, default_value_t = 0.9)]

@@ -18,7 +18,7 @@ use crate::TrainError;
 use crate::cli::{OptimizerKind, Schedule, TrainArgs, value_name};
 
 /// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
-/// embeddings, rank >= 2) and one without decay (biases, norms), as minGPT configures AdamW.
+/// embeddings, rank >= 2) and one without decay (biases, norms), as nanoGPT configures AdamW.
 pub struct ParamOptimizer {
     decay: Arc<dyn DynOptimizer>,
     no_decay: Arc<dyn DynOptimizer>,

@@ -61,6 +61,7 @@ pub fn train<T: TrainTask>(
     let peak_flops = speed::peak_gemm_flops(device);
     let progress = progress_bar(args.max_steps as u64);
 
+    burnscale_nn::dropout::seed(args.seed);
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;

@@ -1,7 +1,8 @@
-use burn::nn::{Dropout, DropoutConfig, Embedding, EmbeddingConfig, Initializer};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::{gelu_approximate, log_softmax, softmax};
+use burn::tensor::activation::{log_softmax, softmax};
+use burnscale_nn::{Dropout, DropoutConfig, gelu_tanh};
 
 use crate::{GptConfig, GptError};
 
@@ -67,7 +68,7 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let h = gelu_approximate(self.c_fc.forward(x)); // [b, t, 4c]
+        let h = gelu_tanh(self.c_fc.forward(x)); // [b, t, 4c]
         self.dropout.forward(self.c_proj.forward(h))
     }
 }

@@ -1,0 +1,149 @@
+//! Dropout with a counter-based random stream.
+//!
+//! Burn's `Dropout` draws a Bernoulli tensor through a ChaCha generator one element at a time;
+//! on the CPU backend that was ~15% of a minGPT training step. Here each element's keep/drop
+//! comes from a SplitMix64 hash of (seed, call, index): parallel, and reproducible for a
+//! given seed and call order on a thread (each thread, so each in-process rank, has its own
+//! stream, seeded with [`seed`]).
+
+use std::cell::Cell;
+
+use burn::module::{Flag, Param};
+use burn::prelude::*;
+use rayon::prelude::*;
+
+thread_local! {
+    /// (seed, calls so far) of this thread's dropout stream.
+    static STREAM: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+}
+
+/// Restarts this thread's dropout stream from `seed`.
+pub fn seed(seed: u64) {
+    STREAM.with(|s| s.set((seed, 0)));
+}
+
+fn next_call_key() -> u64 {
+    STREAM.with(|s| {
+        let (seed, call) = s.get();
+        s.set((seed, call + 1));
+        splitmix64(seed ^ splitmix64(call))
+    })
+}
+
+fn splitmix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `n` values, each `1/keep` with probability `keep` and 0 otherwise.
+fn mask(n: usize, keep: f64, key: u64) -> Vec<f32> {
+    const CHUNK: usize = 1 << 14;
+    // Each hash gives two 32-bit uniforms.
+    let threshold = (keep * 4_294_967_296.0) as u64;
+    let scale = (1.0 / keep) as f32;
+    let mut out = vec![0.0f32; n];
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+        for (p, pair) in chunk.chunks_mut(2).enumerate() {
+            let h = splitmix64(key.wrapping_add(((c * CHUNK / 2 + p) as u64) << 1));
+            for (k, v) in pair.iter_mut().enumerate() {
+                let u = (h >> (32 * k)) & 0xFFFF_FFFF;
+                *v = if u < threshold { scale } else { 0.0 };
+            }
+        }
+    });
+    out
+}
+
+#[derive(Debug, Clone)]
+pub struct DropoutConfig {
+    pub prob: f64,
+}
+
+impl DropoutConfig {
+    pub fn new(prob: f64) -> Self {
+        Self { prob }
+    }
+
+    /// Panics on a probability outside `[0, 1)`: configs validate it before building.
+    pub fn init(&self) -> Dropout {
+        assert!(
+            (0.0..1.0).contains(&self.prob),
+            "dropout probability must be in [0, 1), got {}",
+            self.prob
+        );
+        Dropout {
+            prob: self.prob,
+            training: Param::from_bool(true),
+        }
+    }
+}
+
+/// Zeroes each element with probability `prob` and scales the rest by `1/(1-prob)`, in
+/// training on an autodiff device; the identity in eval mode (`model.valid()`).
+#[derive(Module, Debug)]
+pub struct Dropout {
+    pub prob: f64,
+    training: Param<Flag>,
+}
+
+impl Dropout {
+    pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
+        if !self.training.is_enabled() || !input.device().is_autodiff() || self.prob == 0.0 {
+            return input;
+        }
+        let shape = input.shape();
+        let values = mask(shape.num_elements(), 1.0 - self.prob, next_call_key());
+        let mask = Tensor::<D>::from_data(TensorData::new(values, shape), &input.device());
+        input * mask
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::module::Module;
+
+    fn ones(device: &Device) -> Tensor<2> {
+        Tensor::ones([256, 512], device)
+    }
+
+    fn values(t: Tensor<2>) -> Vec<f32> {
+        t.into_data().try_into_vec().unwrap()
+    }
+
+    #[test]
+    fn drops_the_right_fraction_and_keeps_the_mean() {
+        let device = Device::default().autodiff();
+        seed(3);
+        let out = values(DropoutConfig::new(0.1).init().forward(ones(&device)));
+        let dropped = out.iter().filter(|v| **v == 0.0).count() as f64 / out.len() as f64;
+        assert!((dropped - 0.1).abs() < 0.005, "dropped {dropped}");
+        let mean = out.iter().map(|v| *v as f64).sum::<f64>() / out.len() as f64;
+        assert!((mean - 1.0).abs() < 0.01, "mean {mean}");
+        assert!(out.iter().all(|v| *v == 0.0 || (*v - 1.0 / 0.9).abs() < 1e-6));
+    }
+
+    #[test]
+    fn fresh_masks_per_call_reproducible_per_seed() {
+        let device = Device::default().autodiff();
+        let dropout = DropoutConfig::new(0.5).init();
+        seed(9);
+        let a = values(dropout.forward(ones(&device)));
+        let b = values(dropout.forward(ones(&device)));
+        assert_ne!(a, b);
+        seed(9);
+        assert_eq!(a, values(dropout.forward(ones(&device))));
+    }
+
+    #[test]
+    fn identity_in_eval_and_without_autodiff() {
+        let device = Device::default().autodiff();
+        let eval = DropoutConfig::new(0.5).init().valid();
+        assert!(values(eval.forward(ones(&device))).iter().all(|v| *v == 1.0));
+        let plain = DropoutConfig::new(0.5).init();
+        let out = values(plain.forward(ones(&Device::default())));
+        assert!(out.iter().all(|v| *v == 1.0));
+    }
+}

@@ -1,0 +1,7 @@
+//! Layers the burnscale models share, where Burn's own are slow on the CPU backend.
+
+mod activation;
+pub mod dropout;
+
+pub use activation::gelu_tanh;
+pub use dropout::{Dropout, DropoutConfig};
