@@ -146,12 +146,7 @@ fn main() -> Result<()> {
 
     println!(
         "minGPT {} (params {}), block {}, batch {}, {} timed steps, {} threads",
-        cli.model,
-        ours.num_params,
-        cli.block_size,
-        cli.batch_size,
-        cli.steps,
-        cli.threads
+        cli.model, ours.num_params, cli.block_size, cli.batch_size, cli.steps, cli.threads
     );
     println!("{:<22} {:>12} {:>10}", "", "tokens/s", "step ms");
     let step_ms = |tps: f64| 1e3 * (cli.batch_size * cli.block_size) as f64 / tps;

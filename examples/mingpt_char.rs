@@ -10,7 +10,7 @@ use burnscale::mingpt::{Gpt, GptConfig, Sampling, cross_entropy, loader};
 use burnscale::train::data::TokenWindows;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, TrainTask, train};
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use rand::SeedableRng;
 
 #[global_allocator]
@@ -34,10 +34,11 @@ struct Cli {
     #[arg(long)]
     n_embd: Option<usize>,
     /// Context length in characters.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 64)]
     block_size: usize,
-    /// Dropout of embeddings, attention and residual paths.
-    #[arg(long, default_value_t = 0.1)]
+    /// Dropout of embeddings, attention and residual paths (minGPT uses 0.1; these short
+    /// runs learn faster without).
+    #[arg(long, default_value_t = 0.0)]
     dropout: f64,
     /// A UTF-8 text file to train on instead of the bundled Shakespeare.
     #[arg(long)]
@@ -48,6 +49,9 @@ struct Cli {
     /// Characters to sample after training (0: none).
     #[arg(long, default_value_t = 300)]
     sample_len: usize,
+    /// Start from these GPT-2-layout safetensors weights (e.g. an earlier `--save`).
+    #[arg(long)]
+    weights: Option<PathBuf>,
     /// Save the trained weights as GPT-2-layout safetensors.
     #[arg(long)]
     save: Option<PathBuf>,
@@ -126,7 +130,16 @@ impl TrainTask for CharTask {
 }
 
 fn main() -> Result<()> {
-    let cli = Cli::parse();
+    // Runner defaults for this example that reach val loss < 2.0 in a few minutes on 2 CPU
+    // cores (as nanoGPT's CPU recipe for a 4-layer char model: short context, no dropout,
+    // a high learning rate after a warm-up).
+    let matches = Cli::command()
+        .mut_arg("lr", |a| a.default_value("2e-3"))
+        .mut_arg("warmup_steps", |a| a.default_value("100"))
+        .mut_arg("max_steps", |a| a.default_value("3000"))
+        .mut_arg("eval_interval", |a| a.default_value("250"))
+        .get_matches();
+    let cli = Cli::from_arg_matches(&matches)?;
     cli.train.validate()?;
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)
@@ -152,7 +165,10 @@ fn main() -> Result<()> {
 
     let device = Device::default().autodiff();
     device.seed(cli.train.seed);
-    let model = Gpt::new(&config, &device)?;
+    let model = match &cli.weights {
+        Some(path) => loader::load(path, &config, &device)?,
+        None => Gpt::new(&config, &device)?,
+    };
     println!(
         "minGPT {} ({} layers, {} heads, width {}): {} parameters, vocab {}, {} train / {} val chars",
         cli.model,

@@ -47,8 +47,6 @@ fn save_then_load_gives_the_same_model() {
     loader::save(&original, &path).unwrap();
     let loaded = loader::load(&path, &GptConfig::tiny(), &Device::default()).unwrap();
     assert_eq!(logits(&original), logits(&loaded));
-    let inferred = loader::infer_config(&path, 2).unwrap();
-    assert_eq!(inferred, GptConfig::tiny());
 }
 
 #[test]

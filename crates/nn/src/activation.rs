@@ -18,7 +18,8 @@ mod tests {
     #[test]
     fn matches_burns_tanh_gelu() {
         let device = Device::default();
-        let x = Tensor::<1>::from_floats([-6.0, -2.5, -1.0, -0.1, 0.0, 0.3, 1.0, 2.0, 7.0], &device);
+        let x =
+            Tensor::<1>::from_floats([-6.0, -2.5, -1.0, -0.1, 0.0, 0.3, 1.0, 2.0, 7.0], &device);
         let ours: Vec<f32> = gelu_tanh(x.clone()).into_data().try_into_vec().unwrap();
         let burn: Vec<f32> = gelu_approximate(x).into_data().try_into_vec().unwrap();
         for (a, b) in ours.iter().zip(&burn) {

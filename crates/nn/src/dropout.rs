@@ -44,15 +44,17 @@ fn mask(n: usize, keep: f64, key: u64) -> Vec<f32> {
     let threshold = (keep * 4_294_967_296.0) as u64;
     let scale = (1.0 / keep) as f32;
     let mut out = vec![0.0f32; n];
-    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
-        for (p, pair) in chunk.chunks_mut(2).enumerate() {
-            let h = splitmix64(key.wrapping_add(((c * CHUNK / 2 + p) as u64) << 1));
-            for (k, v) in pair.iter_mut().enumerate() {
-                let u = (h >> (32 * k)) & 0xFFFF_FFFF;
-                *v = if u < threshold { scale } else { 0.0 };
+    out.par_chunks_mut(CHUNK)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            for (p, pair) in chunk.chunks_mut(2).enumerate() {
+                let h = splitmix64(key.wrapping_add(((c * CHUNK / 2 + p) as u64) << 1));
+                for (k, v) in pair.iter_mut().enumerate() {
+                    let u = (h >> (32 * k)) & 0xFFFF_FFFF;
+                    *v = if u < threshold { scale } else { 0.0 };
+                }
             }
-        }
-    });
+        });
     out
 }
 
@@ -122,7 +124,10 @@ mod tests {
         assert!((dropped - 0.1).abs() < 0.005, "dropped {dropped}");
         let mean = out.iter().map(|v| *v as f64).sum::<f64>() / out.len() as f64;
         assert!((mean - 1.0).abs() < 0.01, "mean {mean}");
-        assert!(out.iter().all(|v| *v == 0.0 || (*v - 1.0 / 0.9).abs() < 1e-6));
+        assert!(
+            out.iter()
+                .all(|v| *v == 0.0 || (*v - 1.0 / 0.9).abs() < 1e-6)
+        );
     }
 
     #[test]
@@ -141,7 +146,11 @@ mod tests {
     fn identity_in_eval_and_without_autodiff() {
         let device = Device::default().autodiff();
         let eval = DropoutConfig::new(0.5).init().valid();
-        assert!(values(eval.forward(ones(&device))).iter().all(|v| *v == 1.0));
+        assert!(
+            values(eval.forward(ones(&device)))
+                .iter()
+                .all(|v| *v == 1.0)
+        );
         let plain = DropoutConfig::new(0.5).init();
         let out = values(plain.forward(ones(&Device::default())));
         assert!(out.iter().all(|v| *v == 1.0));

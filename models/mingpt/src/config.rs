@@ -102,7 +102,7 @@ impl GptConfig {
                 self.n_layer, self.n_head, self.n_embd
             ));
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return bad(format!(
                 "n_embd ({}) must be divisible by n_head ({}); pick n_embd as a multiple of n_head",
                 self.n_embd, self.n_head

@@ -119,41 +119,6 @@ pub fn load(path: &Path, config: &GptConfig, device: &Device) -> Result<Gpt, Gpt
     Ok(model)
 }
 
-/// Reads the config that a GPT-2 file implies (layer count, width, vocabulary, context) given
-/// the head count, which safetensors files do not record.
-pub fn infer_config(path: &Path, n_head: usize) -> Result<GptConfig, GptError> {
-    let bytes = std::fs::read(path).map_err(|source| GptError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let weights = read_tensors(path, &bytes)?;
-    let shape = |key: &str| {
-        weights
-            .get(key)
-            .map(|w| w.shape.clone())
-            .ok_or_else(|| GptError::MissingKeys {
-                path: path.to_path_buf(),
-                keys: vec![burn_to_hf(key)],
-            })
-    };
-    let wte = shape(WTE)?;
-    let wpe = shape("wpe.weight")?;
-    let n_layer = weights
-        .keys()
-        .filter_map(|k| {
-            k.strip_prefix("h.")?
-                .split('.')
-                .next()?
-                .parse::<usize>()
-                .ok()
-        })
-        .max()
-        .map_or(0, |i| i + 1);
-    let config = GptConfig::new(n_layer, n_head, wte[1], wte[0], wpe[0]);
-    config.validate()?;
-    Ok(config)
-}
-
 /// Writes `model` as a GPT-2-layout safetensors file (with an explicit `lm_head.weight`).
 pub fn save(model: &Gpt, path: &Path) -> Result<(), GptError> {
     let mut collector = Collector::default();
