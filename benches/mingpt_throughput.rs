@@ -130,7 +130,11 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
     Ok(serde_json::from_str(line)?)
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    burnscale::exit_code(run())
+}
+
+fn run() -> Result<()> {
     let cli = Cli::parse();
     let config = GptConfig::preset(&cli.model, cli.vocab_size, cli.block_size)?;
     // A short untimed run pays one-time costs (allocator warm-up, lazy init) first.

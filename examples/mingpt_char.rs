@@ -129,7 +129,11 @@ impl TrainTask for CharTask {
     }
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    burnscale::exit_code(run())
+}
+
+fn run() -> Result<()> {
     // Runner defaults for this example that reach val loss < 2.0 in a few minutes on 2 CPU
     // cores (as nanoGPT's CPU recipe for a 4-layer char model: short context, no dropout,
     // a high learning rate after a warm-up).

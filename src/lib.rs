@@ -5,3 +5,15 @@
 
 pub use burnscale_mingpt as mingpt;
 pub use burnscale_train as train;
+
+/// Ends a runner binary: prints the error chain on one line (no backtrace, even with
+/// `RUST_BACKTRACE` set: these are user errors) and exits non-zero.
+pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -122,7 +122,10 @@ pub fn train<T: TrainTask>(
                 "samples"
             }
         ));
-        if args.eval_interval > 0 && step.is_multiple_of(args.eval_interval) && step < args.max_steps {
+        if args.eval_interval > 0
+            && step.is_multiple_of(args.eval_interval)
+            && step < args.max_steps
+        {
             let (val_loss, acc) = task.evaluate(&model.valid());
             progress.suspend(|| {
                 eprintln!(

@@ -1,0 +1,53 @@
+//! Bad input to a runner binary: a clear message naming the problem, a non-zero exit,
+//! and no panic.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The `mingpt_char` example `cargo test` built beside this test binary.
+fn mingpt_char() -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    profile_dir.join("examples").join("mingpt_char")
+}
+
+fn fails_with(args: &[&str], needle: &str) {
+    let out = Command::new(mingpt_char())
+        .args(args)
+        .output()
+        .expect("mingpt_char runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(stderr.contains(needle), "{args:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+}
+
+#[test]
+fn bad_flags_are_named() {
+    fails_with(&["--n-head", "5"], "must be divisible by n_head");
+    fails_with(&["--block-size", "0"], "block_size");
+    fails_with(&["--model", "gpt5"], "unknown model preset `gpt5`");
+    fails_with(&["--strategy", "zero3"], "not yet supported");
+    fails_with(&["--precision", "bf16-mixed"], "not yet supported");
+    fails_with(&["--strategy", "zero9"], "invalid value 'zero9'");
+    fails_with(
+        &["--data", "/nonexistent/text.txt"],
+        "/nonexistent/text.txt",
+    );
+}
+
+#[test]
+fn bad_weight_files_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let truncated = dir.path().join("truncated.safetensors");
+    std::fs::write(&truncated, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
+    fails_with(&["--weights", truncated.to_str().unwrap()], "truncated");
+    let missing = dir.path().join("missing.safetensors");
+    fails_with(
+        &["--weights", missing.to_str().unwrap()],
+        "missing.safetensors",
+    );
+}
