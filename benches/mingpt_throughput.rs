@@ -12,9 +12,9 @@ use std::process::Command;
 use anyhow::{Context, Result};
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
-use burnscale::train::data::TokenWindows;
+use burnscale::tasks::NextToken;
 use burnscale::train::memory::{self, CountingAllocator};
-use burnscale::train::{RunSummary, TrainArgs, TrainTask, train};
+use burnscale::train::{RunSummary, TrainArgs, train};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -56,32 +56,6 @@ struct RunnerFlags {
     train: TrainArgs,
 }
 
-struct RandomTokens {
-    windows: TokenWindows,
-    batch: usize,
-}
-
-impl TrainTask for RandomTokens {
-    type Model = Gpt;
-    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
-
-    fn next_batch(&mut self, device: &Device) -> Self::Batch {
-        self.windows.batch(self.batch, device)
-    }
-    fn loss(&self, model: &Gpt, (x, y): Self::Batch) -> Tensor<1> {
-        model.forward_loss(x, y).1
-    }
-    fn items(&self, (x, _): &Self::Batch) -> usize {
-        x.shape().num_elements()
-    }
-    fn counts_tokens(&self) -> bool {
-        true
-    }
-    fn evaluate(&mut self, _model: &Gpt) -> (f64, Option<f64>) {
-        (f64::NAN, None)
-    }
-}
-
 fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSummary> {
     let steps = steps.to_string();
     let batch = cli.batch_size.to_string();
@@ -93,10 +67,7 @@ fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSumma
     let tokens = (0..1 << 20)
         .map(|_| rng.random_range(0..config.vocab_size as i64))
         .collect();
-    let mut task = RandomTokens {
-        windows: TokenWindows::new(tokens, cli.block_size, 1337)?,
-        batch: cli.batch_size,
-    };
+    let mut task = NextToken::new(tokens, cli.block_size, cli.batch_size, 1337)?;
     let model = Gpt::new(config, &device)?;
     Ok(train(model, &mut task, &args, &device)?.1)
 }

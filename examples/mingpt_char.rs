@@ -6,10 +6,10 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use burn::prelude::*;
-use burnscale::mingpt::{Gpt, GptConfig, Sampling, cross_entropy, loader};
-use burnscale::train::data::TokenWindows;
+use burnscale::mingpt::{Gpt, GptConfig, Sampling, loader};
+use burnscale::tasks::NextToken;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{TrainArgs, TrainTask, train};
+use burnscale::train::{TrainArgs, train};
 use clap::{CommandFactory, FromArgMatches, Parser};
 use rand::SeedableRng;
 
@@ -84,51 +84,6 @@ impl CharVocab {
     }
 }
 
-struct CharTask {
-    train: TokenWindows,
-    val: Vec<i64>,
-    block: usize,
-    batch: usize,
-    eval_batches: usize,
-    seed: u64,
-}
-
-impl TrainTask for CharTask {
-    type Model = Gpt;
-    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
-
-    fn next_batch(&mut self, device: &Device) -> Self::Batch {
-        self.train.batch(self.batch, device)
-    }
-
-    fn loss(&self, model: &Gpt, (x, y): Self::Batch) -> Tensor<1> {
-        model.forward_loss(x, y).1
-    }
-
-    fn items(&self, (x, _): &Self::Batch) -> usize {
-        x.shape().num_elements()
-    }
-
-    fn counts_tokens(&self) -> bool {
-        true
-    }
-
-    fn evaluate(&mut self, model: &Gpt) -> (f64, Option<f64>) {
-        // The same validation windows at every evaluation.
-        let Ok(mut windows) = TokenWindows::new(self.val.clone(), self.block, self.seed) else {
-            return (f64::NAN, None);
-        };
-        let device = model.wte.weight.val().device();
-        let total: f64 = (0..self.eval_batches)
-            .map(|_| {
-                let (x, y) = windows.batch(self.batch, &device);
-                cross_entropy(model.forward(x), y).into_scalar::<f32>() as f64
-            })
-            .sum();
-        (total / self.eval_batches as f64, None)
-    }
-}
-
 fn main() -> std::process::ExitCode {
     burnscale::exit_code(run())
 }
@@ -140,7 +95,7 @@ fn run() -> Result<()> {
     let matches = Cli::command()
         .mut_arg("lr", |a| a.default_value("2e-3"))
         .mut_arg("warmup_steps", |a| a.default_value("100"))
-        .mut_arg("max_steps", |a| a.default_value("3000"))
+        .mut_arg("max_steps", |a| a.default_value("2500"))
         .mut_arg("eval_interval", |a| a.default_value("250"))
         .get_matches();
     let cli = Cli::from_arg_matches(&matches)?;
@@ -185,14 +140,13 @@ fn run() -> Result<()> {
         tokens.len() - split
     );
 
-    let mut task = CharTask {
-        train: TokenWindows::new(tokens[..split].to_vec(), cli.block_size, cli.train.seed)?,
-        val: tokens[split..].to_vec(),
-        block: cli.block_size,
-        batch: cli.train.batch_size,
-        eval_batches: cli.eval_batches,
-        seed: cli.train.seed,
-    };
+    let mut task = NextToken::new(
+        tokens[..split].to_vec(),
+        cli.block_size,
+        cli.train.batch_size,
+        cli.train.seed,
+    )?
+    .with_validation(tokens[split..].to_vec(), cli.block_size, cli.eval_batches)?;
     let (model, summary) = train(model, &mut task, &cli.train, &device)?;
     print!("{}", summary.table());
 

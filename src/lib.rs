@@ -6,6 +6,8 @@
 pub use burnscale_mingpt as mingpt;
 pub use burnscale_train as train;
 
+pub mod tasks;
+
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with
 /// `RUST_BACKTRACE` set: these are user errors) and exits non-zero.
 pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {

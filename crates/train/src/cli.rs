@@ -211,23 +211,23 @@ pub fn value_name<T: ValueEnum>(value: T) -> String {
         .unwrap_or_default()
 }
 
+/// Parses runner flags alone, as a binary's parser would (for unit tests).
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
+pub(crate) fn parse(args: &[&str]) -> Result<TrainArgs, String> {
+    #[derive(clap::Parser)]
     struct Cli {
         #[command(flatten)]
         train: TrainArgs,
     }
+    let argv = std::iter::once("test").chain(args.iter().copied());
+    <Cli as clap::Parser>::try_parse_from(argv)
+        .map(|c| c.train)
+        .map_err(|e| e.to_string())
+}
 
-    fn parse(args: &[&str]) -> Result<TrainArgs, String> {
-        let argv = std::iter::once("test").chain(args.iter().copied());
-        Cli::try_parse_from(argv)
-            .map(|c| c.train)
-            .map_err(|e| e.to_string())
-    }
+#[cfg(test)]
+mod tests {
+    use super::*;
 
     #[test]
     fn defaults_are_valid() {

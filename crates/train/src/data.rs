@@ -28,6 +28,11 @@ impl TokenWindows {
         })
     }
 
+    /// Restarts the window sequence, so the same windows come again.
+    pub fn reseed(&mut self, seed: u64) {
+        self.rng = StdRng::seed_from_u64(seed);
+    }
+
     /// `(inputs, targets)`, both `[batch, block]`.
     pub fn batch(&mut self, batch: usize, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
         let (mut x, mut y) = (Vec::with_capacity(batch * self.block), Vec::new());

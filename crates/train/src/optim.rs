@@ -268,17 +268,10 @@ pub(crate) fn tensor_bytes<const D: usize>(t: &Tensor<D>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::Parser;
-
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        train: TrainArgs,
-    }
 
     fn args(extra: &[&str]) -> TrainArgs {
-        let argv = ["t", "--lr", "0.1", "--max-steps", "10"];
-        Cli::parse_from(argv.iter().chain(extra)).train
+        let argv = [&["--lr", "0.1", "--max-steps", "10"][..], extra].concat();
+        crate::cli::parse(&argv).unwrap()
     }
 
     #[test]
