@@ -65,6 +65,8 @@ pub fn train<T: TrainTask>(
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;
+    // Time in training steps, without evaluations: what throughput divides by.
+    let mut train_s = 0.0;
     let mut last = StepMetrics {
         step: 0,
         lr: 0.0,
@@ -73,7 +75,6 @@ pub fn train<T: TrainTask>(
         items_per_s: 0.0,
         elapsed_s: 0.0,
     };
-    let mut last_eval = None;
     for step in 1..=args.max_steps {
         let step_start = Instant::now();
         let mut accumulator = GradientsAccumulator::<T::Model>::new();
@@ -100,6 +101,7 @@ pub fn train<T: TrainTask>(
         items += step_items;
 
         let step_s = step_start.elapsed().as_secs_f64();
+        train_s += step_s;
         last = StepMetrics {
             step,
             lr,
@@ -135,7 +137,6 @@ pub fn train<T: TrainTask>(
                         .unwrap_or_default()
                 )
             });
-            last_eval = Some((val_loss, acc));
         }
     }
     progress.finish_and_clear();
@@ -143,15 +144,13 @@ pub fn train<T: TrainTask>(
     let peak_mem = memory::peak_bytes();
 
     let (val_loss, accuracy) = task.evaluate(&model.valid());
-    last_eval = Some((val_loss, accuracy)).or(last_eval);
-    let (val_loss, accuracy) = last_eval.unwrap_or((f64::NAN, None));
 
     let model_state = ModelStateBytes {
         params: param_bytes(&model),
         grads: optim.last_grad_bytes(),
         optimizer: optim.state_bytes(),
     };
-    let items_per_s = items as f64 / elapsed_s;
+    let items_per_s = items as f64 / train_s;
     let throughput = if task.counts_tokens() {
         Throughput::Tokens(items_per_s)
     } else {
