@@ -3,6 +3,7 @@
 //! The crates, re-exported: [`train`] (the runner, its CLI and reports) and the models
 //! ([`mingpt`]). See README.md for what works today.
 
+pub use burnscale_collective as collective;
 pub use burnscale_mingpt as mingpt;
 pub use burnscale_train as train;
 

@@ -1,0 +1,144 @@
+use std::ops::Range;
+
+use half::{bf16, f16};
+
+use crate::ReduceOp;
+
+/// Element type of a [`Buffer`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DType {
+    F32,
+    F16,
+    Bf16,
+}
+
+/// A flat, typed buffer: what collectives move.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Buffer {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+impl Buffer {
+    pub fn dtype(&self) -> DType {
+        match self {
+            Buffer::F32(_) => DType::F32,
+            Buffer::F16(_) => DType::F16,
+            Buffer::Bf16(_) => DType::Bf16,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            Buffer::F32(v) => v.len(),
+            Buffer::F16(v) => v.len(),
+            Buffer::Bf16(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of payload.
+    pub fn num_bytes(&self) -> usize {
+        self.len()
+            * match self.dtype() {
+                DType::F32 => 4,
+                DType::F16 | DType::Bf16 => 2,
+            }
+    }
+
+    /// An empty buffer of `dtype`.
+    pub fn empty(dtype: DType) -> Self {
+        Self::from_f32(dtype, Vec::new())
+    }
+
+    /// `values` rounded to `dtype`.
+    pub fn from_f32(dtype: DType, values: Vec<f32>) -> Self {
+        match dtype {
+            DType::F32 => Buffer::F32(values),
+            DType::F16 => Buffer::F16(values.into_iter().map(f16::from_f32).collect()),
+            DType::Bf16 => Buffer::Bf16(values.into_iter().map(bf16::from_f32).collect()),
+        }
+    }
+
+    /// The values widened to f32.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self {
+            Buffer::F32(v) => v.clone(),
+            Buffer::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Buffer::Bf16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
+    }
+
+    /// A copy of `range`.
+    pub fn slice(&self, range: Range<usize>) -> Buffer {
+        match self {
+            Buffer::F32(v) => Buffer::F32(v[range].to_vec()),
+            Buffer::F16(v) => Buffer::F16(v[range].to_vec()),
+            Buffer::Bf16(v) => Buffer::Bf16(v[range].to_vec()),
+        }
+    }
+
+    /// The parts joined in order; all must have `dtype`.
+    pub fn concat<'a>(dtype: DType, parts: impl IntoIterator<Item = &'a Buffer>) -> Buffer {
+        let mut out = Buffer::empty(dtype);
+        for part in parts {
+            match (&mut out, part) {
+                (Buffer::F32(o), Buffer::F32(p)) => o.extend_from_slice(p),
+                (Buffer::F16(o), Buffer::F16(p)) => o.extend_from_slice(p),
+                (Buffer::Bf16(o), Buffer::Bf16(p)) => o.extend_from_slice(p),
+                _ => unreachable!("callers check dtypes before concatenating"),
+            }
+        }
+        out
+    }
+}
+
+/// Element-wise reduction of `range` of every input, accumulated in f32 and rounded once
+/// to the inputs' dtype (so 16-bit reductions lose no precision to their order).
+pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp) -> Buffer {
+    let dtype = inputs.first().map_or(DType::F32, |b| b.dtype());
+    let mut acc: Vec<f32> = match op {
+        ReduceOp::Max => vec![f32::NEG_INFINITY; range.len()],
+        ReduceOp::Sum | ReduceOp::Mean => vec![0.0; range.len()],
+    };
+    for input in inputs {
+        match input {
+            Buffer::F32(v) => combine(&mut acc, v[range.clone()].iter().copied(), op),
+            Buffer::F16(v) => combine(&mut acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+            Buffer::Bf16(v) => combine(&mut acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+        }
+    }
+    if op == ReduceOp::Mean {
+        let n = inputs.len() as f32;
+        acc.iter_mut().for_each(|a| *a /= n);
+    }
+    Buffer::from_f32(dtype, acc)
+}
+
+fn combine(acc: &mut [f32], values: impl Iterator<Item = f32>, op: ReduceOp) {
+    match op {
+        ReduceOp::Max => acc.iter_mut().zip(values).for_each(|(a, x)| *a = a.max(x)),
+        ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(values).for_each(|(a, x)| *a += x),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduces_in_f32_and_rounds_once() {
+        let a = Buffer::from_f32(DType::Bf16, vec![1.0, 256.0, -3.0]);
+        let b = Buffer::from_f32(DType::Bf16, vec![2.0, 1.0, 5.0]);
+        let sum = reduce_range(&[&a, &b], 0..3, ReduceOp::Sum);
+        assert_eq!(sum.to_f32(), vec![3.0, 256.0, 2.0]); // 257 rounds to 256 in bf16
+        let max = reduce_range(&[&a, &b], 1..3, ReduceOp::Max);
+        assert_eq!(max.to_f32(), vec![256.0, 5.0]);
+        let mean = reduce_range(&[&a, &b], 0..1, ReduceOp::Mean);
+        assert_eq!(mean, Buffer::from_f32(DType::Bf16, vec![1.5]));
+    }
+}

@@ -1,0 +1,166 @@
+//! The conformance suite every engine must pass: each collective, for f32, f16 and bf16,
+//! with sizes that do not divide by the world size, against a plain reference that each
+//! rank computes locally. Run it on N threads (the tests) or under mpirun
+//! (`examples/collective_check.rs`).
+//!
+//! Contributions are small integers, exact in every dtype, so every engine must match the
+//! reference exactly whatever order it reduces in.
+
+use burn::prelude::*;
+
+use crate::{
+    Buffer, CollectiveError, Communicator, DType, ReduceOp, all_gather_tensor, all_reduce_tensor,
+    broadcast_tensor, reduce_scatter_tensor, shard_range,
+};
+
+/// Rank `rank`'s `i`-th contribution.
+fn value(rank: usize, i: usize) -> f32 {
+    ((rank * 7 + i * 3) % 17) as f32 - 8.0
+}
+
+fn contribution(dtype: DType, rank: usize, len: usize) -> Buffer {
+    Buffer::from_f32(dtype, (0..len).map(|i| value(rank, i)).collect())
+}
+
+/// The reduction of every rank's contribution, as an engine must compute it: in f32, then
+/// rounded once to `dtype`.
+fn reference(dtype: DType, world: usize, len: usize, op: ReduceOp) -> Vec<f32> {
+    let reduced = (0..len).map(|i| {
+        let values = (0..world).map(|r| value(r, i));
+        match op {
+            ReduceOp::Sum => values.sum::<f32>(),
+            ReduceOp::Mean => values.sum::<f32>() / world as f32,
+            ReduceOp::Max => values.fold(f32::NEG_INFINITY, f32::max),
+        }
+    });
+    Buffer::from_f32(dtype, reduced.collect()).to_f32()
+}
+
+fn expect_eq(got: &[f32], want: &[f32]) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} elements, expected {}", got.len(), want.len()));
+    }
+    match got.iter().zip(want).position(|(a, b)| a != b) {
+        Some(i) => Err(format!("element {i}: {} != expected {}", got[i], want[i])),
+        None => Ok(()),
+    }
+}
+
+fn err(e: CollectiveError) -> String {
+    e.to_string()
+}
+
+/// Runs the suite on this rank; every rank of the group must call it. Returns one named
+/// result per check, in the same order on every rank.
+pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), String>)> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let mut results = Vec::new();
+    let mut check = |name: String, result: Result<(), String>| results.push((name, result));
+    let sizes = [1, 7, 1000 + world - 1, 4099];
+    let ops = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
+
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        for op in ops {
+            check(format!("all_reduce {op:?} {dtype:?}"), {
+                sizes.iter().try_for_each(|&n| {
+                    let mut buf = contribution(dtype, rank, n);
+                    comm.all_reduce(&mut buf, op).map_err(err)?;
+                    expect_eq(&buf.to_f32(), &reference(dtype, world, n, op))
+                        .map_err(|e| format!("n={n}: {e}"))
+                })
+            });
+            check(format!("reduce_scatter {op:?} {dtype:?}"), {
+                sizes.iter().chain(&[world - 1]).try_for_each(|&n| {
+                    let chunk = comm
+                        .reduce_scatter(&contribution(dtype, rank, n), op)
+                        .map_err(err)?;
+                    let full = reference(dtype, world, n, op);
+                    expect_eq(&chunk.to_f32(), &full[shard_range(n, world, rank)])
+                        .map_err(|e| format!("n={n}: {e}"))
+                })
+            });
+        }
+        check(format!("all_gather uneven {dtype:?}"), {
+            // Rank r contributes 5 + r elements.
+            let gathered = comm
+                .all_gather(&contribution(dtype, rank, 5 + rank))
+                .map_err(err);
+            gathered.and_then(|g| {
+                let want: Vec<f32> = (0..world)
+                    .flat_map(|r| contribution(dtype, r, 5 + r).to_f32())
+                    .collect();
+                expect_eq(&g.to_f32(), &want)
+            })
+        });
+        check(format!("broadcast {dtype:?}"), {
+            [0, world - 1].iter().try_for_each(|&root| {
+                // Non-roots start with a buffer of another length: the root's wins.
+                let mut buf = contribution(dtype, rank, if rank == root { 33 } else { 3 });
+                comm.broadcast(&mut buf, root).map_err(err)?;
+                expect_eq(&buf.to_f32(), &contribution(dtype, root, 33).to_f32())
+                    .map_err(|e| format!("root {root}: {e}"))
+            })
+        });
+        check(
+            format!("tensor collectives {dtype:?}"),
+            tensors(comm, dtype, device),
+        );
+    }
+    check("barrier".into(), comm.barrier().map_err(err));
+    check("mismatched lengths are reported".into(), {
+        let mut buf = contribution(DType::F32, rank, 10 + rank);
+        match comm.all_reduce(&mut buf, ReduceOp::Sum) {
+            Err(CollectiveError::Mismatch { .. }) if world > 1 => Ok(()),
+            Ok(()) if world == 1 => Ok(()),
+            other => Err(format!("expected a mismatch error, got {other:?}")),
+        }
+    });
+    results
+}
+
+fn tensors(comm: &dyn Communicator, dtype: DType, device: &Device) -> Result<(), String> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let float_dtype = match dtype {
+        DType::F32 => burn::tensor::DType::F32,
+        DType::F16 => burn::tensor::DType::F16,
+        DType::Bf16 => burn::tensor::DType::BF16,
+    };
+    let make = |r: usize, rows: usize| {
+        let values: Vec<f32> = (0..rows * 5).map(|i| value(r, i)).collect();
+        Tensor::<2>::from_data(TensorData::new(values, [rows, 5]), device).cast(float_dtype)
+    };
+    let read = |t: Tensor<2>| -> Vec<f32> {
+        t.cast(burn::tensor::DType::F32)
+            .into_data()
+            .try_into_vec::<f32>()
+            .unwrap_or_default()
+    };
+
+    let summed = all_reduce_tensor(comm, make(rank, 3), ReduceOp::Sum).map_err(err)?;
+    if summed.dims() != [3, 5] || summed.dtype() != float_dtype {
+        return Err(format!(
+            "all_reduce_tensor gave {:?} {:?}",
+            summed.dims(),
+            summed.dtype()
+        ));
+    }
+    expect_eq(&read(summed), &reference(dtype, world, 15, ReduceOp::Sum))?;
+
+    // Rank r holds r + 1 rows.
+    let gathered = all_gather_tensor(comm, make(rank, rank + 1)).map_err(err)?;
+    let want: Vec<f32> = (0..world).flat_map(|r| read(make(r, r + 1))).collect();
+    expect_eq(&read(gathered), &want)?;
+
+    let chunk = reduce_scatter_tensor(comm, make(rank, 3), ReduceOp::Max).map_err(err)?;
+    let full = reference(dtype, world, 15, ReduceOp::Max);
+    let chunk: Vec<f32> = chunk
+        .cast(burn::tensor::DType::F32)
+        .into_data()
+        .try_into_vec::<f32>()
+        .unwrap_or_default();
+    expect_eq(&chunk, &full[shard_range(15, world, rank)])?;
+
+    let root = world - 1;
+    let got = broadcast_tensor(comm, make(rank, 2), root).map_err(err)?;
+    expect_eq(&read(got), &read(make(root, 2)))
+}

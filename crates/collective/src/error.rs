@@ -1,0 +1,30 @@
+/// Why a collective did not complete. Every variant names the rank(s) involved.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CollectiveError {
+    #[error("rank {me}: {op} aborted because rank {failed} failed: {reason}")]
+    PeerFailed {
+        me: usize,
+        op: &'static str,
+        failed: usize,
+        reason: String,
+    },
+    #[error(
+        "rank {me}: {op} timed out after {secs:.1} s waiting for rank(s) {missing:?} (raise the timeout if they are only slow)"
+    )]
+    Timeout {
+        me: usize,
+        op: &'static str,
+        secs: f64,
+        missing: Vec<usize>,
+    },
+    #[error("rank {me}: mismatched collective calls: {detail}")]
+    Mismatch { me: usize, detail: String },
+    #[error("invalid collective call: {0}")]
+    Invalid(String),
+    #[error("rank {me}: MPI error in {op}: {detail}")]
+    Mpi {
+        me: usize,
+        op: &'static str,
+        detail: String,
+    },
+}

@@ -1,0 +1,75 @@
+//! Process groups: one [`Communicator`] trait with rank, world size and the collectives
+//! (all-reduce, all-gather, reduce-scatter, broadcast, barrier), over flat buffers of
+//! f32/f16/bf16 and over Burn tensors, with engines behind it:
+//!
+//! - [`threads`]: N ranks as threads of one process, sharing memory (the embedded default);
+//! - `mpi` (feature `mpi`): one rank per process under `mpirun`, across nodes by hostfile.
+//!
+//! Sizes need not divide by the world size: any padding stays inside the engine.
+
+mod buffer;
+pub mod conformance;
+mod error;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+mod tensor;
+pub mod threads;
+
+pub use buffer::{Buffer, DType};
+pub use error::CollectiveError;
+pub use tensor::{all_gather_tensor, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor};
+
+use std::ops::Range;
+
+/// How values from different ranks combine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    Sum,
+    Mean,
+    Max,
+}
+
+/// A process group, seen from one rank. Every rank must make the same calls in the same
+/// order; engines report mismatches they can detect.
+pub trait Communicator: Send {
+    fn rank(&self) -> usize;
+    fn world_size(&self) -> usize;
+    /// Replaces `buf` by the reduction of every rank's `buf` (equal lengths and dtypes).
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError>;
+    /// Every rank's `input`, concatenated in rank order; lengths may differ between ranks.
+    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError>;
+    /// This rank's chunk ([`shard_range`]) of the reduction of every rank's `input`
+    /// (equal lengths and dtypes).
+    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError>;
+    /// Replaces `buf` on every rank by `root`'s `buf`.
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError>;
+    /// Returns once every rank has called it.
+    fn barrier(&self) -> Result<(), CollectiveError>;
+}
+
+/// The elements of an `n`-element buffer that `rank` of `world` owns after a reduce-scatter:
+/// chunks of `ceil(n / world)` in rank order, the last ones shorter or empty (as
+/// `torch.chunk`, and as FSDP pads).
+pub fn shard_range(n: usize, world: usize, rank: usize) -> Range<usize> {
+    let chunk = n.div_ceil(world.max(1));
+    let start = (rank * chunk).min(n);
+    start..((rank + 1) * chunk).min(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_range;
+
+    #[test]
+    fn shards_cover_the_buffer_once() {
+        for n in [0, 1, 5, 7, 8, 100] {
+            for world in 1..=5 {
+                let ranges: Vec<_> = (0..world).map(|r| shard_range(n, world, r)).collect();
+                assert_eq!(ranges.iter().map(|r| r.len()).sum::<usize>(), n);
+                assert!(ranges.windows(2).all(|w| w[0].end == w[1].start));
+            }
+        }
+        assert_eq!(shard_range(7, 3, 2), 6..7);
+        assert_eq!(shard_range(2, 3, 2), 2..2);
+    }
+}

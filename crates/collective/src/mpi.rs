@@ -1,0 +1,260 @@
+//! One rank per process under `mpirun`, through the `mpi` crate (rsmpi) over Open MPI.
+//! Multi-node runs need nothing more than an mpirun hostfile.
+//!
+//! f16/bf16 buffers travel as f32 (widened once, reduced by MPI, rounded once), as the
+//! threads engine reduces them. Before each collective the ranks agree on the call (a small
+//! all-reduce of its op, dtype and length), so mismatched calls are reported instead of
+//! corrupting memory. A watchdog thread ends the process when one collective outlasts the
+//! timeout; mpirun then stops every rank, so none hangs.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
+
+use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
+
+/// Whether this process was started by `mpirun` (Open MPI, MPICH/Hydra or PMIx launchers).
+pub fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// This process's rank in `MPI_COMM_WORLD`.
+pub struct MpiComm {
+    // Declared before `universe`, so the communicator is released before MPI finalizes.
+    world: SimpleCommunicator,
+    universe: Universe,
+    rank: usize,
+    size: usize,
+    watchdog: Arc<Watchdog>,
+}
+
+// SAFETY: the handle is used by one thread at a time (the trait takes `&self` from the rank's
+// own thread); MPI is initialised at `Threading::Serialized`, which allows that.
+unsafe impl Send for MpiComm {}
+
+impl MpiComm {
+    /// Initialises MPI for this process. Fails if MPI was already initialised.
+    pub fn init(timeout: Duration) -> Result<Self, CollectiveError> {
+        let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Serialized)
+            .ok_or_else(|| CollectiveError::Invalid("MPI is already initialised".into()))?;
+        let world = universe.world();
+        let rank = world.rank() as usize;
+        let size = world.size() as usize;
+        Ok(Self {
+            world,
+            universe,
+            rank,
+            size,
+            watchdog: Watchdog::start(rank, timeout),
+        })
+    }
+
+    /// The processor name MPI reports (the node, for multi-node runs).
+    pub fn processor_name(&self) -> String {
+        mpi::environment::processor_name().unwrap_or_default()
+    }
+
+    /// The underlying communicator, for callers that need raw MPI (benchmarks).
+    pub fn raw(&self) -> &SimpleCommunicator {
+        let _ = &self.universe;
+        &self.world
+    }
+
+    /// All ranks must be making the same call: op, dtype, and length where it must match.
+    fn agree(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        len: Option<usize>,
+    ) -> Result<(), CollectiveError> {
+        let code = |s: &str| {
+            s.bytes()
+                .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64))
+        };
+        let mine = [code(op), dtype as i64, len.map_or(-1, |l| l as i64)];
+        // max(x) and max(-x) = -min(x) in one call.
+        let send = [mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]];
+        let mut got = [0i64; 6];
+        self.world
+            .all_reduce_into(&send[..], &mut got[..], SystemOperation::max());
+        if got[0] != -got[3] || got[1] != -got[4] || got[2] != -got[5] {
+            return Err(CollectiveError::Mismatch {
+                me: self.rank,
+                detail: format!(
+                    "this rank called {op} on {dtype:?}{}, and not every rank made the same call",
+                    len.map(|l| format!(" with {l} elements"))
+                        .unwrap_or_default()
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Communicator for MpiComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.size
+    }
+
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
+        let _watch = self.watchdog.watch("all_reduce");
+        self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
+        let send = buf.to_f32();
+        let mut recv = vec![0.0f32; send.len()];
+        let system_op = match op {
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+        };
+        self.world
+            .all_reduce_into(&send[..], &mut recv[..], system_op);
+        if op == ReduceOp::Mean {
+            let n = self.size as f32;
+            recv.iter_mut().for_each(|x| *x /= n);
+        }
+        *buf = Buffer::from_f32(buf.dtype(), recv);
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError> {
+        let _watch = self.watchdog.watch("all_gather");
+        self.agree("all_gather", input.dtype(), None)?;
+        let send = input.to_f32();
+        let mut counts = vec![0i32; self.size];
+        self.world
+            .all_gather_into(&(send.len() as i32), &mut counts[..]);
+        let total: usize = counts.iter().map(|&c| c as usize).sum();
+        let mut recv = vec![0.0f32; total];
+        if counts.iter().all(|&c| c == counts[0]) {
+            self.world.all_gather_into(&send[..], &mut recv[..]);
+        } else {
+            let displs: Vec<i32> = counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let d = *acc;
+                    *acc += c;
+                    Some(d)
+                })
+                .collect();
+            let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
+            self.world
+                .all_gather_varcount_into(&send[..], &mut partition);
+        }
+        Ok(Buffer::from_f32(input.dtype(), recv))
+    }
+
+    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+        let _watch = self.watchdog.watch("reduce_scatter");
+        self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
+        let n = input.len();
+        let chunk = n.div_ceil(self.size);
+        // Pad to equal blocks for MPI; the padding is cut off again below.
+        let mut send = input.to_f32();
+        send.resize(chunk * self.size, 0.0);
+        let mut recv = vec![0.0f32; chunk];
+        let system_op = match op {
+            ReduceOp::Max => SystemOperation::max(),
+            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+        };
+        if chunk > 0 {
+            self.world
+                .reduce_scatter_block_into(&send[..], &mut recv[..], system_op);
+        }
+        if op == ReduceOp::Mean {
+            let size = self.size as f32;
+            recv.iter_mut().for_each(|x| *x /= size);
+        }
+        recv.truncate(shard_range(n, self.size, self.rank).len());
+        Ok(Buffer::from_f32(input.dtype(), recv))
+    }
+
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
+        if root >= self.size {
+            return Err(CollectiveError::Invalid(format!(
+                "broadcast root {root} is not a rank of a world of {}",
+                self.size
+            )));
+        }
+        let _watch = self.watchdog.watch("broadcast");
+        self.agree("broadcast", buf.dtype(), None)?;
+        let root_process = self.world.process_at_rank(root as i32);
+        let mut len = buf.len() as u64;
+        root_process.broadcast_into(&mut len);
+        let mut values = buf.to_f32();
+        values.resize(len as usize, 0.0);
+        root_process.broadcast_into(&mut values[..]);
+        *buf = Buffer::from_f32(buf.dtype(), values);
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CollectiveError> {
+        let _watch = self.watchdog.watch("barrier");
+        self.world.barrier();
+        Ok(())
+    }
+}
+
+/// Ends the process when a collective runs past the timeout.
+struct Watchdog {
+    started: Instant,
+    timeout_ms: u64,
+    /// Milliseconds since `started` by which the current collective must end; 0 when idle.
+    deadline_ms: AtomicU64,
+    op: std::sync::Mutex<&'static str>,
+}
+
+impl Watchdog {
+    fn start(rank: usize, timeout: Duration) -> Arc<Self> {
+        let timeout_ms = timeout.as_millis() as u64;
+        let dog = Arc::new(Self {
+            started: Instant::now(),
+            timeout_ms,
+            deadline_ms: AtomicU64::new(0),
+            op: std::sync::Mutex::new(""),
+        });
+        let watched = Arc::downgrade(&dog);
+        std::thread::spawn(move || {
+            while let Some(dog) = watched.upgrade() {
+                let deadline = dog.deadline_ms.load(Ordering::Relaxed);
+                if deadline != 0 && dog.started.elapsed().as_millis() as u64 > deadline {
+                    let op = *dog.op.lock().unwrap_or_else(|p| p.into_inner());
+                    eprintln!(
+                        "rank {rank}: {op} did not complete within {:.1} s: a peer rank died or hangs; stopping this rank so mpirun stops the job",
+                        timeout_ms as f64 / 1e3
+                    );
+                    std::process::exit(124);
+                }
+                drop(dog);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        dog
+    }
+
+    fn watch(&self, op: &'static str) -> WatchGuard<'_> {
+        *self.op.lock().unwrap_or_else(|p| p.into_inner()) = op;
+        let now = self.started.elapsed().as_millis() as u64;
+        self.deadline_ms
+            .store(now + self.timeout_ms, Ordering::Relaxed);
+        WatchGuard(self)
+    }
+}
+
+struct WatchGuard<'a>(&'a Watchdog);
+
+impl Drop for WatchGuard<'_> {
+    fn drop(&mut self) {
+        self.0.deadline_ms.store(0, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,319 @@
+//! N ranks as threads of one process.
+//!
+//! Every collective is built on one rendezvous, [`ThreadComm::exchange`]: each rank posts a
+//! shared handle to its contribution and gets everyone's back, without copying. An
+//! all-reduce is then a reduce-scatter (each rank reduces its own chunk, in parallel) and an
+//! all-gather of the chunks. A rank that panics or drops its handle marks the group failed;
+//! every rank waiting in, or later entering, a collective returns an error naming it, and a
+//! rank waiting longer than the timeout returns an error naming the ranks that never came.
+
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::buffer::reduce_range;
+use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
+
+/// The default time a rank waits for the others in one collective.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// What a rank posts to a rendezvous: the call it is making and its data.
+struct Post {
+    op: &'static str,
+    dtype: DType,
+    len: usize,
+    data: Arc<Buffer>,
+}
+
+#[derive(Default)]
+struct Round {
+    /// Completed rendezvous so far.
+    generation: u64,
+    posts: Vec<Option<Arc<Post>>>,
+    /// The posts of the last completed round, until every rank has taken them.
+    ready: Vec<Arc<Post>>,
+    pickups_left: usize,
+    failed: Option<(usize, String)>,
+}
+
+struct Group {
+    world: usize,
+    timeout: Duration,
+    round: Mutex<Round>,
+    changed: Condvar,
+}
+
+impl Group {
+    fn lock(&self) -> MutexGuard<'_, Round> {
+        // A rank that panicked while holding the lock left the round consistent (every
+        // mutation is a single assignment), and its failure is recorded by its drop guard.
+        self.round
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// One rank's handle on an in-process group.
+pub struct ThreadComm {
+    rank: usize,
+    group: Arc<Group>,
+}
+
+impl ThreadComm {
+    /// Handles for a group of `world` ranks, rank order.
+    pub fn group(world: usize, timeout: Duration) -> Vec<ThreadComm> {
+        let group = Arc::new(Group {
+            world,
+            timeout,
+            round: Mutex::new(Round {
+                posts: vec![None; world],
+                ..Round::default()
+            }),
+            changed: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| ThreadComm {
+                rank,
+                group: group.clone(),
+            })
+            .collect()
+    }
+
+    /// Runs `f` on `world` threads, one rank each, and returns their results in rank order.
+    /// A rank that panics yields `Err` with its panic message; the others see a
+    /// [`CollectiveError::PeerFailed`] at their next collective.
+    pub fn run<T: Send>(
+        world: usize,
+        timeout: Duration,
+        f: impl Fn(ThreadComm) -> T + Sync,
+    ) -> Vec<Result<T, String>> {
+        let comms = ThreadComm::group(world, timeout);
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let f = &f;
+                    std::thread::Builder::new()
+                        .name(format!("rank-{}", comm.rank))
+                        .spawn_scoped(scope, move || f(comm))
+                        .map_err(|e| e.to_string())
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h?.join().map_err(|panic| panic_message(&*panic)))
+                .collect()
+        })
+    }
+
+    /// Posts `data` for `op` and returns every rank's post, in rank order.
+    fn exchange(
+        &self,
+        op: &'static str,
+        data: Arc<Buffer>,
+    ) -> Result<Vec<Arc<Post>>, CollectiveError> {
+        let g = &self.group;
+        let post = Arc::new(Post {
+            op,
+            dtype: data.dtype(),
+            len: data.len(),
+            data,
+        });
+        let deadline = Instant::now() + g.timeout;
+        let mut round = g.lock();
+        // Wait until the previous round has been taken by everyone.
+        while round.pickups_left > 0 {
+            round = self.wait(round, op, deadline)?;
+        }
+        self.check_failed(&round, op)?;
+        round.posts[self.rank] = Some(post);
+        let generation = round.generation;
+        if round.posts.iter().all(Option::is_some) {
+            round.ready = round.posts.iter_mut().filter_map(Option::take).collect();
+            round.pickups_left = g.world;
+            round.generation += 1;
+            g.changed.notify_all();
+        } else {
+            while round.generation == generation {
+                round = self.wait(round, op, deadline)?;
+            }
+        }
+        let posts = round.ready.clone();
+        round.pickups_left -= 1;
+        if round.pickups_left == 0 {
+            round.ready.clear();
+            g.changed.notify_all();
+        }
+        drop(round);
+        self.check_same_call(&posts)?;
+        Ok(posts)
+    }
+
+    fn wait<'a>(
+        &self,
+        mut round: MutexGuard<'a, Round>,
+        op: &'static str,
+        deadline: Instant,
+    ) -> Result<MutexGuard<'a, Round>, CollectiveError> {
+        self.check_failed(&round, op)?;
+        let now = Instant::now();
+        if now >= deadline {
+            let missing: Vec<usize> = (0..self.group.world)
+                .filter(|&r| round.posts[r].is_none() && round.pickups_left == 0)
+                .collect();
+            // Blame the absent rank for everyone, before this rank's own exit blames it.
+            let secs = self.group.timeout.as_secs_f64();
+            if let (None, Some(&absent)) = (&round.failed, missing.first()) {
+                round.failed = Some((absent, format!("it did not reach {op} within {secs:.1} s")));
+                self.group.changed.notify_all();
+            }
+            return Err(CollectiveError::Timeout {
+                me: self.rank,
+                op,
+                secs,
+                missing,
+            });
+        }
+        // No failure check after waking: the round this rank waits on may have completed
+        // just before a peer left, and the caller's loop condition decides.
+        let (round, _) = self
+            .group
+            .changed
+            .wait_timeout(round, deadline - now)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        Ok(round)
+    }
+
+    fn check_failed(&self, round: &Round, op: &'static str) -> Result<(), CollectiveError> {
+        match &round.failed {
+            Some((failed, reason)) => Err(CollectiveError::PeerFailed {
+                me: self.rank,
+                op,
+                failed: *failed,
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Every rank must have made the same call with the same dtype.
+    fn check_same_call(&self, posts: &[Arc<Post>]) -> Result<(), CollectiveError> {
+        let first = &posts[0];
+        for (rank, post) in posts.iter().enumerate() {
+            if post.op != first.op || post.dtype != first.dtype {
+                return Err(CollectiveError::Mismatch {
+                    me: self.rank,
+                    detail: format!(
+                        "rank 0 called {} on {:?}, rank {rank} called {} on {:?}",
+                        first.op, first.dtype, post.op, post.dtype
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_equal_lengths(&self, posts: &[Arc<Post>]) -> Result<(), CollectiveError> {
+        let first = &posts[0];
+        match posts.iter().position(|p| p.len != first.len) {
+            Some(rank) => Err(CollectiveError::Mismatch {
+                me: self.rank,
+                detail: format!(
+                    "{} needs equal lengths: rank 0 has {} elements, rank {rank} has {}",
+                    first.op, first.len, posts[rank].len
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn reduce_scatter_posts(
+        &self,
+        posts: &[Arc<Post>],
+        op: ReduceOp,
+    ) -> Result<Buffer, CollectiveError> {
+        self.check_equal_lengths(posts)?;
+        let inputs: Vec<&Buffer> = posts.iter().map(|p| &*p.data).collect();
+        let range = shard_range(posts[0].len, self.group.world, self.rank);
+        Ok(reduce_range(&inputs, range, op))
+    }
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.group.world
+    }
+
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
+        let posts = self.exchange("all_reduce", Arc::new(buf.clone()))?;
+        let chunk = self.reduce_scatter_posts(&posts, op)?;
+        *buf = self.all_gather(&chunk)?;
+        Ok(())
+    }
+
+    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError> {
+        let posts = self.exchange("all_gather", Arc::new(input.clone()))?;
+        Ok(Buffer::concat(
+            input.dtype(),
+            posts.iter().map(|p| &*p.data),
+        ))
+    }
+
+    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+        let posts = self.exchange("reduce_scatter", Arc::new(input.clone()))?;
+        self.reduce_scatter_posts(&posts, op)
+    }
+
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
+        if root >= self.group.world {
+            return Err(CollectiveError::Invalid(format!(
+                "broadcast root {root} is not a rank of a group of {}",
+                self.group.world
+            )));
+        }
+        // Only the root's data travels; the others post an empty buffer of the same dtype.
+        let mine = if self.rank == root {
+            buf.clone()
+        } else {
+            Buffer::empty(buf.dtype())
+        };
+        let posts = self.exchange("broadcast", Arc::new(mine))?;
+        if self.rank != root {
+            *buf = (*posts[root].data).clone();
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CollectiveError> {
+        self.exchange("barrier", Arc::new(Buffer::empty(DType::F32)))
+            .map(|_| ())
+    }
+}
+
+impl Drop for ThreadComm {
+    /// A rank leaving the group (by panic, or by finishing early) fails everyone still in it,
+    /// rather than leaving them to wait for a rank that will never come.
+    fn drop(&mut self) {
+        let reason = if std::thread::panicking() {
+            "it panicked".to_string()
+        } else {
+            "it left the group (its handle was dropped)".to_string()
+        };
+        let mut round = self.group.lock();
+        if round.failed.is_none() {
+            round.failed = Some((self.rank, reason));
+        }
+        self.group.changed.notify_all();
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic".to_string())
+}

@@ -1,0 +1,101 @@
+//! The threads engine: the conformance suite for 1 to 4 ranks, and failures that end in
+//! errors naming the rank, never in a hang.
+
+use std::time::{Duration, Instant};
+
+use burn::prelude::*;
+use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
+use burnscale_collective::{Buffer, CollectiveError, Communicator, DType, ReduceOp, conformance};
+
+#[test]
+fn conformance_suite_passes_for_one_to_four_ranks() {
+    for world in 1..=4 {
+        let results = ThreadComm::run(world, DEFAULT_TIMEOUT, |comm| {
+            conformance::run(&comm, &Device::default())
+        });
+        for (rank, result) in results.into_iter().enumerate() {
+            let checks = result.unwrap_or_else(|panic| panic!("rank {rank} panicked: {panic}"));
+            assert!(checks.len() >= 29, "the suite ran {} checks", checks.len());
+            for (name, outcome) in checks {
+                if let Err(e) = outcome {
+                    panic!("world {world}, rank {rank}, {name}: {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_panics_fails_the_others_with_its_rank() {
+    let start = Instant::now();
+    let results = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
+        let mut buf = Buffer::from_f32(DType::F32, vec![1.0; 16]);
+        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        if comm.rank() == 1 {
+            panic!("rank 1 hit a bug mid-training");
+        }
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+    });
+    assert!(
+        start.elapsed() < Duration::from_secs(10),
+        "no waiting for the timeout"
+    );
+    assert!(
+        results[1]
+            .as_ref()
+            .unwrap_err()
+            .contains("rank 1 hit a bug")
+    );
+    for rank in [0, 2] {
+        match results[rank].as_ref().unwrap() {
+            Err(CollectiveError::PeerFailed { failed: 1, me, .. }) => assert_eq!(*me, rank),
+            other => panic!("rank {rank}: expected PeerFailed naming rank 1, got {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_never_comes_times_out_the_others() {
+    let timeout = Duration::from_millis(300);
+    let results = ThreadComm::run(3, timeout, |comm| {
+        if comm.rank() == 2 {
+            // Slow, not dead: it arrives after the others gave up, and fails too.
+            std::thread::sleep(Duration::from_millis(800));
+        }
+        comm.barrier()
+    });
+    for rank in [0, 1] {
+        // The first rank to give up reports the timeout and blames rank 2 for the group.
+        match results[rank].as_ref().unwrap() {
+            Err(CollectiveError::Timeout { missing, .. }) => assert_eq!(missing, &vec![2]),
+            Err(CollectiveError::PeerFailed {
+                failed: 2, reason, ..
+            }) => {
+                assert!(reason.contains("did not reach barrier"), "{reason}")
+            }
+            other => panic!("rank {rank}: expected an error naming rank 2, got {other:?}"),
+        }
+    }
+    let late = results[2].as_ref().unwrap();
+    assert!(
+        matches!(late, Err(CollectiveError::PeerFailed { .. })),
+        "{late:?}"
+    );
+}
+
+#[test]
+fn mismatched_calls_are_named() {
+    let results = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
+        if comm.rank() == 0 {
+            comm.all_gather(&Buffer::from_f32(DType::F32, vec![1.0]))
+                .map(|_| ())
+        } else {
+            comm.all_gather(&Buffer::from_f32(DType::Bf16, vec![1.0]))
+                .map(|_| ())
+        }
+    });
+    for result in results {
+        let err = result.unwrap().unwrap_err().to_string();
+        assert!(err.contains("rank 1") && err.contains("Bf16"), "{err}");
+    }
+}
