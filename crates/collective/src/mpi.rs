@@ -5,7 +5,8 @@
 //! threads engine reduces them. Before each collective the ranks agree on the call (a small
 //! all-reduce of its op, dtype and length), so mismatched calls are reported instead of
 //! corrupting memory. A watchdog thread ends the process when one collective outlasts the
-//! timeout; mpirun then stops every rank, so none hangs.
+//! timeout, and a panicking rank exits at once; either way mpirun then stops every rank, so
+//! none hangs.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,6 +49,14 @@ impl MpiComm {
         let world = universe.world();
         let rank = world.rank() as usize;
         let size = world.size() as usize;
+        // A panic would unwind into MPI_Finalize, which waits for the other ranks forever.
+        // Leaving without finalizing instead makes mpirun stop every rank at once.
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            eprintln!("rank {rank} panicked; ending it so that mpirun stops every rank");
+            std::process::exit(101);
+        }));
         Ok(Self {
             world,
             universe,
@@ -233,7 +242,7 @@ impl Watchdog {
                         "rank {rank}: {op} did not complete within {:.1} s: a peer rank died or hangs; stopping this rank so mpirun stops the job",
                         timeout_ms as f64 / 1e3
                     );
-                    std::process::exit(124);
+                    std::process::exit(75); // EX_TEMPFAIL
                 }
                 drop(dog);
                 std::thread::sleep(Duration::from_millis(100));

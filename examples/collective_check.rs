@@ -1,0 +1,116 @@
+//! Runs the collectives conformance suite and prints a pass line per op and dtype.
+//!
+//!     cargo run --release --example collective_check -- --devices 4      # threads
+//!     cargo build --release --features mpi --example collective_check
+//!     mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/collective_check
+//!
+//! Under mpirun (built with `--features mpi`) each process is one MPI rank; otherwise
+//! `--devices` ranks run as threads. Exits non-zero if any check fails on any rank.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use burn::prelude::*;
+use burnscale::collective::threads::ThreadComm;
+use burnscale::collective::{Communicator, conformance};
+use clap::Parser;
+
+#[derive(Parser)]
+struct Cli {
+    /// Ranks to run as threads (ignored under mpirun, where the world comes from MPI).
+    #[arg(long, default_value_t = 2)]
+    devices: usize,
+    /// Seconds a rank waits for the others in one collective.
+    #[arg(long, default_value_t = 60)]
+    timeout_s: u64,
+    /// Fault injection: this rank panics after its first collective, to show that the
+    /// others stop with an error instead of hanging.
+    #[arg(long)]
+    panic_rank: Option<usize>,
+}
+
+/// Prints this rank's results; returns how many failed.
+fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> usize {
+    if let Some(victim) = panic_rank {
+        if let Err(e) = comm.barrier() {
+            println!("FAIL [{engine} rank {}] barrier: {e}", comm.rank());
+            return 1;
+        }
+        if comm.rank() == victim {
+            panic!("rank {victim} panics on purpose (--panic-rank)");
+        }
+    }
+    let results = conformance::run(comm, &Device::default());
+    let mut failed = 0;
+    for (name, outcome) in &results {
+        match outcome {
+            Ok(()) => println!(
+                "PASS [{engine} rank {}/{}] {name}",
+                comm.rank(),
+                comm.world_size()
+            ),
+            Err(e) => {
+                failed += 1;
+                println!(
+                    "FAIL [{engine} rank {}/{}] {name}: {e}",
+                    comm.rank(),
+                    comm.world_size()
+                );
+            }
+        }
+    }
+    println!(
+        "[{engine} rank {}] {} passed, {failed} failed",
+        comm.rank(),
+        results.len() - failed
+    );
+    failed
+}
+
+#[cfg(feature = "mpi")]
+fn run_mpi(timeout: Duration, panic_rank: Option<usize>) -> Option<usize> {
+    use burnscale::collective::mpi::{MpiComm, launched_by_mpirun};
+    if !launched_by_mpirun() {
+        return None;
+    }
+    Some(match MpiComm::init(timeout) {
+        Ok(comm) => report(&comm, "mpi", panic_rank),
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn run_mpi(_timeout: Duration, _panic_rank: Option<usize>) -> Option<usize> {
+    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
+        eprintln!(
+            "error: started by mpirun, but this binary was built without MPI; rebuild with --features mpi"
+        );
+        return Some(1);
+    }
+    None
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let timeout = Duration::from_secs(cli.timeout_s);
+    let failed = run_mpi(timeout, cli.panic_rank).unwrap_or_else(|| {
+        if cli.devices == 0 {
+            eprintln!("error: --devices must be at least 1");
+            return 1;
+        }
+        ThreadComm::run(cli.devices, timeout, |comm| {
+            report(&comm, "threads", cli.panic_rank)
+        })
+        .into_iter()
+        .map(|r| r.unwrap_or(1))
+        .sum()
+    });
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
