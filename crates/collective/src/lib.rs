@@ -35,6 +35,7 @@ pub trait Communicator: Send {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
     /// Replaces `buf` by the reduction of every rank's `buf` (equal lengths and dtypes).
+    /// After an error the contents of `buf` are unspecified.
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError>;
     /// Every rank's `input`, concatenated in rank order; lengths may differ between ranks.
     fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError>;

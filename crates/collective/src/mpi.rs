@@ -8,6 +8,7 @@
 //! timeout, and a panicking rank exits at once; either way mpirun then stops every rank, so
 //! none hangs.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -35,6 +36,9 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     watchdog: Arc<Watchdog>,
+    /// The previous all-reduce's input, reused as the next one's output: no fresh
+    /// allocation (and page faults) per call.
+    scratch: RefCell<Vec<f32>>,
 }
 
 // SAFETY: the handle is used by one thread at a time (the trait takes `&self` from the rank's
@@ -63,6 +67,7 @@ impl MpiComm {
             rank,
             size,
             watchdog: Watchdog::start(rank, timeout),
+            scratch: RefCell::new(Vec::new()),
         })
     }
 
@@ -120,33 +125,47 @@ impl Communicator for MpiComm {
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_reduce");
         self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
-        let send = buf.to_f32();
-        let mut recv = vec![0.0f32; send.len()];
-        let system_op = match op {
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-        };
-        self.world
-            .all_reduce_into(&send[..], &mut recv[..], system_op);
+        let mut recv = self.scratch.take();
+        recv.resize(buf.len(), 0.0);
+        match &*buf {
+            // f32 goes straight from the caller's buffer; 16-bit types travel widened.
+            Buffer::F32(send) => {
+                self.world
+                    .all_reduce_into(&send[..], &mut recv[..], system_op(op))
+            }
+            other => self
+                .world
+                .all_reduce_into(&other.to_f32()[..], &mut recv[..], system_op(op)),
+        }
         if op == ReduceOp::Mean {
             let n = self.size as f32;
             recv.iter_mut().for_each(|x| *x /= n);
         }
-        *buf = Buffer::from_f32(buf.dtype(), recv);
+        match buf {
+            Buffer::F32(values) => *self.scratch.borrow_mut() = std::mem::replace(values, recv),
+            other => *other = Buffer::from_f32(other.dtype(), recv),
+        }
         Ok(())
     }
 
     fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError> {
         let _watch = self.watchdog.watch("all_gather");
         self.agree("all_gather", input.dtype(), None)?;
-        let send = input.to_f32();
+        let widened;
+        let send: &[f32] = match input {
+            Buffer::F32(values) => values,
+            other => {
+                widened = other.to_f32();
+                &widened
+            }
+        };
         let mut counts = vec![0i32; self.size];
         self.world
             .all_gather_into(&(send.len() as i32), &mut counts[..]);
         let total: usize = counts.iter().map(|&c| c as usize).sum();
         let mut recv = vec![0.0f32; total];
         if counts.iter().all(|&c| c == counts[0]) {
-            self.world.all_gather_into(&send[..], &mut recv[..]);
+            self.world.all_gather_into(send, &mut recv[..]);
         } else {
             let displs: Vec<i32> = counts
                 .iter()
@@ -172,13 +191,9 @@ impl Communicator for MpiComm {
         let mut send = input.to_f32();
         send.resize(chunk * self.size, 0.0);
         let mut recv = vec![0.0f32; chunk];
-        let system_op = match op {
-            ReduceOp::Max => SystemOperation::max(),
-            ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-        };
         if chunk > 0 {
             self.world
-                .reduce_scatter_block_into(&send[..], &mut recv[..], system_op);
+                .reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
         }
         if op == ReduceOp::Mean {
             let size = self.size as f32;
@@ -211,6 +226,14 @@ impl Communicator for MpiComm {
         let _watch = self.watchdog.watch("barrier");
         self.world.barrier();
         Ok(())
+    }
+}
+
+/// MPI's operation for `op` (a mean is a sum, divided afterwards).
+fn system_op(op: ReduceOp) -> SystemOperation {
+    match op {
+        ReduceOp::Max => SystemOperation::max(),
+        ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
     }
 }
 

@@ -248,7 +248,9 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
-        let posts = self.exchange("all_reduce", Arc::new(buf.clone()))?;
+        // The input moves into the exchange (no copy); `buf` gets the result below.
+        let input = std::mem::replace(buf, Buffer::empty(buf.dtype()));
+        let posts = self.exchange("all_reduce", Arc::new(input))?;
         let chunk = self.reduce_scatter_posts(&posts, op)?;
         *buf = self.all_gather(&chunk)?;
         Ok(())
