@@ -177,7 +177,7 @@ impl Communicator for MpiComm {
                 .collect();
             let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
             self.world
-                .all_gather_varcount_into(&send[..], &mut partition);
+                .all_gather_varcount_into(send, &mut partition);
         }
         Ok(Buffer::from_f32(input.dtype(), recv))
     }
