@@ -44,11 +44,12 @@ fn time_engine(comm: &dyn Communicator, op: &str, mb: usize) -> f64 {
     let world = comm.world_size();
     let mut full = Buffer::F32(vec![1.0; n]);
     let shard = Buffer::F32(vec![1.0; n / world]);
+    let mut out = Buffer::F32(Vec::new());
     timed(comm, mb, || {
         match op {
             "all_reduce" => comm.all_reduce(&mut full, ReduceOp::Sum),
-            "all_gather" => comm.all_gather(&shard).map(|_| ()),
-            _ => comm.reduce_scatter(&full, ReduceOp::Sum).map(|_| ()),
+            "all_gather" => comm.all_gather_into(&shard, &mut out),
+            _ => comm.reduce_scatter_into(&full, &mut out, ReduceOp::Sum),
         }
         .expect("collective")
     })

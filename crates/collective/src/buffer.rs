@@ -73,50 +73,101 @@ impl Buffer {
         }
     }
 
-    /// A copy of `range`.
-    pub fn slice(&self, range: Range<usize>) -> Buffer {
-        match self {
-            Buffer::F32(v) => Buffer::F32(v[range].to_vec()),
-            Buffer::F16(v) => Buffer::F16(v[range].to_vec()),
-            Buffer::Bf16(v) => Buffer::Bf16(v[range].to_vec()),
+    /// Makes this an f32 buffer of `len` elements and returns them, reusing the allocation
+    /// (the values are unspecified: callers overwrite them).
+    pub(crate) fn f32_storage(&mut self, len: usize) -> &mut Vec<f32> {
+        if !matches!(self, Buffer::F32(_)) {
+            *self = Buffer::F32(Vec::new());
+        }
+        let Buffer::F32(values) = self else {
+            unreachable!("set to f32 above")
+        };
+        values.resize(len, 0.0);
+        values
+    }
+
+    /// Sets this buffer to `values` rounded to `dtype`, reusing the allocation where the
+    /// dtype allows.
+    pub(crate) fn assign_f32(&mut self, dtype: DType, values: &[f32]) {
+        match (dtype, &mut *self) {
+            (DType::F32, Buffer::F32(v)) => {
+                v.clear();
+                v.extend_from_slice(values);
+            }
+            (DType::F16, Buffer::F16(v)) => {
+                v.clear();
+                v.extend(values.iter().map(|x| f16::from_f32(*x)));
+            }
+            (DType::Bf16, Buffer::Bf16(v)) => {
+                v.clear();
+                v.extend(values.iter().map(|x| bf16::from_f32(*x)));
+            }
+            _ => *self = Buffer::from_f32(dtype, values.to_vec()),
         }
     }
 
-    /// The parts joined in order; all must have `dtype`.
-    pub fn concat<'a>(dtype: DType, parts: impl IntoIterator<Item = &'a Buffer>) -> Buffer {
-        let mut out = Buffer::empty(dtype);
+    /// Sets this buffer to the parts joined in order (all of `dtype`), reusing the
+    /// allocation where the dtype allows.
+    pub(crate) fn assign_concat<'a>(
+        &mut self,
+        dtype: DType,
+        parts: impl IntoIterator<Item = &'a Buffer>,
+    ) {
+        if self.dtype() != dtype {
+            *self = Buffer::empty(dtype);
+        }
+        match self {
+            Buffer::F32(v) => v.clear(),
+            Buffer::F16(v) => v.clear(),
+            Buffer::Bf16(v) => v.clear(),
+        }
         for part in parts {
-            match (&mut out, part) {
+            match (&mut *self, part) {
                 (Buffer::F32(o), Buffer::F32(p)) => o.extend_from_slice(p),
                 (Buffer::F16(o), Buffer::F16(p)) => o.extend_from_slice(p),
                 (Buffer::Bf16(o), Buffer::Bf16(p)) => o.extend_from_slice(p),
                 _ => unreachable!("callers check dtypes before concatenating"),
             }
         }
-        out
     }
 }
 
-/// Element-wise reduction of `range` of every input, accumulated in f32 and rounded once
-/// to the inputs' dtype (so 16-bit reductions lose no precision to their order).
-pub(crate) fn reduce_range(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp) -> Buffer {
+/// Element-wise reduction of `range` of every input into `output`, accumulated in f32 and
+/// rounded once to the inputs' dtype (so 16-bit reductions lose no precision to their
+/// order).
+pub(crate) fn reduce_range_into(
+    inputs: &[&Buffer],
+    range: Range<usize>,
+    op: ReduceOp,
+    output: &mut Buffer,
+) {
     let dtype = inputs.first().map_or(DType::F32, |b| b.dtype());
-    let mut acc: Vec<f32> = match op {
-        ReduceOp::Max => vec![f32::NEG_INFINITY; range.len()],
-        ReduceOp::Sum | ReduceOp::Mean => vec![0.0; range.len()],
+    let init = match op {
+        ReduceOp::Max => f32::NEG_INFINITY,
+        ReduceOp::Sum | ReduceOp::Mean => 0.0,
     };
+    let mut widened = Vec::new();
+    let acc: &mut Vec<f32> = if dtype == DType::F32 {
+        output.f32_storage(range.len())
+    } else {
+        widened.resize(range.len(), 0.0);
+        &mut widened
+    };
+    acc.fill(init);
     for input in inputs {
         match input {
-            Buffer::F32(v) => combine(&mut acc, v[range.clone()].iter().copied(), op),
-            Buffer::F16(v) => combine(&mut acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
-            Buffer::Bf16(v) => combine(&mut acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+            Buffer::F32(v) => combine(acc, v[range.clone()].iter().copied(), op),
+            Buffer::F16(v) => combine(acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+            Buffer::Bf16(v) => combine(acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
         }
     }
     if op == ReduceOp::Mean {
         let n = inputs.len() as f32;
         acc.iter_mut().for_each(|a| *a /= n);
     }
-    Buffer::from_f32(dtype, acc)
+    if dtype != DType::F32 {
+        output.assign_f32(dtype, &widened);
+    }
 }
 
 fn combine(acc: &mut [f32], values: impl Iterator<Item = f32>, op: ReduceOp) {
@@ -130,15 +181,26 @@ fn combine(acc: &mut [f32], values: impl Iterator<Item = f32>, op: ReduceOp) {
 mod tests {
     use super::*;
 
+    fn reduce(inputs: &[&Buffer], range: Range<usize>, op: ReduceOp) -> Buffer {
+        let mut out = Buffer::empty(DType::F32);
+        reduce_range_into(inputs, range, op, &mut out);
+        out
+    }
+
     #[test]
     fn reduces_in_f32_and_rounds_once() {
         let a = Buffer::from_f32(DType::Bf16, vec![1.0, 256.0, -3.0]);
         let b = Buffer::from_f32(DType::Bf16, vec![2.0, 1.0, 5.0]);
-        let sum = reduce_range(&[&a, &b], 0..3, ReduceOp::Sum);
+        let sum = reduce(&[&a, &b], 0..3, ReduceOp::Sum);
         assert_eq!(sum.to_f32(), vec![3.0, 256.0, 2.0]); // 257 rounds to 256 in bf16
-        let max = reduce_range(&[&a, &b], 1..3, ReduceOp::Max);
+        let max = reduce(&[&a, &b], 1..3, ReduceOp::Max);
         assert_eq!(max.to_f32(), vec![256.0, 5.0]);
-        let mean = reduce_range(&[&a, &b], 0..1, ReduceOp::Mean);
+        let mean = reduce(&[&a, &b], 0..1, ReduceOp::Mean);
         assert_eq!(mean, Buffer::from_f32(DType::Bf16, vec![1.5]));
+        let f32s = Buffer::from_f32(DType::F32, vec![1.0, 2.0]);
+        assert_eq!(
+            reduce(&[&f32s, &f32s], 0..2, ReduceOp::Sum).to_f32(),
+            vec![2.0, 4.0]
+        );
     }
 }

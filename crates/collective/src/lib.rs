@@ -37,11 +37,29 @@ pub trait Communicator: Send {
     /// Replaces `buf` by the reduction of every rank's `buf` (equal lengths and dtypes).
     /// After an error the contents of `buf` are unspecified.
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError>;
-    /// Every rank's `input`, concatenated in rank order; lengths may differ between ranks.
-    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError>;
-    /// This rank's chunk ([`shard_range`]) of the reduction of every rank's `input`
-    /// (equal lengths and dtypes).
-    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError>;
+    /// Every rank's `input`, concatenated in rank order into `output` (whose allocation is
+    /// reused); lengths may differ between ranks.
+    fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError>;
+    /// This rank's chunk ([`shard_range`]) of the reduction of every rank's `input` (equal
+    /// lengths and dtypes), into `output` (whose allocation is reused).
+    fn reduce_scatter_into(
+        &self,
+        input: &Buffer,
+        output: &mut Buffer,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError>;
+    /// [`Communicator::all_gather_into`] a new buffer.
+    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError> {
+        let mut output = Buffer::empty(input.dtype());
+        self.all_gather_into(input, &mut output)?;
+        Ok(output)
+    }
+    /// [`Communicator::reduce_scatter_into`] a new buffer.
+    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+        let mut output = Buffer::empty(input.dtype());
+        self.reduce_scatter_into(input, &mut output, op)?;
+        Ok(output)
+    }
     /// Replaces `buf` on every rank by `root`'s `buf`.
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError>;
     /// Returns once every rank has called it.

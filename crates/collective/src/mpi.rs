@@ -148,7 +148,7 @@ impl Communicator for MpiComm {
         Ok(())
     }
 
-    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError> {
+    fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_gather");
         self.agree("all_gather", input.dtype(), None)?;
         let widened;
@@ -163,7 +163,14 @@ impl Communicator for MpiComm {
         self.world
             .all_gather_into(&(send.len() as i32), &mut counts[..]);
         let total: usize = counts.iter().map(|&c| c as usize).sum();
-        let mut recv = vec![0.0f32; total];
+        let mut gathered = Vec::new();
+        let recv: &mut Vec<f32> = match input.dtype() {
+            DType::F32 => output.f32_storage(total),
+            DType::F16 | DType::Bf16 => {
+                gathered.resize(total, 0.0);
+                &mut gathered
+            }
+        };
         if counts.iter().all(|&c| c == counts[0]) {
             self.world.all_gather_into(send, &mut recv[..]);
         } else {
@@ -176,31 +183,57 @@ impl Communicator for MpiComm {
                 })
                 .collect();
             let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
-            self.world
-                .all_gather_varcount_into(send, &mut partition);
+            self.world.all_gather_varcount_into(send, &mut partition);
         }
-        Ok(Buffer::from_f32(input.dtype(), recv))
+        if input.dtype() != DType::F32 {
+            output.assign_f32(input.dtype(), &gathered);
+        }
+        Ok(())
     }
 
-    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+    fn reduce_scatter_into(
+        &self,
+        input: &Buffer,
+        output: &mut Buffer,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("reduce_scatter");
         self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
         let n = input.len();
         let chunk = n.div_ceil(self.size);
-        // Pad to equal blocks for MPI; the padding is cut off again below.
-        let mut send = input.to_f32();
-        send.resize(chunk * self.size, 0.0);
-        let mut recv = vec![0.0f32; chunk];
+        // MPI wants equal blocks: pad (a copy) only when the size does not divide, and cut
+        // the padding off again below.
+        let padded;
+        let send: &[f32] = match input {
+            Buffer::F32(values) if chunk * self.size == n => values,
+            other => {
+                let mut values = other.to_f32();
+                values.resize(chunk * self.size, 0.0);
+                padded = values;
+                &padded
+            }
+        };
+        let mut widened = Vec::new();
+        let recv: &mut Vec<f32> = match input.dtype() {
+            DType::F32 => output.f32_storage(chunk),
+            DType::F16 | DType::Bf16 => {
+                widened.resize(chunk, 0.0);
+                &mut widened
+            }
+        };
         if chunk > 0 {
             self.world
-                .reduce_scatter_block_into(&send[..], &mut recv[..], system_op(op));
+                .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
         }
         if op == ReduceOp::Mean {
             let size = self.size as f32;
             recv.iter_mut().for_each(|x| *x /= size);
         }
         recv.truncate(shard_range(n, self.size, self.rank).len());
-        Ok(Buffer::from_f32(input.dtype(), recv))
+        if input.dtype() != DType::F32 {
+            output.assign_f32(input.dtype(), &widened);
+        }
+        Ok(())
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {

@@ -10,7 +10,7 @@
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::buffer::reduce_range;
+use crate::buffer::reduce_range_into;
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
 /// The default time a rank waits for the others in one collective.
@@ -229,12 +229,14 @@ impl ThreadComm {
     fn reduce_scatter_posts(
         &self,
         posts: &[Arc<Post>],
+        output: &mut Buffer,
         op: ReduceOp,
-    ) -> Result<Buffer, CollectiveError> {
+    ) -> Result<(), CollectiveError> {
         self.check_equal_lengths(posts)?;
         let inputs: Vec<&Buffer> = posts.iter().map(|p| &*p.data).collect();
         let range = shard_range(posts[0].len, self.group.world, self.rank);
-        Ok(reduce_range(&inputs, range, op))
+        reduce_range_into(&inputs, range, op, output);
+        Ok(())
     }
 }
 
@@ -248,25 +250,35 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
-        // The input moves into the exchange (no copy); `buf` gets the result below.
-        let input = std::mem::replace(buf, Buffer::empty(buf.dtype()));
-        let posts = self.exchange("all_reduce", Arc::new(input))?;
-        let chunk = self.reduce_scatter_posts(&posts, op)?;
-        *buf = self.all_gather(&chunk)?;
+        // Reduce-scatter, then all-gather of the chunks. The input moves into the exchange
+        // (no copy), and once every rank has moved on to the gather nobody reads it any more,
+        // so its allocation takes the result.
+        let dtype = buf.dtype();
+        let input = Arc::new(std::mem::replace(buf, Buffer::empty(dtype)));
+        let posts = self.exchange("all_reduce", input.clone())?;
+        let mut chunk = Buffer::empty(dtype);
+        self.reduce_scatter_posts(&posts, &mut chunk, op)?;
+        drop(posts);
+        let chunks = self.exchange("all_reduce", Arc::new(chunk))?;
+        *buf = Arc::try_unwrap(input).unwrap_or_else(|shared| (*shared).clone());
+        buf.assign_concat(dtype, chunks.iter().map(|p| &*p.data));
         Ok(())
     }
 
-    fn all_gather(&self, input: &Buffer) -> Result<Buffer, CollectiveError> {
+    fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
         let posts = self.exchange("all_gather", Arc::new(input.clone()))?;
-        Ok(Buffer::concat(
-            input.dtype(),
-            posts.iter().map(|p| &*p.data),
-        ))
+        output.assign_concat(input.dtype(), posts.iter().map(|p| &*p.data));
+        Ok(())
     }
 
-    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+    fn reduce_scatter_into(
+        &self,
+        input: &Buffer,
+        output: &mut Buffer,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         let posts = self.exchange("reduce_scatter", Arc::new(input.clone()))?;
-        self.reduce_scatter_posts(&posts, op)
+        self.reduce_scatter_posts(&posts, output, op)
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
