@@ -73,17 +73,27 @@ impl Buffer {
         }
     }
 
-    /// Makes this an f32 buffer of `len` elements and returns them, reusing the allocation
-    /// (the values are unspecified: callers overwrite them).
-    pub(crate) fn f32_storage(&mut self, len: usize) -> &mut Vec<f32> {
-        if !matches!(self, Buffer::F32(_)) {
-            *self = Buffer::F32(Vec::new());
+    /// Runs `fill` on `len` f32 values that then become this buffer, as `dtype`: for f32 they
+    /// are this buffer's own allocation (reused), for 16-bit types a temporary rounded once.
+    pub(crate) fn fill_as_f32(
+        &mut self,
+        dtype: DType,
+        len: usize,
+        fill: impl FnOnce(&mut Vec<f32>),
+    ) {
+        if dtype == DType::F32 {
+            if !matches!(self, Buffer::F32(_)) {
+                *self = Buffer::F32(Vec::new());
+            }
+            if let Buffer::F32(values) = self {
+                values.resize(len, 0.0);
+                fill(values);
+            }
+        } else {
+            let mut values = vec![0.0; len];
+            fill(&mut values);
+            self.assign_f32(dtype, &values);
         }
-        let Buffer::F32(values) = self else {
-            unreachable!("set to f32 above")
-        };
-        values.resize(len, 0.0);
-        values
     }
 
     /// Sets this buffer to `values` rounded to `dtype`, reusing the allocation where the
@@ -146,28 +156,20 @@ pub(crate) fn reduce_range_into(
         ReduceOp::Max => f32::NEG_INFINITY,
         ReduceOp::Sum | ReduceOp::Mean => 0.0,
     };
-    let mut widened = Vec::new();
-    let acc: &mut Vec<f32> = if dtype == DType::F32 {
-        output.f32_storage(range.len())
-    } else {
-        widened.resize(range.len(), 0.0);
-        &mut widened
-    };
-    acc.fill(init);
-    for input in inputs {
-        match input {
-            Buffer::F32(v) => combine(acc, v[range.clone()].iter().copied(), op),
-            Buffer::F16(v) => combine(acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
-            Buffer::Bf16(v) => combine(acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+    output.fill_as_f32(dtype, range.len(), |acc| {
+        acc.fill(init);
+        for input in inputs {
+            match input {
+                Buffer::F32(v) => combine(acc, v[range.clone()].iter().copied(), op),
+                Buffer::F16(v) => combine(acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+                Buffer::Bf16(v) => combine(acc, v[range.clone()].iter().map(|x| x.to_f32()), op),
+            }
         }
-    }
-    if op == ReduceOp::Mean {
-        let n = inputs.len() as f32;
-        acc.iter_mut().for_each(|a| *a /= n);
-    }
-    if dtype != DType::F32 {
-        output.assign_f32(dtype, &widened);
-    }
+        if op == ReduceOp::Mean {
+            let n = inputs.len() as f32;
+            acc.iter_mut().for_each(|a| *a /= n);
+        }
+    });
 }
 
 fn combine(acc: &mut [f32], values: impl Iterator<Item = f32>, op: ReduceOp) {

@@ -163,31 +163,22 @@ impl Communicator for MpiComm {
         self.world
             .all_gather_into(&(send.len() as i32), &mut counts[..]);
         let total: usize = counts.iter().map(|&c| c as usize).sum();
-        let mut gathered = Vec::new();
-        let recv: &mut Vec<f32> = match input.dtype() {
-            DType::F32 => output.f32_storage(total),
-            DType::F16 | DType::Bf16 => {
-                gathered.resize(total, 0.0);
-                &mut gathered
+        output.fill_as_f32(input.dtype(), total, |recv| {
+            if counts.iter().all(|&c| c == counts[0]) {
+                self.world.all_gather_into(send, &mut recv[..]);
+            } else {
+                let displs: Vec<i32> = counts
+                    .iter()
+                    .scan(0, |acc, &c| {
+                        let d = *acc;
+                        *acc += c;
+                        Some(d)
+                    })
+                    .collect();
+                let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
+                self.world.all_gather_varcount_into(send, &mut partition);
             }
-        };
-        if counts.iter().all(|&c| c == counts[0]) {
-            self.world.all_gather_into(send, &mut recv[..]);
-        } else {
-            let displs: Vec<i32> = counts
-                .iter()
-                .scan(0, |acc, &c| {
-                    let d = *acc;
-                    *acc += c;
-                    Some(d)
-                })
-                .collect();
-            let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
-            self.world.all_gather_varcount_into(send, &mut partition);
-        }
-        if input.dtype() != DType::F32 {
-            output.assign_f32(input.dtype(), &gathered);
-        }
+        });
         Ok(())
     }
 
@@ -213,26 +204,18 @@ impl Communicator for MpiComm {
                 &padded
             }
         };
-        let mut widened = Vec::new();
-        let recv: &mut Vec<f32> = match input.dtype() {
-            DType::F32 => output.f32_storage(chunk),
-            DType::F16 | DType::Bf16 => {
-                widened.resize(chunk, 0.0);
-                &mut widened
+        let mine = shard_range(n, self.size, self.rank).len();
+        output.fill_as_f32(input.dtype(), chunk, |recv| {
+            if chunk > 0 {
+                self.world
+                    .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
             }
-        };
-        if chunk > 0 {
-            self.world
-                .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
-        }
-        if op == ReduceOp::Mean {
-            let size = self.size as f32;
-            recv.iter_mut().for_each(|x| *x /= size);
-        }
-        recv.truncate(shard_range(n, self.size, self.rank).len());
-        if input.dtype() != DType::F32 {
-            output.assign_f32(input.dtype(), &widened);
-        }
+            if op == ReduceOp::Mean {
+                let size = self.size as f32;
+                recv.iter_mut().for_each(|x| *x /= size);
+            }
+            recv.truncate(mine);
+        });
         Ok(())
     }
 
