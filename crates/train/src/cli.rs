@@ -150,7 +150,7 @@ impl TrainArgs {
         if self.devices != 1 {
             return not_yet(
                 &format!("--devices {}", self.devices),
-                "multi-rank runs arrive with the collectives engine",
+                "multi-rank training arrives with the sharding engine (the collectives it runs on are in crates/collective)",
             );
         }
         if self.precision != Precision::F32True {
