@@ -50,17 +50,10 @@ struct Cli {
     bench: bool,
 }
 
-#[derive(Parser)]
-struct RunnerFlags {
-    #[command(flatten)]
-    train: TrainArgs,
-}
-
 fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSummary> {
     let steps = steps.to_string();
     let batch = cli.batch_size.to_string();
-    let argv = ["bench", "--max-steps", &steps, "--batch-size", &batch];
-    let args = RunnerFlags::try_parse_from(argv)?.train;
+    let args = TrainArgs::from_flags(&["--max-steps", &steps, "--batch-size", &batch])?;
     let device = Device::default().autodiff();
     device.seed(1337);
     let mut rng = rand::rngs::StdRng::seed_from_u64(1337);

@@ -6,18 +6,10 @@ use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
 use burnscale::train::{RunSummary, TrainArgs, train};
-use clap::Parser;
-
-#[derive(Parser)]
-#[command(args_override_self = true)]
-struct Cli {
-    #[command(flatten)]
-    train: TrainArgs,
-}
 
 fn args(extra: &[&str]) -> TrainArgs {
-    let base = ["test", "--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
-    Cli::parse_from(base.iter().chain(extra)).train
+    let base = ["--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
+    TrainArgs::from_flags(&[&base[..], extra].concat()).unwrap()
 }
 
 /// Trains a dropout-free tiny model (dropout would make runs with different call patterns

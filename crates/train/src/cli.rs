@@ -133,6 +133,20 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// Runner flags from a list of arguments (without a program name), as a binary's parser
+    /// would read them; a flag given twice takes its last value. For embedding the runner
+    /// and for tests.
+    pub fn from_flags(flags: &[&str]) -> Result<Self, clap::Error> {
+        #[derive(clap::Parser)]
+        #[command(args_override_self = true)]
+        struct Flags {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let argv = std::iter::once("burnscale").chain(flags.iter().copied());
+        <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.train)
+    }
+
     /// Rejects flag values that cannot run, and those whose technique has not landed yet,
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
@@ -211,23 +225,13 @@ pub fn value_name<T: ValueEnum>(value: T) -> String {
         .unwrap_or_default()
 }
 
-/// Parses runner flags alone, as a binary's parser would (for unit tests).
-#[cfg(test)]
-pub(crate) fn parse(args: &[&str]) -> Result<TrainArgs, String> {
-    #[derive(clap::Parser)]
-    struct Cli {
-        #[command(flatten)]
-        train: TrainArgs,
-    }
-    let argv = std::iter::once("test").chain(args.iter().copied());
-    <Cli as clap::Parser>::try_parse_from(argv)
-        .map(|c| c.train)
-        .map_err(|e| e.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn parse(flags: &[&str]) -> Result<TrainArgs, String> {
+        TrainArgs::from_flags(flags).map_err(|e| e.to_string())
+    }
 
     #[test]
     fn defaults_are_valid() {

@@ -5,9 +5,9 @@
 //! Without it, [`peak_bytes`] reads 0 and reports say "not measured".
 
 use std::alloc::{GlobalAlloc, Layout};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use mimalloc::MiMalloc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);

@@ -271,7 +271,7 @@ mod tests {
 
     fn args(extra: &[&str]) -> TrainArgs {
         let argv = [&["--lr", "0.1", "--max-steps", "10"][..], extra].concat();
-        crate::cli::parse(&argv).unwrap()
+        TrainArgs::from_flags(&argv).unwrap()
     }
 
     #[test]
