@@ -137,7 +137,7 @@ fn mpi_rows(world: usize) -> Result<Vec<String>, String> {
 
 fn main() -> ExitCode {
     #[cfg(feature = "mpi")]
-    if burnscale::collective::mpi::launched_by_mpirun() {
+    if burnscale::collective::launched_by_mpirun() {
         mpi_rank_main();
         return ExitCode::SUCCESS;
     }

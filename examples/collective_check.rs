@@ -69,7 +69,8 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
 
 #[cfg(feature = "mpi")]
 fn run_mpi(timeout: Duration, panic_rank: Option<usize>) -> Option<usize> {
-    use burnscale::collective::mpi::{MpiComm, launched_by_mpirun};
+    use burnscale::collective::launched_by_mpirun;
+    use burnscale::collective::mpi::MpiComm;
     if !launched_by_mpirun() {
         return None;
     }

@@ -3,10 +3,11 @@
 use burn::prelude::*;
 use burnscale_mingpt::{Gpt, cross_entropy};
 use burnscale_train::data::TokenWindows;
-use burnscale_train::{TrainError, TrainTask};
+use burnscale_train::{Batch, BatchPart, TrainError, TrainTask};
 
 /// Next-token prediction for minGPT on random windows of a token stream, with an optional
 /// validation stream that is read from the same windows at every evaluation.
+#[derive(Clone)]
 pub struct NextToken {
     train: TokenWindows,
     val: Option<(TokenWindows, usize)>,
@@ -43,17 +44,12 @@ impl NextToken {
 
 impl TrainTask for NextToken {
     type Model = Gpt;
-    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
 
-    fn next_batch(&mut self, device: &Device) -> Self::Batch {
-        self.train.batch(self.batch, device)
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
+        self.train.batch(self.batch, part, device)
     }
 
-    fn loss(&self, model: &Gpt, (x, y): Self::Batch) -> Tensor<1> {
-        model.forward_loss(x, y).1
-    }
-
-    fn items(&self, (x, _): &Self::Batch) -> usize {
+    fn items(&self, x: &Tensor<2, Int>) -> usize {
         x.shape().num_elements()
     }
 
@@ -70,7 +66,7 @@ impl TrainTask for NextToken {
         let device = model.wte.weight.val().device();
         let total: f64 = (0..*batches)
             .map(|_| {
-                let (x, y) = windows.batch(self.batch, &device);
+                let (x, y) = windows.batch(self.batch, BatchPart::WHOLE, &device);
                 cross_entropy(model.forward(x), y).into_scalar::<f32>() as f64
             })
             .sum();

@@ -30,7 +30,14 @@ fn bad_flags_are_named() {
     fails_with(&["--n-head", "5"], "must be divisible by n_head");
     fails_with(&["--block-size", "0"], "block_size");
     fails_with(&["--model", "gpt5"], "unknown model preset `gpt5`");
-    fails_with(&["--strategy", "zero3"], "not yet supported");
+    fails_with(
+        &["--strategy", "single", "--devices", "2"],
+        "--strategy single trains on one rank",
+    );
+    fails_with(
+        &["--devices", "0"],
+        "--devices must be at least 1 (got 16, 1, 2500, 0)",
+    );
     fails_with(&["--precision", "bf16-mixed"], "not yet supported");
     fails_with(&["--strategy", "zero9"], "invalid value 'zero9'");
     fails_with(

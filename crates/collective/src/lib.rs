@@ -66,6 +66,14 @@ pub trait Communicator: Send {
     fn barrier(&self) -> Result<(), CollectiveError>;
 }
 
+/// Whether this process was started by `mpirun` (Open MPI, MPICH/Hydra or PMIx launchers),
+/// whether or not this build has the `mpi` feature that can join its world.
+pub fn launched_by_mpirun() -> bool {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
 /// The elements of an `n`-element buffer that `rank` of `world` owns after a reduce-scatter:
 /// chunks of `ceil(n / world)` in rank order, the last ones shorter or empty (as
 /// `torch.chunk`, and as FSDP pads).

@@ -21,13 +21,6 @@ use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
-/// Whether this process was started by `mpirun` (Open MPI, MPICH/Hydra or PMIx launchers).
-pub fn launched_by_mpirun() -> bool {
-    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
-}
-
 /// This process's rank in `MPI_COMM_WORLD`.
 pub struct MpiComm {
     // Declared before `universe`, so the communicator is released before MPI finalizes.

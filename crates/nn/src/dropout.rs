@@ -22,6 +22,20 @@ pub fn seed(seed: u64) {
     STREAM.with(|s| s.set((seed, 0)));
 }
 
+/// Where this thread's dropout stream stands; [`rewind`] to it to draw the same masks again
+/// (a block recomputed in backward must drop what its forward dropped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamPosition(u64, u64);
+
+pub fn position() -> StreamPosition {
+    let (seed, call) = STREAM.with(Cell::get);
+    StreamPosition(seed, call)
+}
+
+pub fn rewind(to: StreamPosition) {
+    STREAM.with(|s| s.set((to.0, to.1)));
+}
+
 fn next_call_key() -> u64 {
     STREAM.with(|s| {
         let (seed, call) = s.get();
@@ -140,6 +154,11 @@ mod tests {
         assert_ne!(a, b);
         seed(9);
         assert_eq!(a, values(dropout.forward(ones(&device))));
+        let at = position();
+        let c = values(dropout.forward(ones(&device)));
+        rewind(at);
+        assert_eq!(c, values(dropout.forward(ones(&device))));
+        assert_eq!(b, c);
     }
 
     #[test]

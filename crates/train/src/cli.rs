@@ -152,21 +152,9 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<(), TrainError> {
         let not_yet = |flag: &str, why: &str| {
             Err(TrainError::NotYetSupported(format!(
-                "{flag}: {why}; today only --strategy single --precision 32-true on one device run"
+                "{flag}: {why}; today only --precision 32-true without offload runs"
             )))
         };
-        if self.strategy != Strategy::Single {
-            return not_yet(
-                &format!("--strategy {}", value_name(self.strategy)),
-                "sharded strategies arrive with the sharding engine",
-            );
-        }
-        if self.devices != 1 {
-            return not_yet(
-                &format!("--devices {}", self.devices),
-                "multi-rank training arrives with the sharding engine (the collectives it runs on are in crates/collective)",
-            );
-        }
         if self.precision != Precision::F32True {
             return not_yet(
                 &format!("--precision {}", value_name(self.precision)),
@@ -195,10 +183,11 @@ impl TrainArgs {
             );
         }
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
-        if self.batch_size == 0 || self.accumulate == 0 || self.max_steps == 0 {
+        if self.batch_size == 0 || self.accumulate == 0 || self.max_steps == 0 || self.devices == 0
+        {
             return invalid(format!(
-                "--batch-size, --accumulate and --max-steps must be at least 1 (got {}, {}, {})",
-                self.batch_size, self.accumulate, self.max_steps
+                "--batch-size, --accumulate, --max-steps and --devices must be at least 1 (got {}, {}, {}, {})",
+                self.batch_size, self.accumulate, self.max_steps, self.devices
             ));
         }
         if !(self.lr > 0.0 && self.lr <= 1.0) {
@@ -241,10 +230,7 @@ mod tests {
     #[test]
     fn unlanded_techniques_are_rejected_not_ignored() {
         for args in [
-            &["--strategy", "zero3"][..],
-            &["--strategy", "fsdp"],
-            &["--devices", "2"],
-            &["--precision", "bf16-mixed"],
+            &["--precision", "bf16-mixed"][..],
             &["--checkpoint-activations"],
             &["--offload", "optimizer"],
             &["--optimizer", "adam8bit"],
@@ -252,6 +238,13 @@ mod tests {
             let err = parse(args).unwrap().validate().unwrap_err().to_string();
             assert!(err.contains("not yet supported"), "{args:?}: {err}");
         }
+    }
+
+    #[test]
+    fn fsdp_is_zero3() {
+        let args = parse(&["--strategy", "fsdp", "--devices", "2"]).unwrap();
+        assert_eq!(args.strategy, Strategy::Zero3);
+        args.validate().unwrap();
     }
 
     #[test]

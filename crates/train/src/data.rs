@@ -4,9 +4,10 @@ use burn::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::TrainError;
+use crate::{BatchPart, TrainError};
 
 /// Draws `[batch, block]` inputs and their next-token targets from random offsets.
+#[derive(Clone)]
 pub struct TokenWindows {
     tokens: Vec<i64>,
     block: usize,
@@ -33,11 +34,19 @@ impl TokenWindows {
         self.rng = StdRng::seed_from_u64(seed);
     }
 
-    /// `(inputs, targets)`, both `[batch, block]`.
-    pub fn batch(&mut self, batch: usize, device: &Device) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    /// `part`'s `(inputs, targets)`, both `[batch, block]`, of a global batch of
+    /// `batch * part.world` windows.
+    pub fn batch(
+        &mut self,
+        batch: usize,
+        part: BatchPart,
+        device: &Device,
+    ) -> (Tensor<2, Int>, Tensor<2, Int>) {
         let (mut x, mut y) = (Vec::with_capacity(batch * self.block), Vec::new());
-        for _ in 0..batch {
-            let start = self.rng.random_range(0..self.tokens.len() - self.block);
+        let starts: Vec<usize> = (0..batch * part.world)
+            .map(|_| self.rng.random_range(0..self.tokens.len() - self.block))
+            .collect();
+        for &start in &starts[part.rank * batch..(part.rank + 1) * batch] {
             x.extend_from_slice(&self.tokens[start..start + self.block]);
             y.extend_from_slice(&self.tokens[start + 1..start + self.block + 1]);
         }
@@ -57,10 +66,29 @@ mod tests {
     fn targets_are_inputs_shifted_by_one() {
         let device = Device::default();
         let mut w = TokenWindows::new((0..100).collect(), 8, 0).unwrap();
-        let (x, y) = w.batch(4, &device);
+        let (x, y) = w.batch(4, BatchPart::WHOLE, &device);
         let x: Vec<i64> = x.into_data().try_into_vec_as().unwrap();
         let y: Vec<i64> = y.into_data().try_into_vec_as().unwrap();
         assert!(x.iter().zip(&y).all(|(a, b)| a + 1 == *b));
         assert!(TokenWindows::new((0..8).collect(), 8, 0).is_err());
+    }
+
+    #[test]
+    fn ranks_read_their_slice_of_the_global_batch() {
+        let device = Device::default();
+        let rows = |t: Tensor<2, Int>| -> Vec<i64> { t.into_data().try_into_vec_as().unwrap() };
+        let whole = rows(
+            TokenWindows::new((0..100).collect(), 4, 3)
+                .unwrap()
+                .batch(6, BatchPart::WHOLE, &device)
+                .0,
+        );
+        let parts: Vec<i64> = (0..3)
+            .flat_map(|rank| {
+                let mut w = TokenWindows::new((0..100).collect(), 4, 3).unwrap();
+                rows(w.batch(2, BatchPart { rank, world: 3 }, &device).0)
+            })
+            .collect();
+        assert_eq!(parts, whole);
     }
 }

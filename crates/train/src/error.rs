@@ -1,5 +1,8 @@
 use std::path::PathBuf;
 
+use burnscale_collective::CollectiveError;
+use burnscale_shard::ShardError;
+
 /// Errors of the training runner.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -11,9 +14,29 @@ pub enum TrainError {
         "loss became {loss} at step {step}; training stopped instead of continuing on NaN/inf (lower --lr, enable --grad-clip, or use a wider precision)"
     )]
     NonFiniteLoss { step: usize, loss: f64 },
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    #[error("rank {rank} panicked: {message}")]
+    RankPanicked { rank: usize, message: String },
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,
         source: std::io::Error,
     },
+}
+
+impl TrainError {
+    /// Whether this rank stopped because another rank failed (not the root cause).
+    pub fn is_peer_failure(&self) -> bool {
+        let collective = match self {
+            TrainError::Collective(e) | TrainError::Shard(ShardError::Collective(e)) => e,
+            _ => return false,
+        };
+        matches!(
+            collective,
+            CollectiveError::PeerFailed { .. } | CollectiveError::Timeout { .. }
+        )
+    }
 }

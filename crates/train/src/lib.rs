@@ -12,6 +12,6 @@ pub mod speed;
 
 pub use cli::{Offload, OptimizerKind, Precision, Schedule, Strategy, TrainArgs, value_name};
 pub use error::TrainError;
-pub use optim::{LrSchedule, ParamOptimizer, clip_global_norm};
-pub use report::{ModelStateBytes, RunSummary, Throughput};
-pub use runner::{StepMetrics, TrainTask, param_bytes, train};
+pub use optim::{LrSchedule, ParamOptimizer};
+pub use report::{ModelStateBytes, RankMemory, RunSummary, Throughput};
+pub use runner::{Batch, BatchPart, StepMetrics, TrainTask, train, train_on};

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -23,7 +23,6 @@ pub struct ParamOptimizer {
     decay: Arc<dyn DynOptimizer>,
     no_decay: Arc<dyn DynOptimizer>,
     states: HashMap<String, DynState>,
-    grad_bytes: usize,
 }
 
 impl ParamOptimizer {
@@ -68,7 +67,6 @@ impl ParamOptimizer {
             decay: build(args.weight_decay)?,
             no_decay: build(0.0)?,
             states: HashMap::new(),
-            grad_bytes: 0,
         })
     }
 
@@ -79,11 +77,8 @@ impl ParamOptimizer {
             optim: self,
             grads: &mut grads,
             lr,
-            grad_bytes: 0,
         };
-        let model = model.map(&mut mapper);
-        self.grad_bytes = mapper.grad_bytes;
-        model
+        model.map(&mut mapper)
     }
 
     /// Bytes of optimizer state held (moments, momentum buffers).
@@ -102,11 +97,6 @@ impl ParamOptimizer {
             .sum()
     }
 
-    /// Bytes of the gradients the last step consumed.
-    pub fn last_grad_bytes(&self) -> usize {
-        self.grad_bytes
-    }
-
     fn for_rank(&self, rank: usize) -> &Arc<dyn DynOptimizer> {
         if rank >= 2 {
             &self.decay
@@ -121,7 +111,6 @@ struct StepMapper<'a> {
     optim: &'a mut ParamOptimizer,
     grads: &'a mut GradientsParams,
     lr: f64,
-    grad_bytes: usize,
 }
 
 impl ModuleMapper for StepMapper<'_> {
@@ -137,7 +126,6 @@ impl ModuleMapper for StepMapper<'_> {
         let Some(grad) = self.grads.remove::<D>(param.id) else {
             return param;
         };
-        self.grad_bytes += tensor_bytes(&grad);
         let path = self.path.join(".");
         let (id, tensor, mapper) = param.consume();
         let require_grad = tensor.is_require_grad();
@@ -158,62 +146,6 @@ impl ModuleMapper for StepMapper<'_> {
             updated = updated.require_grad();
         }
         Param::from_mapped_value(id, updated, mapper)
-    }
-}
-
-/// Scales all gradients so their global L2 norm is at most `max_norm`; returns the norm
-/// before clipping. `max_norm <= 0` only measures.
-pub fn clip_global_norm<M: Module>(model: &M, grads: &mut GradientsParams, max_norm: f64) -> f64 {
-    let mut squares = SquareSum {
-        grads,
-        total: None,
-        ids: Vec::new(),
-    };
-    model.visit(&mut squares);
-    let Some(total) = squares.total else {
-        return 0.0;
-    };
-    let ids = squares.ids;
-    let norm = total.sqrt().into_scalar::<f32>() as f64;
-    if max_norm > 0.0 && norm > max_norm {
-        let scale = max_norm / (norm + 1e-6);
-        model.visit(&mut Rescale { grads, ids, scale });
-    }
-    norm
-}
-
-struct SquareSum<'a> {
-    grads: &'a GradientsParams,
-    total: Option<Tensor<1>>,
-    ids: Vec<ParamId>,
-}
-
-impl ModuleVisitor for SquareSum<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if let Some(grad) = self.grads.get::<D>(param.id) {
-            let sq = grad.square().sum();
-            self.total = Some(match self.total.take() {
-                Some(total) => total + sq,
-                None => sq,
-            });
-            self.ids.push(param.id);
-        }
-    }
-}
-
-struct Rescale<'a> {
-    grads: &'a mut GradientsParams,
-    ids: Vec<ParamId>,
-    scale: f64,
-}
-
-impl ModuleVisitor for Rescale<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.ids.contains(&param.id)
-            && let Some(grad) = self.grads.remove::<D>(param.id)
-        {
-            self.grads.register(param.id, grad * self.scale);
-        }
     }
 }
 
@@ -259,10 +191,6 @@ impl LrSchedule {
             None => self.peak,
         }
     }
-}
-
-pub(crate) fn tensor_bytes<const D: usize>(t: &Tensor<D>) -> usize {
-    t.shape().num_elements() * t.dtype().size()
 }
 
 #[cfg(test)]

@@ -4,7 +4,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::cli::{OptimizerKind, Precision, Strategy, TrainArgs};
+use crate::cli::{OptimizerKind, Precision, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
 use crate::{TrainError, memory};
 
@@ -21,17 +21,39 @@ impl ModelStateBytes {
         self.params + self.grads + self.optimizer
     }
 
-    /// The ZeRO paper's count for pure f32 training with one rank and no sharding:
-    /// 4 bytes of weights + 4 of gradients + the optimizer's f32 state per parameter
-    /// (Adam/AdamW: 8, SGD with momentum: 4, plain SGD: 0).
-    pub fn predicted_f32(num_params: usize, optimizer: OptimizerKind, momentum: bool) -> usize {
+    /// The ZeRO paper's per-rank count for pure f32 training: 4 bytes of weights + 4 of
+    /// gradients + the optimizer's f32 state K per parameter (Adam/AdamW 8, SGD with momentum
+    /// 4, plain SGD 0), of which each strategy shards a part over `world` ranks: DDP none,
+    /// ZeRO-1 the optimizer state, ZeRO-2 also the gradients, ZeRO-3 everything.
+    pub fn predicted_f32(
+        num_params: usize,
+        optimizer: OptimizerKind,
+        momentum: bool,
+        strategy: Strategy,
+        world: usize,
+    ) -> usize {
         let state = match optimizer {
             OptimizerKind::Adamw | OptimizerKind::Adam => 8,
             OptimizerKind::Sgd if momentum => 4,
             _ => 0,
         };
-        num_params * (4 + 4 + state)
+        let (replicated, sharded) = match strategy {
+            Strategy::Single | Strategy::Ddp => (4 + 4 + state, 0),
+            Strategy::Zero1 => (4 + 4, state),
+            Strategy::Zero2 => (4, 4 + state),
+            Strategy::Zero3 => (0, 4 + 4 + state),
+        };
+        num_params * replicated + (num_params * sharded).div_ceil(world)
     }
+}
+
+/// One rank's measured memory.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    pub model_state_bytes: usize,
+    /// This rank's process peak; ranks that are threads of one process share it.
+    pub peak_mem_bytes: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -61,6 +83,8 @@ pub struct RunSummary {
     /// Which formula `model_state_predicted_bytes` uses.
     pub model_state_convention: &'static str,
     pub model_state_predicted_bytes: usize,
+    /// Every rank's model states and process peak.
+    pub ranks: Vec<RankMemory>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -76,6 +100,7 @@ impl RunSummary {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         args: &TrainArgs,
+        world_size: usize,
         steps: usize,
         final_loss: f64,
         val_loss: f64,
@@ -84,6 +109,7 @@ impl RunSummary {
         peak_mem_bytes: usize,
         num_params: usize,
         model_state: ModelStateBytes,
+        ranks: Vec<RankMemory>,
         throughput: Throughput,
         peak_flops: f64,
     ) -> Self {
@@ -95,7 +121,7 @@ impl RunSummary {
         Self {
             strategy: args.strategy,
             precision: args.precision,
-            world_size: args.devices,
+            world_size,
             optimizer: args.optimizer,
             steps,
             final_loss,
@@ -106,12 +132,15 @@ impl RunSummary {
             num_params,
             model_state_bytes_per_rank: model_state.total(),
             model_state,
-            model_state_convention: "f32 training: 4 B params + 4 B grads + optimizer f32 state per parameter",
+            model_state_convention: "ZeRO paper, pure f32: 4 B params + 4 B grads + optimizer f32 state per parameter, the strategy's part divided by the world size",
             model_state_predicted_bytes: ModelStateBytes::predicted_f32(
                 num_params,
                 args.optimizer,
                 args.momentum > 0.0,
+                args.strategy,
+                world_size,
             ),
+            ranks,
             tokens_per_s,
             samples_per_s,
             peak_flops,
@@ -152,6 +181,10 @@ impl RunSummary {
                 ),
             ),
             ("parameters", format!("{}", self.num_params)),
+            (
+                "ranks",
+                format!("{} ({})", self.world_size, value_name(self.strategy)),
+            ),
             ("steps", format!("{}", self.steps)),
             ("final train loss", format!("{:.4}", self.final_loss)),
             ("validation loss", format!("{:.4}", self.val_loss)),

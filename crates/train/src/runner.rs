@@ -1,30 +1,49 @@
-//! The training loop (Fabric-like): gradient accumulation, global-norm clipping, the
-//! optimizer and its schedule, per-step metrics, and the closing report.
+//! The training loop (Fabric-like): ranks (threads, or processes under mpirun), the
+//! sharding strategy, gradient accumulation, global-norm clipping, the optimizer and its
+//! schedule, per-step metrics, and the closing report.
 
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
+use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
+use burnscale_collective::{Buffer, Communicator, ReduceOp, launched_by_mpirun};
+use burnscale_nn::BlockModel;
+use burnscale_shard::Sharded;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::optim::{LrSchedule, ParamOptimizer, clip_global_norm, tensor_bytes};
-use crate::report::{ModelStateBytes, RunSummary, Throughput};
+use crate::cli::Strategy;
+use crate::optim::{LrSchedule, ParamOptimizer};
+use crate::report::{ModelStateBytes, RankMemory, RunSummary, Throughput};
 use crate::{TrainArgs, TrainError, memory, speed};
 
-/// What a training example plugs into the runner.
-pub trait TrainTask {
-    type Model: Module;
-    type Batch;
+/// A micro-batch: what the model's embeddings read, and what its loss compares against.
+pub type Batch<M> = (<M as BlockModel>::Input, <M as BlockModel>::Target);
 
-    /// The next training micro-batch for this rank.
-    fn next_batch(&mut self, device: &Device) -> Self::Batch;
-    /// Mean loss of one micro-batch, recorded for backward.
-    fn loss(&self, model: &Self::Model, batch: Self::Batch) -> Tensor<1>;
+/// Which slice of every global batch a rank reads (a distributed sampler): all ranks draw
+/// the same global batch and keep rows `[rank·b, (rank+1)·b)`, so N ranks with micro-batch
+/// b train on the same data as one rank with N·b.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchPart {
+    pub rank: usize,
+    pub world: usize,
+}
+
+impl BatchPart {
+    /// The whole batch: one rank of one.
+    pub const WHOLE: BatchPart = BatchPart { rank: 0, world: 1 };
+}
+
+/// What a training example plugs into the runner. Each rank works on its own clone.
+pub trait TrainTask: Clone + Send + Sync {
+    type Model: BlockModel + Send + Sync;
+
+    /// This rank's part of the next global training micro-batch.
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Self::Model>;
     /// Items (tokens or samples) in a micro-batch, for throughput.
-    fn items(&self, batch: &Self::Batch) -> usize;
+    fn items(&self, input: &<Self::Model as BlockModel>::Input) -> usize;
     /// Whether `items` counts tokens (else samples).
     fn counts_tokens(&self) -> bool;
     /// Validation on an eval-mode copy of the model: (loss, accuracy if any).
@@ -42,26 +61,96 @@ pub struct StepMetrics {
     pub elapsed_s: f64,
 }
 
-/// Trains `model` on `task` as `args` say; returns the trained model and the run summary.
+/// Trains `model` on `task` as `args` say, on `--devices` in-process ranks, on the MPI
+/// world when started by mpirun, or on this thread; returns rank 0's trained model and
+/// summary.
 pub fn train<T: TrainTask>(
-    mut model: T::Model,
+    model: T::Model,
     task: &mut T,
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
     args.validate()?;
+    if launched_by_mpirun() {
+        if args.devices > 1 {
+            return Err(TrainError::InvalidArgs(format!(
+                "--devices {} starts in-process ranks, but under mpirun the world comes from MPI (one rank per process): drop --devices",
+                args.devices
+            )));
+        }
+        #[cfg(feature = "mpi")]
+        {
+            let comm = burnscale_collective::mpi::MpiComm::init(DEFAULT_TIMEOUT)?;
+            return train_on(&comm, model, task, args, device);
+        }
+        #[cfg(not(feature = "mpi"))]
+        return Err(TrainError::InvalidArgs(
+            "started by mpirun, but this binary was built without the `mpi` feature, so it cannot join the MPI world: rebuild with --features mpi".into(),
+        ));
+    }
+    if args.devices == 1 {
+        let solo = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
+        return train_on(&solo, model, task, args, device);
+    }
+    let results = ThreadComm::run(args.devices, DEFAULT_TIMEOUT, |comm| {
+        train_on(&comm, model.clone(), &mut task.clone(), args, device)
+    });
+    let mut outcome = None;
+    let mut errors = Vec::new();
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(Ok(done)) => outcome = outcome.or((rank == 0).then_some(done)),
+            Ok(Err(e)) => errors.push(e),
+            Err(message) => errors.push(TrainError::RankPanicked { rank, message }),
+        }
+    }
+    // The rank that failed first, not the ones that stopped because of it.
+    match errors.into_iter().min_by_key(TrainError::is_peer_failure) {
+        Some(e) => Err(e),
+        None => outcome.ok_or_else(|| TrainError::RankPanicked {
+            rank: 0,
+            message: "rank 0 returned no result".into(),
+        }),
+    }
+}
+
+/// Trains as one rank of `comm`'s group (for embedding the runner in a program that owns
+/// its process group). Every rank calls it with the same model, task and arguments.
+pub fn train_on<T: TrainTask>(
+    comm: &dyn Communicator,
+    model: T::Model,
+    task: &mut T,
+    args: &TrainArgs,
+    device: &Device,
+) -> Result<(T::Model, RunSummary), TrainError> {
+    args.validate()?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let strategy = match args.strategy {
+        Strategy::Single if world > 1 => {
+            return Err(TrainError::InvalidArgs(format!(
+                "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
+            )));
+        }
+        Strategy::Single | Strategy::Ddp => burnscale_shard::Strategy::Ddp,
+        Strategy::Zero1 => burnscale_shard::Strategy::Zero1,
+        Strategy::Zero2 => burnscale_shard::Strategy::Zero2,
+        Strategy::Zero3 => burnscale_shard::Strategy::Zero3,
+    };
+    let lead = rank == 0;
+    let part = BatchPart { rank, world };
     let num_params = model.num_params();
     let mut optim = ParamOptimizer::new(args)?;
     let mut schedule = LrSchedule::new(args)?;
-    let mut csv = args
-        .metrics_csv
-        .as_ref()
-        .map(|path| MetricsCsv::create(path))
-        .transpose()?;
+    let mut csv = match &args.metrics_csv {
+        Some(path) if lead => Some(MetricsCsv::create(path)?),
+        _ => None,
+    };
     let peak_flops = speed::peak_gemm_flops(device);
-    let progress = progress_bar(args.max_steps as u64);
+    let progress = progress_bar(args.max_steps as u64, lead);
 
-    burnscale_nn::dropout::seed(args.seed);
+    // Rank 0 draws the stream a single-device run with this seed draws.
+    burnscale_nn::dropout::seed(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9_7F4A_7C15));
+    let mut engine = Sharded::new(strategy, model, comm, device)?;
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;
@@ -77,27 +166,23 @@ pub fn train<T: TrainTask>(
     };
     for step in 1..=args.max_steps {
         let step_start = Instant::now();
-        let mut accumulator = GradientsAccumulator::<T::Model>::new();
         let mut step_loss = 0.0;
         let mut step_items = 0;
-        for _ in 0..args.accumulate {
-            let batch = task.next_batch(device);
-            step_items += task.items(&batch);
-            let loss = task.loss(&model, batch) / args.accumulate as f64;
-            step_loss += loss.clone().into_scalar::<f32>() as f64;
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            accumulator.accumulate(&model, grads);
+        for micro in 1..=args.accumulate {
+            let (input, target) = task.next_batch(device, part);
+            step_items += world * task.items(&input);
+            step_loss +=
+                engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
         }
+        let step_loss = mean_over_ranks(comm, step_loss)?;
         if !step_loss.is_finite() {
             return Err(TrainError::NonFiniteLoss {
                 step,
                 loss: step_loss,
             });
         }
-        let mut grads = accumulator.grads();
-        let grad_norm = clip_global_norm(&model, &mut grads, args.grad_clip);
         let lr = schedule.next_lr();
-        model = optim.step(lr, model, grads);
+        let grad_norm = engine.step(args.grad_clip, |model, grads| optim.step(lr, model, grads))?;
         items += step_items;
 
         let step_s = step_start.elapsed().as_secs_f64();
@@ -128,28 +213,31 @@ pub fn train<T: TrainTask>(
             && step.is_multiple_of(args.eval_interval)
             && step < args.max_steps
         {
-            let (val_loss, acc) = task.evaluate(&model.valid());
-            progress.suspend(|| {
-                eprintln!(
-                    "step {step}: train loss {:.4}, val loss {val_loss:.4}{}",
-                    last.loss,
-                    acc.map(|a| format!(", accuracy {:.2}%", 100.0 * a))
-                        .unwrap_or_default()
-                )
-            });
+            let (val_loss, acc) = task.evaluate(&engine.full_model()?.valid());
+            if lead {
+                progress.suspend(|| {
+                    eprintln!(
+                        "step {step}: train loss {:.4}, val loss {val_loss:.4}{}",
+                        last.loss,
+                        acc.map(|a| format!(", accuracy {:.2}%", 100.0 * a))
+                            .unwrap_or_default()
+                    )
+                });
+            }
         }
     }
     progress.finish_and_clear();
     let elapsed_s = start.elapsed().as_secs_f64();
     let peak_mem = memory::peak_bytes();
 
+    let model = engine.full_model()?;
     let (val_loss, accuracy) = task.evaluate(&model.valid());
-
     let model_state = ModelStateBytes {
-        params: param_bytes(&model),
-        grads: optim.last_grad_bytes(),
+        params: engine.param_bytes(),
+        grads: engine.grad_bytes(),
         optimizer: optim.state_bytes(),
     };
+    let ranks = every_rank_memory(comm, model_state.total(), peak_mem)?;
     let items_per_s = items as f64 / train_s;
     let throughput = if task.counts_tokens() {
         Throughput::Tokens(items_per_s)
@@ -158,6 +246,7 @@ pub fn train<T: TrainTask>(
     };
     let summary = RunSummary::new(
         args,
+        world,
         last.step,
         last.loss,
         val_loss,
@@ -166,30 +255,56 @@ pub fn train<T: TrainTask>(
         peak_mem,
         num_params,
         model_state,
+        ranks,
         throughput,
         peak_flops,
     );
-    if let Some(path) = &args.summary_json {
+    if let Some(path) = args.summary_json.as_ref().filter(|_| lead) {
         summary.write_json(path)?;
     }
     Ok((model, summary))
 }
 
-/// Bytes held by the parameters of `model`.
-pub fn param_bytes<M: Module>(model: &M) -> usize {
-    struct Count(usize);
-    impl burn::module::ModuleVisitor for Count {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            self.0 += tensor_bytes(&param.val());
-        }
+/// The mean of `value` over the ranks (the global batch's loss).
+fn mean_over_ranks(comm: &dyn Communicator, value: f64) -> Result<f64, TrainError> {
+    if comm.world_size() == 1 {
+        return Ok(value);
     }
-    let mut count = Count(0);
-    model.visit(&mut count);
-    count.0
+    let mut buf = Buffer::F32(vec![value as f32]);
+    comm.all_reduce(&mut buf, ReduceOp::Mean)?;
+    Ok(buf.to_f32()[0] as f64)
 }
 
-fn progress_bar(len: u64) -> ProgressBar {
-    let target = if std::io::stderr().is_terminal() {
+/// Every rank's model-state bytes and process peak, in rank order.
+fn every_rank_memory(
+    comm: &dyn Communicator,
+    model_state: usize,
+    peak: usize,
+) -> Result<Vec<RankMemory>, TrainError> {
+    // Byte counts as 24-bit pieces, which f32 holds exactly.
+    let split = |v: usize| {
+        [
+            (v >> 48) as f32,
+            ((v >> 24) & 0xFF_FFFF) as f32,
+            (v & 0xFF_FFFF) as f32,
+        ]
+    };
+    let join = |p: &[f32]| ((p[0] as usize) << 48) | ((p[1] as usize) << 24) | p[2] as usize;
+    let mine = Buffer::F32([split(model_state), split(peak)].concat());
+    let all = comm.all_gather(&mine)?.to_f32();
+    Ok(all
+        .chunks(6)
+        .enumerate()
+        .map(|(rank, p)| RankMemory {
+            rank,
+            model_state_bytes: join(&p[..3]),
+            peak_mem_bytes: join(&p[3..]),
+        })
+        .collect())
+}
+
+fn progress_bar(len: u64, show: bool) -> ProgressBar {
+    let target = if show && std::io::stderr().is_terminal() {
         ProgressDrawTarget::stderr()
     } else {
         ProgressDrawTarget::hidden()

@@ -1,12 +1,27 @@
 //! Speed: the device's measured peak GEMM rate, for the MFU estimate.
 
+use std::collections::HashMap;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use burn::prelude::*;
 
 /// Measured f32 GEMM rate of `device` in FLOP/s: the best of a few 1024x1024 matmuls after a
-/// warm-up. MFU divides the model's 6·P·tokens/s by this.
+/// warm-up, measured once per device and process (ranks that are threads share the figure
+/// instead of measuring while competing for the cores). MFU divides the model's
+/// 6·P·tokens/s by this.
 pub fn peak_gemm_flops(device: &Device) -> f64 {
+    static MEASURED: Mutex<Option<HashMap<String, f64>>> = Mutex::new(None);
+    let mut measured = MEASURED
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    *measured
+        .get_or_insert_with(HashMap::new)
+        .entry(format!("{device:?}"))
+        .or_insert_with(|| measure(device))
+}
+
+fn measure(device: &Device) -> f64 {
     const N: usize = 1024;
     let a = Tensor::<2>::ones([N, N], device);
     let b = Tensor::<2>::ones([N, N], device);

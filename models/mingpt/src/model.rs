@@ -2,7 +2,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::{log_softmax, softmax};
-use burnscale_nn::{Dropout, DropoutConfig, gelu_tanh};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, gelu_tanh};
 
 use crate::{GptConfig, GptError};
 
@@ -148,15 +148,19 @@ impl Gpt {
         self.block_size
     }
 
-    /// The repeated blocks, for wrap policies (sharding, checkpointing).
-    pub fn blocks(&self) -> &[Block] {
-        &self.h
-    }
-
     /// Logits for every position. Panics if the sequence is longer than `block_size`:
     /// callers crop their context, as [`Gpt::generate`] does.
     pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
-        let [b, t] = idx.dims();
+        let x = self
+            .h
+            .iter()
+            .fold(self.embed(idx), |x, block| block.forward(x));
+        self.head(x)
+    }
+
+    /// Token plus position embeddings, the input of the first block.
+    pub fn embed(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        let [_, t] = idx.dims();
         assert!(
             t <= self.block_size,
             "cannot forward a sequence of length {t}, block size is only {}",
@@ -165,15 +169,12 @@ impl Gpt {
         let pos = Tensor::<1, Int>::arange(0..t as i64, &idx.device()).reshape([1, t]);
         let tok_emb = self.wte.forward(idx); // [b, t, c]
         let pos_emb = self.wpe.forward(pos); // [1, t, c]
-        let mut x = self.drop.forward(tok_emb + pos_emb);
-        for block in &self.h {
-            x = block.forward(x);
-        }
-        let x = self.ln_f.forward(x);
-        let logits = self.lm_head.forward(x); // [b, t, vocab]
-        let [_, _, v] = logits.dims();
-        debug_assert_eq!(logits.dims(), [b, t, v]);
-        logits
+        self.drop.forward(tok_emb + pos_emb)
+    }
+
+    /// Logits from the last block's output.
+    pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
+        self.lm_head.forward(self.ln_f.forward(x)) // [b, t, vocab]
     }
 
     /// Logits and the mean cross-entropy against `targets` (`-1` marks ignored positions).
@@ -214,4 +215,34 @@ fn linear(d_in: usize, d_out: usize, std: f64, device: &Device) -> Linear {
 /// GPT-2's scaled init of the projections that write into the residual stream.
 fn residual_std(config: &GptConfig) -> f64 {
     0.02 / (2.0 * config.n_layer as f64).sqrt()
+}
+
+impl BlockModel for Gpt {
+    type Block = Block;
+    type Input = Tensor<2, Int>;
+    type Target = Tensor<2, Int>;
+
+    fn embed(&self, idx: Tensor<2, Int>) -> Tensor<3> {
+        Gpt::embed(self, idx)
+    }
+
+    fn block_forward(block: &Block, x: Tensor<3>) -> Tensor<3> {
+        block.forward(x)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+        cross_entropy(self.head(x), targets)
+    }
+
+    fn blocks(&self) -> &[Block] {
+        &self.h
+    }
+
+    fn take_blocks(&mut self) -> Vec<Block> {
+        std::mem::take(&mut self.h)
+    }
+
+    fn set_blocks(&mut self, blocks: Vec<Block>) {
+        self.h = blocks;
+    }
 }

@@ -1,0 +1,34 @@
+//! A model as wrap policies see it: the repeated blocks, and the root around them (embeddings
+//! before, the head and loss after). Sharding and activation checkpointing iterate over
+//! this split; nothing model-specific lives in them.
+
+use burn::module::Module;
+use burn::prelude::*;
+
+pub trait BlockModel: Module {
+    type Block: Module;
+    /// What the embeddings read (token ids, pixels).
+    type Input: Clone + Send;
+    /// What the loss compares against.
+    type Target: Clone + Send;
+
+    /// Activations entering the first block.
+    fn embed(&self, input: Self::Input) -> Tensor<3>; // [batch, seq, d_model]
+    fn block_forward(block: &Self::Block, x: Tensor<3>) -> Tensor<3>;
+    /// Mean loss of the last block's output against `target`.
+    fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;
+
+    fn blocks(&self) -> &[Self::Block];
+    /// Moves the blocks out, leaving the root.
+    fn take_blocks(&mut self) -> Vec<Self::Block>;
+    fn set_blocks(&mut self, blocks: Vec<Self::Block>);
+
+    /// The plain forward: embeddings, every block, head.
+    fn loss(&self, input: Self::Input, target: Self::Target) -> Tensor<1> {
+        let x = self
+            .blocks()
+            .iter()
+            .fold(self.embed(input), |x, block| Self::block_forward(block, x));
+        self.head_loss(x, target)
+    }
+}

@@ -1,0 +1,416 @@
+use std::collections::HashMap;
+
+use burn::module::{Module, ParamId};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burnscale_collective::{Buffer, Communicator, ReduceOp};
+use burnscale_nn::{BlockModel, dropout};
+
+use crate::host::{self, HostValues};
+use crate::layout::{self, Slot};
+use crate::{ShardError, Strategy};
+
+/// DDP's default gradient bucket: 25 MB of f32.
+const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
+const PRESENT: &str = "the model is only moved out during a step";
+
+/// One rank's view of a model trained under a [`Strategy`]: what the rank holds, and the
+/// collectives that keep the ranks in step. Every rank must call the same methods in the same
+/// order. A micro-step reads this rank's slice of the global batch; gradients are summed
+/// locally over micro-steps (no collective until the last one, as `no_sync`), then
+/// averaged over the ranks.
+pub struct Sharded<'c, M: BlockModel> {
+    strategy: Strategy,
+    comm: &'c dyn Communicator,
+    device: Device,
+    slots: Vec<Slot>,
+    /// Slot indices moved by one collective: size-capped buckets, or ZeRO-3's units (the
+    /// root first, then each block).
+    buckets: Vec<Vec<usize>>,
+    /// The full replica (ddp, zero1, zero2) or this rank's shards (zero3).
+    model: Option<M>,
+    /// This rank's own gradients, summed over the micro-steps of an optimizer step.
+    local: HostValues,
+    /// Gradients after the collective: full (ddp, zero1) or this rank's shards.
+    reduced: HostValues,
+    grad_bytes: usize,
+}
+
+impl<'c, M: BlockModel> Sharded<'c, M> {
+    /// Applies `strategy` to `model` on `device`. Every rank starts from rank 0's parameters
+    /// (broadcast), then keeps what the strategy gives it.
+    pub fn new(
+        strategy: Strategy,
+        model: M,
+        comm: &'c dyn Communicator,
+        device: &Device,
+    ) -> Result<Self, ShardError> {
+        let slots = layout::slots(&model, comm.world_size());
+        let index: HashMap<ParamId, usize> =
+            slots.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+        let buckets = if strategy == Strategy::Zero3 {
+            let mut root = model.clone();
+            let blocks = root.take_blocks();
+            std::iter::once(host::param_ids(&root))
+                .chain(blocks.iter().map(host::param_ids))
+                .map(|ids| ids.iter().map(|id| index[id]).collect())
+                .collect()
+        } else {
+            layout::buckets(&slots, BUCKET_ELEMS)
+                .into_iter()
+                .map(|range| range.collect())
+                .collect()
+        };
+        let mut this = Self {
+            strategy,
+            comm,
+            device: device.clone(),
+            slots,
+            buckets,
+            model: None,
+            local: HashMap::new(),
+            reduced: HashMap::new(),
+            grad_bytes: 0,
+        };
+        let model = this.broadcast_from_rank0(model)?;
+        this.model = Some(if strategy == Strategy::Zero3 {
+            let shards = this.own_shards(&model);
+            host::set_values(model, shards, &this.inner_device(), false)
+        } else {
+            model
+        });
+        Ok(this)
+    }
+
+    /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
+    /// divided by `accumulate`; the `last` micro-step of an optimizer step reduces the
+    /// gradients over the ranks. Returns the (divided) loss.
+    pub fn micro_step(
+        &mut self,
+        input: M::Input,
+        target: M::Target,
+        accumulate: usize,
+        last: bool,
+    ) -> Result<f64, ShardError> {
+        if self.strategy == Strategy::Zero3 {
+            return self.zero3_micro_step(input, target, accumulate, last);
+        }
+        let model = self.model.as_ref().expect(PRESENT);
+        let loss = model.loss(input, target) / accumulate as f64;
+        let value = loss.clone().into_scalar::<f32>() as f64;
+        let mut grads = GradientsParams::from_grads(loss.backward(), model);
+        host::add_grads(model, &mut grads, &mut self.local);
+        if last {
+            for bucket in 0..self.buckets.len() {
+                self.reduce_bucket(bucket)?;
+            }
+        }
+        Ok(value)
+    }
+
+    /// Clips the reduced gradients to a global L2 norm of `max_norm` (0: only measures; the
+    /// norm is taken across shards), hands this rank's part of the model with its
+    /// gradients to `optimize`, and redistributes the result. Returns the norm before
+    /// clipping.
+    pub fn step(
+        &mut self,
+        max_norm: f64,
+        optimize: impl FnOnce(M, GradientsParams) -> M,
+    ) -> Result<f64, ShardError> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let mut grads = std::mem::take(&mut self.reduced);
+        self.grad_bytes = grads.values().map(|g| 4 * g.len()).sum();
+        if self.strategy == Strategy::Zero1 {
+            for slot in &self.slots {
+                if let Some(grad) = grads.get_mut(&slot.id) {
+                    *grad = slot.shard_of(grad, rank);
+                }
+            }
+        }
+        let mut sum_sq: f64 = grads.values().flatten().map(|&g| g as f64 * g as f64).sum();
+        if self.strategy != Strategy::Ddp && world > 1 {
+            let mut buf = Buffer::F32(vec![sum_sq as f32]);
+            self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            sum_sq = f32s(buf)[0] as f64;
+        }
+        let norm = sum_sq.sqrt();
+        if max_norm > 0.0 && norm > max_norm {
+            let scale = (max_norm / (norm + 1e-6)) as f32;
+            grads.values_mut().flatten().for_each(|g| *g *= scale);
+        }
+
+        let model = self.model.take().expect(PRESENT);
+        let inner = self.inner_device();
+        let (target, replica) = match self.strategy {
+            Strategy::Ddp | Strategy::Zero3 => (model, None),
+            Strategy::Zero1 | Strategy::Zero2 => {
+                let shards = self.own_shards(&model);
+                (
+                    host::set_values(model.clone(), shards, &inner, false),
+                    Some(model),
+                )
+            }
+        };
+        let grads = host::to_grads(&target, grads, &inner);
+        let updated = optimize(target, grads);
+        self.model = Some(match replica {
+            None => updated,
+            Some(replica) => {
+                let shards = host::values(&updated);
+                drop(updated);
+                self.gather(replica, &shards, 0..self.buckets.len(), &self.device, true)?
+            }
+        });
+        Ok(norm)
+    }
+
+    /// The whole model on every rank (ZeRO-3 gathers it: a collective), for evaluation and
+    /// saving.
+    pub fn full_model(&self) -> Result<M, ShardError> {
+        let model = self.model.as_ref().expect(PRESENT).clone();
+        if self.strategy != Strategy::Zero3 {
+            return Ok(model);
+        }
+        let shards = host::values(&model);
+        self.gather(model, &shards, 0..self.buckets.len(), &self.device, true)
+    }
+
+    /// Bytes of parameters this rank holds between steps.
+    pub fn param_bytes(&self) -> usize {
+        host::param_bytes(self.model.as_ref().expect(PRESENT))
+    }
+
+    /// Bytes of reduced gradients this rank held for the last step.
+    pub fn grad_bytes(&self) -> usize {
+        self.grad_bytes
+    }
+
+    fn inner_device(&self) -> Device {
+        self.device.clone().inner()
+    }
+
+    /// Rank 0's parameter values in `model` on every rank.
+    fn broadcast_from_rank0(&self, model: M) -> Result<M, ShardError> {
+        if self.comm.world_size() == 1 {
+            return Ok(model);
+        }
+        let mut values = host::values(&model);
+        let mut model = model;
+        for bucket in &self.buckets {
+            let slots: Vec<&Slot> = bucket.iter().map(|&i| &self.slots[i]).collect();
+            let mine: Vec<f32> = slots.iter().flat_map(|s| values[&s.id].clone()).collect();
+            let expected = mine.len();
+            let mut buf = Buffer::F32(mine);
+            self.comm.broadcast(&mut buf, 0)?;
+            let root = f32s(buf);
+            if root.len() != expected {
+                return Err(ShardError::ModelMismatch {
+                    rank: self.comm.rank(),
+                    detail: format!(
+                        "rank 0 sent {} values for parameters {}.., this rank has {expected}",
+                        root.len(),
+                        slots[0].path
+                    ),
+                });
+            }
+            let bucket_values = slots
+                .iter()
+                .zip(layout::split(&root, slots.iter().map(|s| s.numel())))
+                .map(|(s, v)| {
+                    values.remove(&s.id);
+                    (s.id, (v, s.dims.clone()))
+                })
+                .collect();
+            model = host::set_values(model, bucket_values, &self.device, true);
+        }
+        Ok(model)
+    }
+
+    /// This rank's shard of every parameter of `module`, shaped as shards.
+    fn own_shards<U: Module>(&self, module: &U) -> HashMap<ParamId, (Vec<f32>, Vec<usize>)> {
+        let by_id: HashMap<ParamId, &Slot> = self.slots.iter().map(|s| (s.id, s)).collect();
+        host::shards(module, &by_id, self.comm.rank())
+            .into_iter()
+            .map(|(id, v)| (id, (v, by_id[&id].shard_dims())))
+            .collect()
+    }
+
+    /// `module` with the full values of the parameters in `buckets`, all-gathered from
+    /// every rank's `shards`, one collective per bucket.
+    fn gather<U: Module>(
+        &self,
+        mut module: U,
+        shards: &HostValues,
+        buckets: impl IntoIterator<Item = usize>,
+        device: &Device,
+        require_grad: bool,
+    ) -> Result<U, ShardError> {
+        let world = self.comm.world_size();
+        for bucket in buckets {
+            let slots: Vec<&Slot> = self.buckets[bucket]
+                .iter()
+                .map(|&i| &self.slots[i])
+                .collect();
+            let mine: Vec<f32> = slots.iter().flat_map(|s| shards[&s.id].clone()).collect();
+            let expected = world * mine.len();
+            let gathered = if world == 1 {
+                mine
+            } else {
+                f32s(self.comm.all_gather(&Buffer::F32(mine))?)
+            };
+            if gathered.len() != expected {
+                return Err(ShardError::ModelMismatch {
+                    rank: self.comm.rank(),
+                    detail: format!(
+                        "gathered {} values for parameters {}.., expected {expected}",
+                        gathered.len(),
+                        slots[0].path
+                    ),
+                });
+            }
+            let full = slots
+                .iter()
+                .zip(layout::unpack_gathered(&slots, &gathered, world))
+                .map(|(s, v)| (s.id, (v, s.dims.clone())))
+                .collect();
+            module = host::set_values(module, full, device, require_grad);
+        }
+        Ok(module)
+    }
+
+    /// Averages the local gradients of one bucket over the ranks: all-reduce (ddp, zero1)
+    /// or reduce-scatter to this rank's shards (zero2, zero3).
+    fn reduce_bucket(&mut self, bucket: usize) -> Result<(), ShardError> {
+        let world = self.comm.world_size();
+        let slots: Vec<&Slot> = self.buckets[bucket]
+            .iter()
+            .map(|&i| &self.slots[i])
+            .collect();
+        let local: Vec<Vec<f32>> = slots
+            .iter()
+            .map(|s| {
+                self.local
+                    .remove(&s.id)
+                    .unwrap_or_else(|| vec![0.0; s.numel()])
+            })
+            .collect();
+        let reduced = match self.strategy {
+            Strategy::Ddp | Strategy::Zero1 if world == 1 => local,
+            Strategy::Ddp | Strategy::Zero1 => {
+                let mut buf = Buffer::F32(local.concat());
+                self.comm.all_reduce(&mut buf, ReduceOp::Mean)?;
+                layout::split(&f32s(buf), slots.iter().map(|s| s.numel()))
+            }
+            Strategy::Zero2 | Strategy::Zero3 => {
+                let packed = layout::pack_rank_major(&slots, &local, world);
+                drop(local);
+                let mine = if world == 1 {
+                    packed
+                } else {
+                    f32s(
+                        self.comm
+                            .reduce_scatter(&Buffer::F32(packed), ReduceOp::Mean)?,
+                    )
+                };
+                layout::split(&mine, slots.iter().map(|s| s.shard_numel()))
+            }
+        };
+        for (slot, grad) in slots.iter().zip(reduced) {
+            self.reduced.insert(slot.id, grad);
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: each unit's parameters are gathered just before it runs and dropped after.
+    /// Blocks run forward outside autodiff, keeping only their input; backward gathers each
+    /// block again, recomputes it under autodiff (with the same dropout masks) and
+    /// back-propagates the incoming gradient through it, then reduce-scatters its gradients.
+    /// The root unit (embeddings and head) stays gathered for the whole micro-step.
+    fn zero3_micro_step(
+        &mut self,
+        input: M::Input,
+        target: M::Target,
+        accumulate: usize,
+        last: bool,
+    ) -> Result<f64, ShardError> {
+        let inner = self.inner_device();
+        let mut root = self.model.as_ref().expect(PRESENT).clone();
+        let blocks = root.take_blocks();
+        let root = self.gather_unit(root, 0, &self.device, true)?;
+
+        let embedded = root.embed(input); // [batch, seq, d_model]
+        let mut x = embedded.clone().inner();
+        let mut saved = Vec::with_capacity(blocks.len());
+        for (i, block) in blocks.iter().enumerate() {
+            let block = self.gather_unit(block.clone(), i + 1, &inner, false)?;
+            saved.push((x.clone(), dropout::position()));
+            x = M::block_forward(&block, x);
+        }
+        let x = Tensor::from_inner(x).require_grad();
+        let loss = root.head_loss(x.clone(), target) / accumulate as f64;
+        let value = loss.clone().into_scalar::<f32>() as f64;
+        let resume = dropout::position();
+
+        let grads = loss.backward();
+        let mut grad_x = x
+            .grad(&grads)
+            .expect("the head reads the last block's output");
+        host::add_grads(
+            &root,
+            &mut GradientsParams::from_grads(grads, &root),
+            &mut self.local,
+        );
+        for (i, block) in blocks.iter().enumerate().rev() {
+            let block = self.gather_unit(block.clone(), i + 1, &self.device, true)?;
+            let (x, at) = saved.pop().expect("one saved input per block");
+            dropout::rewind(at);
+            let x = Tensor::from_inner(x).require_grad();
+            let y = M::block_forward(&block, x.clone());
+            let grads = (y * Tensor::from_inner(grad_x)).sum().backward();
+            grad_x = x
+                .grad(&grads)
+                .expect("a block's output depends on its input");
+            host::add_grads(
+                &block,
+                &mut GradientsParams::from_grads(grads, &block),
+                &mut self.local,
+            );
+            drop(block);
+            if last {
+                self.reduce_bucket(i + 1)?;
+            }
+        }
+        dropout::rewind(resume);
+        if embedded.is_tracked() {
+            let grads = (embedded * Tensor::from_inner(grad_x)).sum().backward();
+            host::add_grads(
+                &root,
+                &mut GradientsParams::from_grads(grads, &root),
+                &mut self.local,
+            );
+        }
+        if last {
+            self.reduce_bucket(0)?;
+        }
+        Ok(value)
+    }
+
+    /// `unit` (shard-shaped) with its full parameters gathered onto `device`.
+    fn gather_unit<U: Module>(
+        &self,
+        unit: U,
+        index: usize,
+        device: &Device,
+        require_grad: bool,
+    ) -> Result<U, ShardError> {
+        let shards = host::values(&unit);
+        self.gather(unit, &shards, [index], device, require_grad)
+    }
+}
+
+fn f32s(buf: Buffer) -> Vec<f32> {
+    match buf {
+        Buffer::F32(values) => values,
+        other => other.to_f32(),
+    }
+}

@@ -1,0 +1,172 @@
+//! Parameters and gradients moved between a module and host `Vec<f32>`s keyed by parameter
+//! id: what the collectives exchange.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+
+use crate::layout::Slot;
+
+pub type HostValues = HashMap<ParamId, Vec<f32>>;
+
+fn to_vec<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
+    tensor
+        .into_data()
+        .convert::<f32>()
+        .try_into_vec()
+        .expect("converted to f32")
+}
+
+/// Each of `slots`' shard for `rank`, sliced from the parameters of `module` (only the owned
+/// rows are copied out).
+pub fn shards<M: Module>(module: &M, slots: &HashMap<ParamId, &Slot>, rank: usize) -> HostValues {
+    struct Shards<'a> {
+        slots: &'a HashMap<ParamId, &'a Slot>,
+        rank: usize,
+        out: HostValues,
+    }
+    impl ModuleVisitor for Shards<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(slot) = self.slots.get(&param.id) else {
+                return;
+            };
+            let (start, real) = slot.owned_rows(self.rank);
+            let mut shard = if real > 0 {
+                to_vec(param.val().narrow(0, start, real))
+            } else {
+                Vec::new()
+            };
+            shard.resize(slot.shard_numel(), 0.0);
+            self.out.insert(param.id, shard);
+        }
+    }
+    let mut visit = Shards {
+        slots,
+        rank,
+        out: HashMap::new(),
+    };
+    module.visit(&mut visit);
+    visit.out
+}
+
+/// Every float parameter of `module`, on the host.
+pub fn values<M: Module>(module: &M) -> HostValues {
+    struct Values(HostValues);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.insert(param.id, to_vec(param.val()));
+        }
+    }
+    let mut visit = Values(HashMap::new());
+    module.visit(&mut visit);
+    visit.0
+}
+
+/// Moves the gradients of `module`'s parameters out of `grads`, adding them into `sums`.
+pub fn add_grads<M: Module>(module: &M, grads: &mut GradientsParams, sums: &mut HostValues) {
+    struct Add<'a> {
+        grads: &'a mut GradientsParams,
+        sums: &'a mut HostValues,
+    }
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.grads.remove::<D>(param.id) else {
+                return;
+            };
+            let grad = to_vec(grad);
+            match self.sums.get_mut(&param.id) {
+                Some(sum) => sum.iter_mut().zip(grad).for_each(|(s, g)| *s += g),
+                None => {
+                    self.sums.insert(param.id, grad);
+                }
+            }
+        }
+    }
+    module.visit(&mut Add { grads, sums });
+}
+
+/// `module` with the parameters named in `values` replaced by tensors of the given dims on
+/// `device` (tracked for gradients if `require_grad`); the others untouched.
+pub fn set_values<M: Module>(
+    module: M,
+    values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+    device: &Device,
+    require_grad: bool,
+) -> M {
+    struct Set<'a> {
+        values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+        device: &'a Device,
+        require_grad: bool,
+    }
+    impl ModuleMapper for Set<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some((value, dims)) = self.values.remove(&param.id) else {
+                return param;
+            };
+            let (id, _, mapper) = param.consume();
+            let mut tensor = Tensor::<D>::from_data(TensorData::new(value, dims), self.device);
+            if self.require_grad {
+                tensor = tensor.require_grad();
+            }
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Set {
+        values,
+        device,
+        require_grad,
+    })
+}
+
+/// Gradients for `module`'s parameters from host values, each shaped as its parameter.
+pub fn to_grads<M: Module>(module: &M, mut host: HostValues, device: &Device) -> GradientsParams {
+    struct ToGrads<'a> {
+        host: &'a mut HostValues,
+        device: &'a Device,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor for ToGrads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(value) = self.host.remove(&param.id) {
+                let data = TensorData::new(value, param.shape());
+                self.grads
+                    .register(param.id, Tensor::<D>::from_data(data, self.device));
+            }
+        }
+    }
+    let mut visit = ToGrads {
+        host: &mut host,
+        device,
+        grads: GradientsParams::new(),
+    };
+    module.visit(&mut visit);
+    visit.grads
+}
+
+/// Bytes held by the float parameters of `module`.
+pub fn param_bytes<M: Module>(module: &M) -> usize {
+    struct Count(usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 += param.shape().num_elements() * param.val().dtype().size();
+        }
+    }
+    let mut count = Count(0);
+    module.visit(&mut count);
+    count.0
+}
+
+/// The parameter ids of `module`, in visit order.
+pub fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}

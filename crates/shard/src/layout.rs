@@ -1,0 +1,196 @@
+//! Per-parameter dim-0 shards, as FSDP2 lays them out: every rank owns `ceil(d0 / N)` rows of
+//! every parameter (the last ranks' rows zero-padded past `d0`), so a shard keeps its
+//! parameter's shape and shape-aware optimizers still work on it. The padding lives only in
+//! shards and collective buffers; full values never carry it.
+
+use std::ops::Range;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::prelude::*;
+
+/// One parameter's place in the layout.
+#[derive(Debug, Clone)]
+pub struct Slot {
+    pub id: ParamId,
+    /// The parameter's path in the model, as checkpoints name it (`h.0.attn.c_attn.weight`).
+    pub path: String,
+    pub dims: Vec<usize>,
+    /// Rows of dim 0 each rank owns.
+    pub rows: usize,
+}
+
+impl Slot {
+    fn row_len(&self) -> usize {
+        self.dims[1..].iter().product()
+    }
+
+    pub fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    pub fn shard_numel(&self) -> usize {
+        self.rows * self.row_len()
+    }
+
+    pub fn shard_dims(&self) -> Vec<usize> {
+        let mut dims = self.dims.clone();
+        dims[0] = self.rows;
+        dims
+    }
+
+    /// The rows `rank` owns: their first one and how many of them are real (not padding).
+    pub fn owned_rows(&self, rank: usize) -> (usize, usize) {
+        let start = (rank * self.rows).min(self.dims[0]);
+        (start, ((rank + 1) * self.rows).min(self.dims[0]) - start)
+    }
+
+    /// `rank`'s shard of a full value, zero-padded.
+    pub fn shard_of(&self, full: &[f32], rank: usize) -> Vec<f32> {
+        let (start, real) = self.owned_rows(rank);
+        let row = self.row_len();
+        let mut shard = full[start * row..(start + real) * row].to_vec();
+        shard.resize(self.shard_numel(), 0.0);
+        shard
+    }
+}
+
+/// The float parameters of `module`, in visit order, laid out over `world` ranks.
+pub fn slots<M: Module>(module: &M, world: usize) -> Vec<Slot> {
+    struct Collect {
+        path: Vec<String>,
+        world: usize,
+        slots: Vec<Slot>,
+    }
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dims = param.shape().dims::<D>().to_vec();
+            self.slots.push(Slot {
+                id: param.id,
+                path: self.path.join("."),
+                rows: dims[0].div_ceil(self.world),
+                dims,
+            });
+        }
+    }
+    let mut collect = Collect {
+        path: Vec::new(),
+        world,
+        slots: Vec::new(),
+    };
+    module.visit(&mut collect);
+    collect.slots
+}
+
+/// Consecutive groups of slots of at most `cap` elements each (a larger slot alone): one
+/// collective per group instead of one per tensor, as DDP's gradient buckets.
+pub fn buckets(slots: &[Slot], cap: usize) -> Vec<Range<usize>> {
+    let mut buckets = Vec::new();
+    let (mut start, mut size) = (0, 0);
+    for (i, slot) in slots.iter().enumerate() {
+        if size > 0 && size + slot.numel() > cap {
+            buckets.push(start..i);
+            (start, size) = (i, 0);
+        }
+        size += slot.numel();
+    }
+    if start < slots.len() {
+        buckets.push(start..slots.len());
+    }
+    buckets
+}
+
+/// Full values laid out so that a reduce-scatter hands each rank its shards: for every rank
+/// in turn, that rank's shard of every slot.
+pub fn pack_rank_major(slots: &[&Slot], full: &[Vec<f32>], world: usize) -> Vec<f32> {
+    let per_rank: usize = slots.iter().map(|s| s.shard_numel()).sum();
+    let mut packed = Vec::with_capacity(world * per_rank);
+    for rank in 0..world {
+        for (slot, value) in slots.iter().zip(full) {
+            packed.extend(slot.shard_of(value, rank));
+        }
+    }
+    packed
+}
+
+/// Cuts a flat buffer into consecutive pieces of the given lengths.
+pub fn split(flat: &[f32], lens: impl IntoIterator<Item = usize>) -> Vec<Vec<f32>> {
+    let mut offset = 0;
+    lens.into_iter()
+        .map(|len| {
+            offset += len;
+            flat[offset - len..offset].to_vec()
+        })
+        .collect()
+}
+
+/// Full values from an all-gather of every rank's shards of `slots` (each rank's packed in
+/// slot order), without the padding.
+pub fn unpack_gathered(slots: &[&Slot], gathered: &[f32], world: usize) -> Vec<Vec<f32>> {
+    let per_rank: usize = slots.iter().map(|s| s.shard_numel()).sum();
+    let mut offset = 0;
+    slots
+        .iter()
+        .map(|slot| {
+            let n = slot.shard_numel();
+            let mut full = Vec::with_capacity(world * n);
+            for rank in 0..world {
+                let at = rank * per_rank + offset;
+                full.extend_from_slice(&gathered[at..at + n]);
+            }
+            offset += n;
+            full.truncate(slot.numel());
+            full
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(dims: &[usize], world: usize) -> Slot {
+        Slot {
+            id: ParamId::new(),
+            path: "p".into(),
+            dims: dims.to_vec(),
+            rows: dims[0].div_ceil(world),
+        }
+    }
+
+    #[test]
+    fn shards_pad_and_reassemble() {
+        // A world larger than dim 0 (a class token [1, 1, d] over 4 ranks) only pads.
+        for (dims, world) in [(&[5, 2][..], 2), (&[5, 2], 3), (&[1, 1, 3], 4), (&[7], 4)] {
+            let a = slot(dims, world);
+            let b = slot(&[3], world);
+            let full_a: Vec<f32> = (0..a.numel()).map(|i| i as f32 + 1.0).collect();
+            let full_b: Vec<f32> = vec![-1.0, -2.0, -3.0];
+            let shards: Vec<f32> = (0..world)
+                .flat_map(|r| [a.shard_of(&full_a, r), b.shard_of(&full_b, r)].concat())
+                .collect();
+            let slots = [&a, &b];
+            assert_eq!(
+                pack_rank_major(&slots, &[full_a.clone(), full_b.clone()], world),
+                shards
+            );
+            assert_eq!(
+                unpack_gathered(&slots, &shards, world),
+                vec![full_a, full_b],
+                "{dims:?} over {world}"
+            );
+        }
+    }
+
+    #[test]
+    fn buckets_respect_the_cap() {
+        let slots: Vec<Slot> = [4, 4, 10, 1, 1].iter().map(|&n| slot(&[n], 1)).collect();
+        assert_eq!(buckets(&slots, 8), vec![0..2, 2..3, 3..5]);
+        assert_eq!(buckets(&slots, 100), vec![0..5]);
+    }
+}

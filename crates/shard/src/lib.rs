@@ -1,0 +1,42 @@
+//! Data parallelism and ZeRO sharding, applied to a [`BlockModel`] from outside: the model
+//! code knows nothing of it.
+//!
+//! | strategy | parameters | gradients | optimizer state | collectives per step |
+//! |---|---|---|---|---|
+//! | `ddp` | full | full, all-reduced | full | all-reduce |
+//! | `zero1` | full | full, all-reduced | this rank's shard | all-reduce, all-gather |
+//! | `zero2` | full | this rank's shard | this rank's shard | reduce-scatter, all-gather |
+//! | `zero3` (FSDP) | this rank's shard | this rank's shard | this rank's shard | all-gather per unit (forward and backward), reduce-scatter per unit |
+//!
+//! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
+//! plus one root unit (embeddings and head); a block's full parameters exist only while it
+//! runs. Burn's autodiff graph keeps every weight a forward used alive until backward, so a
+//! block's forward runs outside autodiff and backward recomputes it from its saved input with
+//! re-gathered weights ([`Sharded`]).
+//!
+//! [`BlockModel`]: burnscale_nn::BlockModel
+
+mod engine;
+pub mod host;
+pub mod layout;
+
+pub use engine::Sharded;
+
+use burnscale_collective::CollectiveError;
+
+/// How the model states are split over the ranks (see the table above).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Strategy {
+    Ddp,
+    Zero1,
+    Zero2,
+    Zero3,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShardError {
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error("rank {rank}: the ranks' models differ: {detail}")]
+    ModelMismatch { rank: usize, detail: String },
+}
