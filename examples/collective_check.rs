@@ -11,15 +11,14 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn::prelude::*;
-use burnscale::collective::threads::ThreadComm;
-use burnscale::collective::{Communicator, conformance};
+use burnscale::collective::{Communicator, conformance, launched_by_mpirun, run_ranks};
 use clap::Parser;
 
 #[derive(Parser)]
 struct Cli {
-    /// Ranks to run as threads (ignored under mpirun, where the world comes from MPI).
-    #[arg(long, default_value_t = 2)]
-    devices: usize,
+    /// Ranks to run as threads [default: 2] (not under mpirun, where the world comes from MPI).
+    #[arg(long)]
+    devices: Option<usize>,
     /// Seconds a rank waits for the others in one collective.
     #[arg(long, default_value_t = 60)]
     timeout_s: u64,
@@ -67,48 +66,27 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
     failed
 }
 
-#[cfg(feature = "mpi")]
-fn run_mpi(timeout: Duration, panic_rank: Option<usize>) -> Option<usize> {
-    use burnscale::collective::launched_by_mpirun;
-    use burnscale::collective::mpi::MpiComm;
-    if !launched_by_mpirun() {
-        return None;
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let timeout = Duration::from_secs(cli.timeout_s);
+    let (engine, devices) = if launched_by_mpirun() {
+        ("mpi", cli.devices.unwrap_or(1))
+    } else {
+        ("threads", cli.devices.unwrap_or(2))
+    };
+    if devices == 0 {
+        eprintln!("error: --devices must be at least 1");
+        return ExitCode::FAILURE;
     }
-    Some(match MpiComm::init(timeout) {
-        Ok(comm) => report(&comm, "mpi", panic_rank),
+    let failed: usize = match run_ranks(devices, timeout, |comm| {
+        report(comm, engine, cli.panic_rank)
+    }) {
+        Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
         Err(e) => {
             eprintln!("error: {e}");
             1
         }
-    })
-}
-
-#[cfg(not(feature = "mpi"))]
-fn run_mpi(_timeout: Duration, _panic_rank: Option<usize>) -> Option<usize> {
-    if std::env::var_os("OMPI_COMM_WORLD_SIZE").is_some() {
-        eprintln!(
-            "error: started by mpirun, but this binary was built without MPI; rebuild with --features mpi"
-        );
-        return Some(1);
-    }
-    None
-}
-
-fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let timeout = Duration::from_secs(cli.timeout_s);
-    let failed = run_mpi(timeout, cli.panic_rank).unwrap_or_else(|| {
-        if cli.devices == 0 {
-            eprintln!("error: --devices must be at least 1");
-            return 1;
-        }
-        ThreadComm::run(cli.devices, timeout, |comm| {
-            report(&comm, "threads", cli.panic_rank)
-        })
-        .into_iter()
-        .map(|r| r.unwrap_or(1))
-        .sum()
-    });
+    };
     if failed == 0 {
         ExitCode::SUCCESS
     } else {

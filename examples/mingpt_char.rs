@@ -6,6 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use burn::prelude::*;
+use burnscale::collective::launcher_rank;
 use burnscale::mingpt::{Gpt, GptConfig, Sampling, loader};
 use burnscale::tasks::NextToken;
 use burnscale::train::memory::CountingAllocator;
@@ -128,17 +129,21 @@ fn run() -> Result<()> {
         Some(path) => loader::load(path, &config, &device)?,
         None => Gpt::new(&config, &device)?,
     };
-    println!(
-        "minGPT {} ({} layers, {} heads, width {}): {} parameters, vocab {}, {} train / {} val chars",
-        cli.model,
-        config.n_layer,
-        config.n_head,
-        config.n_embd,
-        config.num_params(),
-        config.vocab_size,
-        split,
-        tokens.len() - split
-    );
+    // Under mpirun every process runs this program; one of them speaks and saves.
+    let lead = launcher_rank() == 0;
+    if lead {
+        println!(
+            "minGPT {} ({} layers, {} heads, width {}): {} parameters, vocab {}, {} train / {} val chars",
+            cli.model,
+            config.n_layer,
+            config.n_head,
+            config.n_embd,
+            config.num_params(),
+            config.vocab_size,
+            split,
+            tokens.len() - split
+        );
+    }
 
     let mut task = NextToken::new(
         tokens[..split].to_vec(),
@@ -148,6 +153,9 @@ fn run() -> Result<()> {
     )?
     .with_validation(tokens[split..].to_vec(), cli.block_size, cli.eval_batches)?;
     let (model, summary) = train(model, &mut task, &cli.train, &device)?;
+    if !lead {
+        return Ok(());
+    }
     print!("{}", summary.table());
 
     let model = model.valid();

@@ -10,6 +10,7 @@ pub use burnscale_nn as nn;
 pub use burnscale_shard as shard;
 pub use burnscale_train as train;
 
+pub mod equivalence;
 pub mod tasks;
 
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with

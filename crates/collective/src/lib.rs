@@ -20,6 +20,7 @@ pub use error::CollectiveError;
 pub use tensor::{all_gather_tensor, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor};
 
 use std::ops::Range;
+use std::time::Duration;
 
 /// How values from different ranks combine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,6 +73,43 @@ pub fn launched_by_mpirun() -> bool {
     ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"]
         .iter()
         .any(|v| std::env::var_os(v).is_some())
+}
+
+/// This process's rank as mpirun's launcher numbers it (0 when not started by mpirun): lets
+/// a program print and save once, before or without joining the world.
+pub fn launcher_rank() -> usize {
+    ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Runs `f` for each rank this process hosts: the one MPI rank when started by mpirun (needs
+/// the `mpi` feature), else `devices` ranks as threads (one runs on the calling thread).
+/// Returns their results in rank order; a thread rank that panicked gives its message.
+pub fn run_ranks<T: Send>(
+    devices: usize,
+    timeout: Duration,
+    f: impl Fn(&dyn Communicator) -> T + Sync,
+) -> Result<Vec<Result<T, String>>, CollectiveError> {
+    if launched_by_mpirun() {
+        if devices > 1 {
+            return Err(CollectiveError::Invalid(format!(
+                "--devices {devices} starts in-process ranks, but under mpirun the world comes from MPI (one rank per process): drop --devices"
+            )));
+        }
+        #[cfg(feature = "mpi")]
+        return Ok(vec![Ok(f(&mpi::MpiComm::init(timeout)?))]);
+        #[cfg(not(feature = "mpi"))]
+        return Err(CollectiveError::Invalid(
+            "started by mpirun, but this binary was built without the `mpi` feature, so it cannot join the MPI world: rebuild with --features mpi".into(),
+        ));
+    }
+    if devices == 1 {
+        let solo = threads::ThreadComm::group(1, timeout).remove(0);
+        return Ok(vec![Ok(f(&solo))]);
+    }
+    Ok(threads::ThreadComm::run(devices, timeout, |comm| f(&comm)))
 }
 
 /// The elements of an `n`-element buffer that `rank` of `world` owns after a reduce-scatter:

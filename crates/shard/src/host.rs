@@ -158,6 +158,19 @@ pub fn param_bytes<M: Module>(module: &M) -> usize {
     count.0
 }
 
+/// Runs every lazy parameter initialiser now, in visit order. Burn initialises a parameter
+/// on its first use (once for all clones), so ranks on threads would otherwise draw from
+/// the backend's one random generator in racing order.
+pub fn materialize<M: Module>(module: &M) {
+    struct Touch;
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+}
+
 /// The parameter ids of `module`, in visit order.
 pub fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
     struct Ids(Vec<ParamId>);

@@ -75,6 +75,8 @@ pub struct RunSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
     pub elapsed_s: f64,
+    /// Median optimizer-step time (steps only, without evaluations).
+    pub step_s_median: f64,
     /// Peak live heap bytes of this process during training (counting allocator).
     pub peak_mem_bytes: usize,
     pub num_params: usize,
@@ -91,7 +93,7 @@ pub struct RunSummary {
     pub samples_per_s: Option<f64>,
     /// Measured f32 GEMM rate of the device, FLOP/s.
     pub peak_flops: f64,
-    /// 6·P·tokens/s over `peak_flops` (token models only).
+    /// 6·P·tokens/s over `world_size · peak_flops` (token models only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
 }
@@ -106,6 +108,7 @@ impl RunSummary {
         val_loss: f64,
         accuracy: Option<f64>,
         elapsed_s: f64,
+        step_s_median: f64,
         peak_mem_bytes: usize,
         num_params: usize,
         model_state: ModelStateBytes,
@@ -117,7 +120,10 @@ impl RunSummary {
             Throughput::Tokens(t) => (Some(t), None),
             Throughput::Samples(s) => (None, Some(s)),
         };
-        let mfu = tokens_per_s.map(|t| 6.0 * num_params as f64 * t / peak_flops);
+        // Each rank counts as one device of the measured peak; ranks that share cores
+        // (threads, or oversubscribed processes) make this an underestimate.
+        let mfu =
+            tokens_per_s.map(|t| 6.0 * num_params as f64 * t / (world_size as f64 * peak_flops));
         Self {
             strategy: args.strategy,
             precision: args.precision,
@@ -128,6 +134,7 @@ impl RunSummary {
             val_loss,
             accuracy,
             elapsed_s,
+            step_s_median,
             peak_mem_bytes,
             num_params,
             model_state_bytes_per_rank: model_state.total(),

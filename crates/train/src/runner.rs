@@ -4,12 +4,13 @@
 
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use burn::module::Module;
 use burn::prelude::*;
-use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
-use burnscale_collective::{Buffer, Communicator, ReduceOp, launched_by_mpirun};
+use burnscale_collective::threads::DEFAULT_TIMEOUT;
+use burnscale_collective::{Buffer, Communicator, ReduceOp, run_ranks};
 use burnscale_nn::BlockModel;
 use burnscale_shard::Sharded;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -61,9 +62,9 @@ pub struct StepMetrics {
     pub elapsed_s: f64,
 }
 
-/// Trains `model` on `task` as `args` say, on `--devices` in-process ranks, on the MPI
-/// world when started by mpirun, or on this thread; returns rank 0's trained model and
-/// summary.
+/// Trains `model` on `task` as `args` say: on `--devices` in-process ranks, on the MPI
+/// world when started by mpirun, or on this thread. Returns the trained model and the
+/// summary of this process's first rank.
 pub fn train<T: TrainTask>(
     model: T::Model,
     task: &mut T,
@@ -71,35 +72,29 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
     args.validate()?;
-    if launched_by_mpirun() {
-        if args.devices > 1 {
-            return Err(TrainError::InvalidArgs(format!(
-                "--devices {} starts in-process ranks, but under mpirun the world comes from MPI (one rank per process): drop --devices",
-                args.devices
-            )));
-        }
-        #[cfg(feature = "mpi")]
-        {
-            let comm = burnscale_collective::mpi::MpiComm::init(DEFAULT_TIMEOUT)?;
-            return train_on(&comm, model, task, args, device);
-        }
-        #[cfg(not(feature = "mpi"))]
-        return Err(TrainError::InvalidArgs(
-            "started by mpirun, but this binary was built without the `mpi` feature, so it cannot join the MPI world: rebuild with --features mpi".into(),
-        ));
-    }
-    if args.devices == 1 {
-        let solo = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
-        return train_on(&solo, model, task, args, device);
-    }
-    let results = ThreadComm::run(args.devices, DEFAULT_TIMEOUT, |comm| {
-        train_on(&comm, model.clone(), &mut task.clone(), args, device)
-    });
+    burnscale_shard::host::materialize(&model);
+    // The last rank to start takes `model` itself, so that no full copy outlives sharding.
+    let shared = Mutex::new((Some(model), args.devices));
+    let results = run_ranks(args.devices, DEFAULT_TIMEOUT, |comm| {
+        let model = {
+            let mut shared = shared
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            shared.1 -= 1;
+            if shared.1 == 0 {
+                shared.0.take()
+            } else {
+                shared.0.clone()
+            }
+        };
+        let model = model.expect("one model per rank of this process");
+        train_on(comm, model, &mut task.clone(), args, device)
+    })?;
     let mut outcome = None;
     let mut errors = Vec::new();
     for (rank, result) in results.into_iter().enumerate() {
         match result {
-            Ok(Ok(done)) => outcome = outcome.or((rank == 0).then_some(done)),
+            Ok(Ok(done)) => outcome = outcome.or(Some(done)),
             Ok(Err(e)) => errors.push(e),
             Err(message) => errors.push(TrainError::RankPanicked { rank, message }),
         }
@@ -107,10 +102,7 @@ pub fn train<T: TrainTask>(
     // The rank that failed first, not the ones that stopped because of it.
     match errors.into_iter().min_by_key(TrainError::is_peer_failure) {
         Some(e) => Err(e),
-        None => outcome.ok_or_else(|| TrainError::RankPanicked {
-            rank: 0,
-            message: "rank 0 returned no result".into(),
-        }),
+        None => Ok(outcome.expect("every rank returned")),
     }
 }
 
@@ -156,6 +148,7 @@ pub fn train_on<T: TrainTask>(
     let mut items = 0usize;
     // Time in training steps, without evaluations: what throughput divides by.
     let mut train_s = 0.0;
+    let mut step_times = Vec::with_capacity(args.max_steps);
     let mut last = StepMetrics {
         step: 0,
         lr: 0.0,
@@ -187,6 +180,7 @@ pub fn train_on<T: TrainTask>(
 
         let step_s = step_start.elapsed().as_secs_f64();
         train_s += step_s;
+        step_times.push(step_s);
         last = StepMetrics {
             step,
             lr,
@@ -252,6 +246,7 @@ pub fn train_on<T: TrainTask>(
         val_loss,
         accuracy,
         elapsed_s,
+        median(&mut step_times),
         peak_mem,
         num_params,
         model_state,
@@ -263,6 +258,11 @@ pub fn train_on<T: TrainTask>(
         summary.write_json(path)?;
     }
     Ok((model, summary))
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// The mean of `value` over the ranks (the global batch's loss).

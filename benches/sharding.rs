@@ -1,0 +1,187 @@
+//! The ZeRO memory and speed table: minGPT (8 layers, width 768, character vocabulary:
+//! 56.7M parameters) trained for a few steps under every strategy at N = 1, 2 and 4 MPI
+//! processes; per strategy and N, every rank's measured model-state bytes against the ZeRO
+//! paper's formula, the process peak, and the median step time, each beside DDP's at the
+//! same N.
+//!
+//!     cargo bench --features mpi --bench sharding
+//!     cargo bench --features mpi --bench sharding -- --worlds 2 --steps 3
+//!
+//! The driver starts `mpirun -np N` on this same binary in worker mode for each run; rank
+//! 0 of each run writes its summary JSON, which the driver reads.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use burn::prelude::*;
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::tasks::NextToken;
+use burnscale::train::memory::{CountingAllocator, human_bytes};
+use burnscale::train::{TrainArgs, train};
+use clap::Parser;
+use rand::{Rng, SeedableRng};
+use serde_json::Value;
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+const STRATEGIES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];
+
+#[derive(Parser)]
+struct Cli {
+    #[arg(long, default_value_t = 8)]
+    n_layer: usize,
+    #[arg(long, default_value_t = 12)]
+    n_head: usize,
+    #[arg(long, default_value_t = 768)]
+    n_embd: usize,
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
+    /// Micro-batch per rank.
+    #[arg(long, default_value_t = 4)]
+    batch_size: usize,
+    /// Optimizer steps per run (the median step time is reported).
+    #[arg(long, default_value_t = 4)]
+    steps: usize,
+    /// World sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    worlds: Vec<usize>,
+    /// Worker mode (set by the driver): train under this strategy, as one MPI rank.
+    #[arg(long, hide = true)]
+    worker: Option<String>,
+    #[arg(long, hide = true)]
+    summary_json: Option<PathBuf>,
+    // `cargo bench` passes `--bench` to every bench target.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+impl Cli {
+    fn config(&self) -> GptConfig {
+        let mut config = GptConfig::preset("gpt-mini", 65, self.block_size)
+            .expect("gpt-mini is a preset")
+            .with_dropout(0.0);
+        (config.n_layer, config.n_head, config.n_embd) = (self.n_layer, self.n_head, self.n_embd);
+        config
+    }
+}
+
+fn worker(cli: &Cli, strategy: &str) -> Result<()> {
+    let (steps, batch) = (cli.steps.to_string(), cli.batch_size.to_string());
+    let mut flags = vec![
+        "--strategy",
+        strategy,
+        "--max-steps",
+        &steps,
+        "--batch-size",
+        &batch,
+    ];
+    let summary = cli.summary_json.as_ref().map(|p| p.display().to_string());
+    if let Some(path) = &summary {
+        flags.extend(["--summary-json", path]);
+    }
+    let args = TrainArgs::from_flags(&flags)?;
+    let device = Device::default().autodiff();
+    device.seed(1337);
+    let config = cli.config();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1337);
+    let tokens = (0..1 << 20)
+        .map(|_| rng.random_range(0..config.vocab_size as i64))
+        .collect();
+    let mut task = NextToken::new(tokens, cli.block_size, cli.batch_size, 1337)?;
+    train(Gpt::new(&config, &device)?, &mut task, &args, &device)?;
+    Ok(())
+}
+
+fn run(cli: &Cli, strategy: &str, world: usize) -> Result<Measured> {
+    let json = std::env::temp_dir().join(format!("burnscale-sharding-{strategy}-{world}.json"));
+    let status = Command::new("mpirun")
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &world.to_string(),
+        ])
+        .arg(std::env::current_exe()?)
+        .args(["--worker", strategy, "--summary-json"])
+        .arg(&json)
+        .args(["--n-layer", &cli.n_layer.to_string()])
+        .args(["--n-head", &cli.n_head.to_string()])
+        .args(["--n-embd", &cli.n_embd.to_string()])
+        .args(["--block-size", &cli.block_size.to_string()])
+        .args(["--batch-size", &cli.batch_size.to_string()])
+        .args(["--steps", &cli.steps.to_string()])
+        .status()
+        .context("cannot start mpirun (apt-get install openmpi-bin libopenmpi-dev)")?;
+    if !status.success() {
+        bail!("{strategy} on {world} ranks failed: {status}");
+    }
+    let text = std::fs::read_to_string(&json).with_context(|| format!("{}", json.display()))?;
+    let summary: Value = serde_json::from_str(&text)?;
+    let num = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let max_over_ranks = |key: &str| {
+        summary["ranks"]
+            .as_array()
+            .map(|ranks| ranks.iter().map(|r| num(&r[key])).fold(0.0, f64::max))
+            .unwrap_or(f64::NAN)
+    };
+    Ok(Measured {
+        states: max_over_ranks("model_state_bytes"),
+        predicted: num(&summary["model_state_predicted_bytes"]),
+        peak: max_over_ranks("peak_mem_bytes"),
+        step_s: num(&summary["step_s_median"]),
+    })
+}
+
+/// One run, from rank 0's summary: the largest of the ranks' figures.
+#[derive(Clone, Copy)]
+struct Measured {
+    states: f64,
+    predicted: f64,
+    peak: f64,
+    step_s: f64,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(strategy) = &cli.worker {
+        return worker(&cli, strategy);
+    }
+    if !cfg!(feature = "mpi") {
+        bail!("this benchmark runs MPI processes: cargo bench --features mpi --bench sharding");
+    }
+    let config = cli.config();
+    println!(
+        "minGPT {} layers, width {}, {} parameters; micro-batch {} x {} tokens per rank; AdamW, f32; {} steps\n\
+         model states: ZeRO paper, pure f32 (4 B params + 4 B grads + 8 B AdamW per parameter, the strategy's part / N)\n",
+        config.n_layer,
+        config.n_embd,
+        config.num_params(),
+        cli.batch_size,
+        cli.block_size,
+        cli.steps
+    );
+    println!(
+        "{:>2} {:<6} {:>14} {:>14} {:>7} {:>14} {:>9} {:>10} {:>9}",
+        "N", "", "states/rank", "formula", "meas/f", "peak/rank", "vs ddp", "step s", "vs ddp"
+    );
+    for &world in &cli.worlds {
+        let mut ddp = None;
+        for strategy in STRATEGIES {
+            let m = run(&cli, strategy, world)?;
+            let base = *ddp.get_or_insert(m);
+            println!(
+                "{world:>2} {strategy:<6} {:>14} {:>14} {:>7.3} {:>14} {:>8.2}x {:>10.3} {:>8.2}x",
+                human_bytes(m.states as usize),
+                human_bytes(m.predicted as usize),
+                m.states / m.predicted,
+                human_bytes(m.peak as usize),
+                m.peak / base.peak,
+                m.step_s,
+                m.step_s / base.step_s,
+            );
+        }
+    }
+    Ok(())
+}
