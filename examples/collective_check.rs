@@ -11,7 +11,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use burn::prelude::*;
-use burnscale::collective::{Communicator, conformance, launched_by_mpirun, run_ranks};
+use burnscale::check_ranks;
+use burnscale::collective::{Communicator, conformance, launched_by_mpirun};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -69,27 +70,12 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let timeout = Duration::from_secs(cli.timeout_s);
-    let (engine, devices) = if launched_by_mpirun() {
-        ("mpi", cli.devices.unwrap_or(1))
+    let engine = if launched_by_mpirun() {
+        "mpi"
     } else {
-        ("threads", cli.devices.unwrap_or(2))
+        "threads"
     };
-    if devices == 0 {
-        eprintln!("error: --devices must be at least 1");
-        return ExitCode::FAILURE;
-    }
-    let failed: usize = match run_ranks(devices, timeout, |comm| {
+    check_ranks(cli.devices, timeout, |comm| {
         report(comm, engine, cli.panic_rank)
-    }) {
-        Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
-    };
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    })
 }

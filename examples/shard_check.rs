@@ -9,8 +9,9 @@
 
 use std::process::ExitCode;
 
+use burnscale::check_ranks;
+use burnscale::collective::Communicator;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::collective::{Communicator, launched_by_mpirun, run_ranks};
 use burnscale::equivalence::check;
 use clap::Parser;
 
@@ -50,20 +51,5 @@ fn report(comm: &dyn Communicator) -> usize {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let devices = cli
-        .devices
-        .unwrap_or(if launched_by_mpirun() { 1 } else { 2 });
-    let failed: usize = match run_ranks(devices, DEFAULT_TIMEOUT, report) {
-        Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
-    };
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    check_ranks(Cli::parse().devices, DEFAULT_TIMEOUT, report)
 }

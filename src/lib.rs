@@ -13,6 +13,33 @@ pub use burnscale_train as train;
 pub mod equivalence;
 pub mod tasks;
 
+/// Ends a self-check program: runs `report` (which returns its failure count) once per rank,
+/// on `devices` thread ranks (default 2) or on the MPI world under mpirun; exits non-zero if
+/// any rank failed, panicked or could not start.
+pub fn check_ranks(
+    devices: Option<usize>,
+    timeout: std::time::Duration,
+    report: impl Fn(&dyn collective::Communicator) -> usize + Sync,
+) -> std::process::ExitCode {
+    let devices = devices.unwrap_or(if collective::launched_by_mpirun() {
+        1
+    } else {
+        2
+    });
+    let failed: usize = match collective::run_ranks(devices, timeout, report) {
+        Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    };
+    if failed == 0 {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
+    }
+}
+
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with
 /// `RUST_BACKTRACE` set: these are user errors) and exits non-zero.
 pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {

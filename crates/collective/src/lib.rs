@@ -92,6 +92,11 @@ pub fn run_ranks<T: Send>(
     timeout: Duration,
     f: impl Fn(&dyn Communicator) -> T + Sync,
 ) -> Result<Vec<Result<T, String>>, CollectiveError> {
+    if devices == 0 {
+        return Err(CollectiveError::Invalid(
+            "--devices must be at least 1".into(),
+        ));
+    }
     if launched_by_mpirun() {
         if devices > 1 {
             return Err(CollectiveError::Invalid(format!(
