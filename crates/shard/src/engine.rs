@@ -158,7 +158,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             Some(replica) => {
                 let shards = host::values(&updated);
                 drop(updated);
-                self.gather(replica, &shards, 0..self.buckets.len(), &self.device, true)?
+                self.gather(replica, shards, 0..self.buckets.len(), &self.device, true)?
             }
         });
         Ok(norm)
@@ -172,7 +172,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             return Ok(model);
         }
         let shards = host::values(&model);
-        self.gather(model, &shards, 0..self.buckets.len(), &self.device, true)
+        self.gather(model, shards, 0..self.buckets.len(), &self.device, true)
     }
 
     /// Bytes of parameters this rank holds between steps.
@@ -198,7 +198,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let mut model = model;
         for bucket in &self.buckets {
             let slots: Vec<&Slot> = bucket.iter().map(|&i| &self.slots[i]).collect();
-            let mine: Vec<f32> = slots.iter().flat_map(|s| values[&s.id].clone()).collect();
+            let mine: Vec<f32> = slots
+                .iter()
+                .flat_map(|s| values.remove(&s.id).expect("a value for every parameter"))
+                .collect();
             let expected = mine.len();
             let mut buf = Buffer::F32(mine);
             self.comm.broadcast(&mut buf, 0)?;
@@ -216,10 +219,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let bucket_values = slots
                 .iter()
                 .zip(layout::split(&root, slots.iter().map(|s| s.numel())))
-                .map(|(s, v)| {
-                    values.remove(&s.id);
-                    (s.id, (v, s.dims.clone()))
-                })
+                .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
             model = host::set_values(model, bucket_values, &self.device, true);
         }
@@ -236,11 +236,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// `module` with the full values of the parameters in `buckets`, all-gathered from
-    /// every rank's `shards`, one collective per bucket.
+    /// every rank's `shards` (consumed as they are sent), one collective per bucket.
     fn gather<U: Module>(
         &self,
         mut module: U,
-        shards: &HostValues,
+        mut shards: HostValues,
         buckets: impl IntoIterator<Item = usize>,
         device: &Device,
         require_grad: bool,
@@ -251,7 +251,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 .iter()
                 .map(|&i| &self.slots[i])
                 .collect();
-            let mine: Vec<f32> = slots.iter().flat_map(|s| shards[&s.id].clone()).collect();
+            let mine: Vec<f32> = slots
+                .iter()
+                .flat_map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
+                .collect();
             let expected = world * mine.len();
             let gathered = if world == 1 {
                 mine
@@ -404,7 +407,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         require_grad: bool,
     ) -> Result<U, ShardError> {
         let shards = host::values(&unit);
-        self.gather(unit, &shards, [index], device, require_grad)
+        self.gather(unit, shards, [index], device, require_grad)
     }
 }
 
