@@ -2,6 +2,7 @@
 
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig, GptError, loader};
+use burnscale::nn::weights::WeightError;
 use safetensors::tensor::TensorView;
 
 fn model() -> Gpt {
@@ -90,7 +91,7 @@ fn bad_files_give_errors_that_name_the_problem() {
     let load = |p: &std::path::Path, c: &GptConfig| loader::load(p, c, &device).unwrap_err();
 
     let err = load(&dir.path().join("absent.safetensors"), &config);
-    assert!(matches!(err, GptError::Io { .. }), "{err}");
+    assert!(matches!(err, GptError::Weights(WeightError::Io { .. })), "{err}");
 
     let truncated = dir.path().join("truncated.safetensors");
     let bytes = std::fs::read(&good).unwrap();

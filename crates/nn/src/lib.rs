@@ -1,8 +1,10 @@
-//! Layers the burnscale models share, where Burn's own are slow on the CPU backend.
+//! What the burnscale models share: layers where Burn's own are slow on the CPU backend, the
+//! block split that wrap policies use, and checkpoint reading and writing.
 
 mod activation;
 mod blocks;
 pub mod dropout;
+pub mod weights;
 
 pub use activation::gelu_tanh;
 pub use blocks::BlockModel;

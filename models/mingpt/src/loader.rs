@@ -14,12 +14,11 @@
 //! | `lm_head.weight`                              | `lm_head.weight`            | `nn.Linear` `[vocab, n_embd]`, transposed; absent in GPT-2 files, where it is tied to `wte` |
 //! | `h.{i}.attn.bias`, `h.{i}.attn.masked_bias`   | —                           | GPT-2's causal-mask buffers, skipped |
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
-use safetensors::{Dtype, SafeTensors};
+use burnscale_nn::weights::{self, KeyMap, Weight};
 
 use crate::{Gpt, GptConfig, GptError};
 
@@ -58,11 +57,20 @@ fn is_layer_norm(module: &str) -> bool {
     module.ends_with("ln_1") || module.ends_with("ln_2") || module == "ln_f"
 }
 
-/// A weight read from disk, in Burn's layout.
-struct Loaded {
-    hf_key: String,
-    shape: Vec<usize>,
-    values: Vec<f32>,
+struct Gpt2Keys;
+
+impl KeyMap for Gpt2Keys {
+    fn file_key(&self, path: &str) -> String {
+        burn_to_hf(path)
+    }
+
+    fn shape_hint(&self, path: &str) -> &'static str {
+        match path {
+            WTE | LM_HEAD => " (vocabulary size differs from the checkpoint's)",
+            "wpe.weight" => " (block size differs from the checkpoint's)",
+            _ => "",
+        }
+    }
 }
 
 /// Loads a GPT-2-layout safetensors file into a model built from `config`.
@@ -71,214 +79,38 @@ struct Loaded {
 /// `lm_head.weight` may be absent (GPT-2 ties it to `wte`).
 pub fn load(path: &Path, config: &GptConfig, device: &Device) -> Result<Gpt, GptError> {
     let model = Gpt::new(config, device)?;
-    let bytes = std::fs::read(path).map_err(|source| GptError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    let mut weights = read_tensors(path, &bytes)?;
+    let mut weights: HashMap<String, Weight> = weights::read_safetensors(path)?
+        .into_iter()
+        .filter_map(|w| Some((hf_to_burn(&w.key)?, w)))
+        .collect();
     if !weights.contains_key(LM_HEAD)
         && let Some(wte) = weights.get(WTE)
     {
-        let tied = Loaded {
-            hf_key: format!("{} (tied)", wte.hf_key),
-            shape: wte.shape.clone(),
-            values: wte.values.clone(),
+        let tied = Weight {
+            key: format!("{} (tied)", wte.key),
+            ..wte.clone()
         };
         weights.insert(LM_HEAD.to_string(), tied);
     }
-    if let Some(head) = weights.get_mut(LM_HEAD) {
-        transpose(head);
+    if let Some(head) = weights.remove(LM_HEAD) {
+        weights.insert(LM_HEAD.to_string(), head.transposed());
     }
-
-    let mut mapper = LoadMapper {
-        path: Vec::new(),
-        weights,
-        device: device.clone(),
-        missing: Vec::new(),
-        shape_error: None,
-        file: path,
-    };
-    let model = model.map(&mut mapper);
-    if let Some(err) = mapper.shape_error {
-        return Err(err);
-    }
-    if !mapper.missing.is_empty() {
-        return Err(GptError::MissingKeys {
-            path: path.to_path_buf(),
-            keys: mapper.missing,
-        });
-    }
-    if !mapper.weights.is_empty() {
-        let mut keys: Vec<String> = mapper.weights.into_values().map(|w| w.hf_key).collect();
-        keys.sort();
-        return Err(GptError::UnexpectedKeys {
-            path: path.to_path_buf(),
-            keys,
-        });
-    }
-    Ok(model)
+    Ok(weights::apply(model, weights, &Gpt2Keys, path, device)?)
 }
 
 /// Writes `model` as a GPT-2-layout safetensors file (with an explicit `lm_head.weight`).
 pub fn save(model: &Gpt, path: &Path) -> Result<(), GptError> {
-    let mut collector = Collector::default();
-    model.visit(&mut collector);
-    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = collector
-        .tensors
-        .iter()
-        .map(|(key, (shape, bytes))| {
-            let view = safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)
-                .map_err(|e| GptError::Save {
-                    path: path.to_path_buf(),
-                    reason: e.to_string(),
-                })?;
-            Ok((key.clone(), view))
+    let tensors: Vec<Weight> = weights::collect(model)
+        .into_iter()
+        .map(|(path, w)| {
+            let w = if path == LM_HEAD { w.transposed() } else { w };
+            Weight {
+                key: burn_to_hf(&path),
+                ..w
+            }
         })
-        .collect::<Result<_, GptError>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| GptError::Save {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })
-}
-
-fn read_tensors(path: &Path, bytes: &[u8]) -> Result<HashMap<String, Loaded>, GptError> {
-    let file = SafeTensors::deserialize(bytes).map_err(|e| GptError::Format {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
-    let mut weights = HashMap::new();
-    for (key, view) in file.tensors() {
-        let Some(burn_path) = hf_to_burn(&key) else {
-            continue;
-        };
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(GptError::Dtype {
-                    path: path.to_path_buf(),
-                    key,
-                    dtype: format!("{other:?}"),
-                });
-            }
-        };
-        let shape = view.shape().to_vec();
-        weights.insert(
-            burn_path,
-            Loaded {
-                hf_key: key,
-                shape,
-                values,
-            },
-        );
-    }
-    Ok(weights)
-}
-
-fn transpose(w: &mut Loaded) {
-    if let [rows, cols] = w.shape[..] {
-        let mut out = vec![0.0; w.values.len()];
-        for r in 0..rows {
-            for c in 0..cols {
-                out[c * rows + r] = w.values[r * cols + c];
-            }
-        }
-        w.values = out;
-        w.shape = vec![cols, rows];
-    }
-}
-
-/// Swaps every parameter of a freshly built model for the loaded weight of the same path.
-struct LoadMapper<'a> {
-    path: Vec<String>,
-    weights: HashMap<String, Loaded>,
-    device: Device,
-    missing: Vec<String>,
-    shape_error: Option<GptError>,
-    file: &'a Path,
-}
-
-impl ModuleMapper for LoadMapper<'_> {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let path = self.path.join(".");
-        let expected = param.lazy_shape().dims::<D>().to_vec();
-        let Some(loaded) = self.weights.remove(&path) else {
-            self.missing.push(burn_to_hf(&path));
-            return param;
-        };
-        if loaded.shape != expected {
-            let hint = match path.as_str() {
-                WTE | LM_HEAD => " (vocabulary size differs from the checkpoint's)",
-                "wpe.weight" => " (block size differs from the checkpoint's)",
-                _ => "",
-            };
-            self.shape_error.get_or_insert(GptError::Shape {
-                path: self.file.to_path_buf(),
-                key: loaded.hf_key,
-                expected,
-                found: loaded.shape,
-                hint: hint.to_string(),
-            });
-            return param;
-        }
-        let tensor =
-            Tensor::<D>::from_data(TensorData::new(loaded.values, loaded.shape), &self.device);
-        let mut loaded_param = Param::from_tensor(tensor);
-        loaded_param.id = param.id;
-        loaded_param
-    }
-}
-
-/// Every float parameter as HF key -> (shape, little-endian f32 bytes).
-#[derive(Default)]
-struct Collector {
-    path: Vec<String>,
-    tensors: BTreeMap<String, (Vec<usize>, Vec<u8>)>,
-}
-
-impl ModuleVisitor for Collector {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let path = self.path.join(".");
-        let mut tensor = param.val();
-        let mut shape = tensor.dims().to_vec();
-        if path == LM_HEAD {
-            tensor = tensor.transpose();
-            shape.reverse();
-        }
-        let values: Vec<f32> = tensor
-            .into_data()
-            .try_into_vec_as::<f32>()
-            .unwrap_or_default();
-        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.tensors.insert(burn_to_hf(&path), (shape, bytes));
-    }
+        .collect();
+    Ok(weights::write_safetensors(path, &tensors)?)
 }
 
 #[cfg(test)]
