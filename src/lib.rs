@@ -2,15 +2,18 @@
 //!
 //! The crates, re-exported: [`train`] (the runner, its CLI and reports), [`shard`] (DDP and
 //! ZeRO-1/2/3), [`collective`] (process groups), [`nn`] (shared layers and the block-list
-//! view of a model) and the models ([`mingpt`]). See README.md for what works today.
+//! view of a model) and the models ([`mingpt`], [`vit`]). See README.md for what works today.
 
 pub use burnscale_collective as collective;
 pub use burnscale_mingpt as mingpt;
 pub use burnscale_nn as nn;
 pub use burnscale_shard as shard;
 pub use burnscale_train as train;
+pub use burnscale_vit as vit;
 
 pub mod equivalence;
+pub mod pretrained;
+pub mod pypi;
 pub mod tasks;
 
 /// Ends a self-check program: runs `report` (which returns its failure count) once per rank,

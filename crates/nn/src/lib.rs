@@ -4,8 +4,10 @@
 mod activation;
 mod blocks;
 pub mod dropout;
+mod loss;
 pub mod weights;
 
 pub use activation::gelu_tanh;
 pub use blocks::BlockModel;
 pub use dropout::{Dropout, DropoutConfig};
+pub use loss::cross_entropy;

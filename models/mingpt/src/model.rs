@@ -1,7 +1,7 @@
 use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::{log_softmax, softmax};
+use burn::tensor::activation::softmax;
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, gelu_tanh};
 
 use crate::{GptConfig, GptError};
@@ -189,18 +189,10 @@ impl Gpt {
     }
 }
 
-/// Mean token cross-entropy; positions whose target is negative are ignored (PyTorch's
-/// `ignore_index=-1`, which minGPT uses).
+/// Mean token cross-entropy; positions whose target is negative are ignored.
 pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     let [b, t, v] = logits.dims();
-    let n = b * t;
-    let logp = log_softmax(logits.reshape([n, v]), 1); // [n, v]
-    let targets = targets.reshape([n]);
-    let keep = targets.clone().greater_equal_elem(0).float(); // [n]
-    let picked = logp
-        .gather(1, targets.clamp_min(0).reshape([n, 1]))
-        .reshape([n]);
-    (picked * keep.clone()).sum().neg() / keep.sum().clamp_min(1.0)
+    burnscale_nn::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
 }
 
 /// A linear layer initialised as minGPT: N(0, std) weight, zero bias.

@@ -1,0 +1,296 @@
+//! Hugging Face ViT safetensors (`ViTForImageClassification` / `ViTModel`) <-> [`Vit`].
+//!
+//! | HF key                                                   | burnscale path                        | note |
+//! |----------------------------------------------------------|---------------------------------------|------|
+//! | `vit.embeddings.cls_token`                               | `embeddings.cls_token`                | `[1, 1, d]` |
+//! | `vit.embeddings.position_embeddings`                     | `embeddings.position_embeddings`      | resampled bicubically when the file's grid differs |
+//! | `vit.embeddings.patch_embeddings.projection.weight/bias` | `embeddings.projection.weight/bias`   | conv `[d, c, p, p]`, same layout |
+//! | `vit.encoder.layer.{i}.layernorm_before.weight/bias`     | `layer.{i}.layernorm_before.gamma/beta` | |
+//! | `vit.encoder.layer.{i}.attention.attention.{query,key,value}.*` | `layer.{i}.attention.{query,key,value}.*` | `nn.Linear` weights transposed |
+//! | `vit.encoder.layer.{i}.attention.output.dense.*`         | `layer.{i}.attention.output.*`        | transposed |
+//! | `vit.encoder.layer.{i}.layernorm_after.weight/bias`      | `layer.{i}.layernorm_after.gamma/beta` | |
+//! | `vit.encoder.layer.{i}.intermediate.dense.*`             | `layer.{i}.intermediate.*`            | transposed |
+//! | `vit.encoder.layer.{i}.output.dense.*`                   | `layer.{i}.output.*`                  | transposed |
+//! | `vit.layernorm.weight/bias`                              | `layernorm.gamma/beta`                | |
+//! | `classifier.weight/bias`                                 | `classifier.weight/bias`              | transposed; with [`Head::Fresh`] ignored and left initialised |
+//! | `vit.pooler.dense.*`                                     | —                                     | `ViTModel`'s pooler, unused by classification: skipped |
+//!
+//! transformers 5's in-memory names (`vit.layers.{i}.attention.{q,k,v,o}_proj`, `.mlp.fc1/fc2`)
+//! are read as the rows above; saving writes the checkpoint names of the table.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::prelude::*;
+use burn::tensor::module::interpolate;
+use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
+use burnscale_nn::weights::{self, KeyMap, Weight};
+
+use crate::{Vit, VitConfig, VitError};
+
+/// Prefix renames (HF, burnscale) at the top level and inside an encoder layer; the longest
+/// matching prefix wins, in either direction.
+const TOP_RENAMES: [(&str, &str); 1] = [(
+    "embeddings.patch_embeddings.projection.",
+    "embeddings.projection.",
+)];
+const LAYER_RENAMES: [(&str, &str); 4] = [
+    ("attention.attention.", "attention."),
+    ("attention.output.dense.", "attention.output."),
+    ("intermediate.dense.", "intermediate."),
+    ("output.dense.", "output."),
+];
+/// transformers 5 names the same weights differently in memory (`vit.layers.{i}...`); files it
+/// loaded and saved may carry these names, so they are read too. Saving writes the names above.
+const LAYER_RENAMES_V5: [(&str, &str); 6] = [
+    ("attention.q_proj.", "attention.query."),
+    ("attention.k_proj.", "attention.key."),
+    ("attention.v_proj.", "attention.value."),
+    ("attention.o_proj.", "attention.output."),
+    ("mlp.fc1.", "intermediate."),
+    ("mlp.fc2.", "output."),
+];
+
+const POSITIONS: &str = "embeddings.position_embeddings";
+const CLASSIFIER: &str = "classifier.";
+
+/// Whether the file's classification head is loaded or a fresh one is kept (finetuning on
+/// other classes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Load,
+    Fresh,
+}
+
+/// `name` with its longest prefix among `table`'s `from` sides replaced by the `to` side.
+fn rename(name: &str, table: &[(&str, &str)], forward: bool) -> String {
+    table
+        .iter()
+        .map(|&(hf, burn)| if forward { (hf, burn) } else { (burn, hf) })
+        .filter(|(from, _)| name.starts_with(from))
+        .max_by_key(|(from, _)| from.len())
+        .map(|(from, to)| format!("{to}{}", &name[from.len()..]))
+        .unwrap_or_else(|| name.to_string())
+}
+
+/// `(layer prefix, rest)` of a name inside encoder layer `i`.
+fn split_layer<'a>(name: &'a str, prefix: &str) -> Option<(&'a str, &'a str)> {
+    let rest = name.strip_prefix(prefix)?;
+    let (index, rest) = rest.split_once('.')?;
+    index.parse::<usize>().ok()?;
+    Some((&name[..prefix.len() + index.len() + 1], rest))
+}
+
+/// The burnscale path of an HF key, or `None` for a weight classification does not use.
+fn hf_to_burn(key: &str) -> Option<String> {
+    if key.starts_with("vit.pooler.") || key.starts_with("pooler.") {
+        return None;
+    }
+    let key = key.strip_prefix("vit.").unwrap_or(key);
+    let path = match split_layer(key, "encoder.layer.") {
+        Some((layer, rest)) => format!(
+            "{}{}",
+            layer.replacen("encoder.", "", 1),
+            rename(rest, &LAYER_RENAMES, true)
+        ),
+        None => match split_layer(key, "layers.") {
+            Some((layer, rest)) => format!(
+                "{}{}",
+                layer.replacen("layers.", "layer.", 1),
+                rename(rest, &LAYER_RENAMES_V5, true)
+            ),
+            None => rename(key, &TOP_RENAMES, true),
+        },
+    };
+    Some(match path.rsplit_once('.') {
+        Some((module, "weight")) if is_layer_norm(module) => format!("{module}.gamma"),
+        Some((module, "bias")) if is_layer_norm(module) => format!("{module}.beta"),
+        _ => path,
+    })
+}
+
+/// The HF key of a burnscale parameter path.
+pub fn burn_to_hf(path: &str) -> String {
+    let path = match path.rsplit_once('.') {
+        Some((module, "gamma")) => format!("{module}.weight"),
+        Some((module, "beta")) => format!("{module}.bias"),
+        _ => path.to_string(),
+    };
+    if path.starts_with(CLASSIFIER) {
+        return path;
+    }
+    match split_layer(&path, "layer.") {
+        Some((layer, rest)) => format!("vit.encoder.{layer}{}", rename(rest, &LAYER_RENAMES, false)),
+        None => format!("vit.{}", rename(&path, &TOP_RENAMES, false)),
+    }
+}
+
+fn is_layer_norm(module: &str) -> bool {
+    module.ends_with("layernorm") || module.ends_with("layernorm_before") || module.ends_with("layernorm_after")
+}
+
+/// `nn.Linear` weights, stored `[out, in]` by PyTorch and `[in, out]` by Burn.
+fn is_linear_weight(path: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && path.ends_with(".weight")
+}
+
+struct VitKeys {
+    head: Head,
+}
+
+impl KeyMap for VitKeys {
+    fn file_key(&self, path: &str) -> String {
+        burn_to_hf(path)
+    }
+
+    fn may_stay_initialised(&self, path: &str) -> bool {
+        self.head == Head::Fresh && path.starts_with(CLASSIFIER)
+    }
+
+    fn shape_hint(&self, path: &str) -> &'static str {
+        if path.starts_with(CLASSIFIER) {
+            " (another number of classes: load with a fresh head to finetune)"
+        } else if path.starts_with("embeddings.projection") {
+            " (another patch size or channel count)"
+        } else {
+            " (weights for another ViT size?)"
+        }
+    }
+}
+
+/// Loads an HF ViT safetensors file into a model built from `config`.
+pub fn load(path: &Path, config: &VitConfig, head: Head, device: &Device) -> Result<Vit, VitError> {
+    load_weights(weights::read_safetensors(path)?, path, config, head, device)
+}
+
+/// Loads HF-ViT-keyed tensors (read from `file`) into a model built from `config`.
+pub fn load_weights(
+    tensors: Vec<Weight>,
+    file: &Path,
+    config: &VitConfig,
+    head: Head,
+    device: &Device,
+) -> Result<Vit, VitError> {
+    let model = Vit::new(config, device)?;
+    let mut weights = HashMap::new();
+    for w in tensors {
+        let Some(path) = hf_to_burn(&w.key) else {
+            continue;
+        };
+        if head == Head::Fresh && path.starts_with(CLASSIFIER) {
+            continue;
+        }
+        let w = if is_linear_weight(&path, &w.shape) {
+            w.transposed()
+        } else if path == POSITIONS {
+            resample_positions(w, config, device)
+        } else {
+            w
+        };
+        weights.insert(path, w);
+    }
+    Ok(weights::apply(model, weights, &VitKeys { head }, file, device)?)
+}
+
+/// Writes `model` as an HF `ViTForImageClassification` safetensors file.
+pub fn save(model: &Vit, path: &Path) -> Result<(), VitError> {
+    let tensors: Vec<Weight> = weights::collect(model)
+        .into_iter()
+        .map(|(path, w)| {
+            let w = if is_linear_weight(&path, &w.shape) {
+                w.transposed()
+            } else {
+                w
+            };
+            Weight {
+                key: burn_to_hf(&path),
+                ..w
+            }
+        })
+        .collect();
+    Ok(weights::write_safetensors(path, &tensors)?)
+}
+
+/// Position embeddings for another grid, resampled bicubically (PyTorch's `bicubic`,
+/// `align_corners=False`, as HF's `interpolate_pos_encoding` and timm do); the class token's
+/// position is kept. Other shapes pass through, for [`weights::apply`] to report.
+pub fn resample_positions(w: Weight, config: &VitConfig, device: &Device) -> Weight {
+    let [1, n, d] = w.shape[..] else {
+        return w;
+    };
+    let from = ((n - 1) as f64).sqrt().round() as usize;
+    let to = config.grid();
+    if from * from + 1 != n || from == to || d != config.hidden_size {
+        return w;
+    }
+    let all = Tensor::<3>::from_data(TensorData::new(w.values, w.shape), device);
+    let cls = all.clone().narrow(1, 0, 1); // [1, 1, d]
+    let grid = all
+        .narrow(1, 1, n - 1)
+        .reshape([1, from, from, d])
+        .permute([0, 3, 1, 2]); // [1, d, from, from]
+    let options = InterpolateOptions::new(InterpolateMode::Bicubic)
+        .with_align_corners(false)
+        .with_output_size([to, to]);
+    let grid = interpolate(grid, options)
+        .permute([0, 2, 3, 1])
+        .reshape([1, to * to, d]);
+    let resampled = Tensor::cat(vec![cls, grid], 1);
+    Weight {
+        key: w.key,
+        shape: vec![1, to * to + 1, d],
+        values: resampled
+            .into_data()
+            .try_into_vec_as::<f32>()
+            .expect("an f32 tensor converts to f32"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_table_round_trips() {
+        for (hf, burn) in [
+            ("vit.embeddings.cls_token", "embeddings.cls_token"),
+            (
+                "vit.embeddings.patch_embeddings.projection.weight",
+                "embeddings.projection.weight",
+            ),
+            (
+                "vit.encoder.layer.3.layernorm_before.weight",
+                "layer.3.layernorm_before.gamma",
+            ),
+            (
+                "vit.encoder.layer.0.attention.attention.query.weight",
+                "layer.0.attention.query.weight",
+            ),
+            (
+                "vit.encoder.layer.0.attention.output.dense.bias",
+                "layer.0.attention.output.bias",
+            ),
+            (
+                "vit.encoder.layer.11.intermediate.dense.weight",
+                "layer.11.intermediate.weight",
+            ),
+            (
+                "vit.encoder.layer.11.output.dense.weight",
+                "layer.11.output.weight",
+            ),
+            ("vit.layernorm.bias", "layernorm.beta"),
+            ("classifier.weight", "classifier.weight"),
+        ] {
+            assert_eq!(hf_to_burn(hf).as_deref(), Some(burn), "{hf}");
+            assert_eq!(burn_to_hf(burn), hf, "{burn}");
+        }
+        assert_eq!(hf_to_burn("vit.pooler.dense.weight"), None);
+        for (v5, burn) in [
+            ("vit.layers.1.attention.o_proj.bias", "layer.1.attention.output.bias"),
+            ("vit.layers.1.mlp.fc2.weight", "layer.1.output.weight"),
+            ("vit.layers.0.layernorm_after.weight", "layer.0.layernorm_after.gamma"),
+        ] {
+            assert_eq!(hf_to_burn(v5).as_deref(), Some(burn), "{v5}");
+        }
+    }
+}

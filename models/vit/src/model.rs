@@ -1,0 +1,242 @@
+use burn::module::Param;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::prelude::*;
+use burn::tensor::activation::{gelu, softmax};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig};
+
+use crate::{VitConfig, VitError};
+
+/// Patches, class token and position embeddings: the input of the first block.
+#[derive(Module, Debug)]
+pub struct Embeddings {
+    pub cls_token: Param<Tensor<3>>,           // [1, 1, d]
+    pub position_embeddings: Param<Tensor<3>>, // [1, 1 + grid², d]
+    /// A `patch_size` convolution with stride `patch_size`: one linear map per patch.
+    pub projection: Conv2d,
+    dropout: Dropout,
+}
+
+impl Embeddings {
+    fn new(config: &VitConfig, device: &Device) -> Self {
+        let d = config.hidden_size;
+        let p = config.patch_size;
+        let normal = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        Self {
+            cls_token: normal.init([1, 1, d], device),
+            position_embeddings: normal.init([1, config.seq_len(), d], device),
+            projection: Conv2dConfig::new([config.num_channels, d], [p, p])
+                .with_stride([p, p])
+                .init(device),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+        }
+    }
+
+    pub fn forward(&self, pixels: Tensor<4>) -> Tensor<3> {
+        let patches = self.projection.forward(pixels); // [b, d, grid, grid]
+        let [b, d, gh, gw] = patches.dims();
+        let patches = patches.reshape([b, d, gh * gw]).swap_dims(1, 2); // [b, grid², d]
+        let cls = self.cls_token.val().expand([b, 1, d]);
+        let x = Tensor::cat(vec![cls, patches], 1); // [b, 1 + grid², d]
+        self.dropout.forward(x + self.position_embeddings.val())
+    }
+}
+
+/// Multi-head self-attention with separate q/k/v projections, as HF `ViTSelfAttention`.
+#[derive(Module, Debug)]
+pub struct Attention {
+    pub query: Linear,
+    pub key: Linear,
+    pub value: Linear,
+    /// HF's `attention.output.dense`.
+    pub output: Linear,
+    attn_dropout: Dropout,
+    dropout: Dropout,
+    num_heads: usize,
+}
+
+impl Attention {
+    fn new(config: &VitConfig, device: &Device) -> Self {
+        let d = config.hidden_size;
+        Self {
+            query: linear(d, d, device),
+            key: linear(d, d, device),
+            value: linear(d, d, device),
+            output: linear(d, d, device),
+            attn_dropout: DropoutConfig::new(config.attention_probs_dropout_prob).init(),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            num_heads: config.num_attention_heads,
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let hd = d / self.num_heads;
+        let heads = |x: Tensor<3>| x.reshape([b, t, self.num_heads, hd]).swap_dims(1, 2);
+        let q = heads(self.query.forward(x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
+        let k = heads(self.key.forward(x.clone()));
+        let v = heads(self.value.forward(x));
+        let att = softmax(q.matmul(k.swap_dims(2, 3)), 3); // [b, nh, t, t]
+        let y = self.attn_dropout.forward(att).matmul(v); // [b, nh, t, hd]
+        let y = y.swap_dims(1, 2).reshape([b, t, d]);
+        self.dropout.forward(self.output.forward(y))
+    }
+}
+
+/// One pre-LN encoder layer: the unit that sharding and checkpointing wrap.
+#[derive(Module, Debug)]
+pub struct Layer {
+    pub layernorm_before: LayerNorm,
+    pub attention: Attention,
+    pub layernorm_after: LayerNorm,
+    /// HF's `intermediate.dense`.
+    pub intermediate: Linear,
+    /// HF's `output.dense`.
+    pub output: Linear,
+    dropout: Dropout,
+}
+
+impl Layer {
+    fn new(config: &VitConfig, device: &Device) -> Self {
+        let (d, f) = (config.hidden_size, config.intermediate_size);
+        Self {
+            layernorm_before: layer_norm(config, device),
+            attention: Attention::new(config, device),
+            layernorm_after: layer_norm(config, device),
+            intermediate: linear(d, f, device),
+            output: linear(f, d, device),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = x.clone() + self.attention.forward(self.layernorm_before.forward(x));
+        let h = gelu(self.intermediate.forward(self.layernorm_after.forward(x.clone()))); // [b, t, f]
+        x + self.dropout.forward(self.output.forward(h))
+    }
+}
+
+/// ViT with a classification head on the class token.
+#[derive(Module, Debug)]
+pub struct Vit {
+    pub embeddings: Embeddings,
+    pub layer: Vec<Layer>,
+    pub layernorm: LayerNorm,
+    pub classifier: Linear,
+    num_channels: usize,
+    image_size: usize,
+}
+
+impl Vit {
+    /// A freshly initialised model (HF's `_init_weights`: N(0, 0.02) weights, zero biases).
+    pub fn new(config: &VitConfig, device: &Device) -> Result<Self, VitError> {
+        config.validate()?;
+        Ok(Self {
+            embeddings: Embeddings::new(config, device),
+            layer: (0..config.num_hidden_layers)
+                .map(|_| Layer::new(config, device))
+                .collect(),
+            layernorm: layer_norm(config, device),
+            classifier: linear(config.hidden_size, config.num_labels, device),
+            num_channels: config.num_channels,
+            image_size: config.image_size,
+        })
+    }
+
+    /// `Ok` if `dims` is a batch of images this model takes.
+    pub fn check_images(&self, dims: [usize; 4]) -> Result<(), VitError> {
+        let [_, c, h, w] = dims;
+        if c == self.num_channels && h == self.image_size && w == self.image_size {
+            Ok(())
+        } else {
+            Err(VitError::ImageShape {
+                found: dims.to_vec(),
+                channels: self.num_channels,
+                size: self.image_size,
+            })
+        }
+    }
+
+    /// The last hidden state after the final layer norm (HF `ViTModel`'s `last_hidden_state`).
+    pub fn features(&self, pixels: Tensor<4>) -> Tensor<3> {
+        self.layernorm.forward(self.encode(pixels)) // [b, 1 + grid², d]
+    }
+
+    /// Class logits.
+    pub fn forward(&self, pixels: Tensor<4>) -> Tensor<2> {
+        self.head(self.encode(pixels)) // [b, labels]
+    }
+
+    /// Embeddings, then every layer.
+    fn encode(&self, pixels: Tensor<4>) -> Tensor<3> {
+        self.layer
+            .iter()
+            .fold(self.embed(pixels), |x, layer| layer.forward(x))
+    }
+
+    /// Patch, class and position embeddings. Panics on images of another shape; data
+    /// loaders check with [`Vit::check_images`] first.
+    pub fn embed(&self, pixels: Tensor<4>) -> Tensor<3> {
+        if let Err(e) = self.check_images(pixels.dims()) {
+            panic!("{e}");
+        }
+        self.embeddings.forward(pixels)
+    }
+
+    /// Logits from the last layer's output: the class token after the final layer norm.
+    pub fn head(&self, x: Tensor<3>) -> Tensor<2> {
+        let [b, _, d] = x.dims();
+        let cls = self.layernorm.forward(x.narrow(1, 0, 1)).reshape([b, d]); // [b, d]
+        self.classifier.forward(cls) // [b, labels]
+    }
+}
+
+fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
+    let mut layer = LinearConfig::new(d_in, d_out)
+        .with_initializer(Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        })
+        .init(device);
+    layer.bias = Some(Initializer::Zeros.init([d_out], device));
+    layer
+}
+
+fn layer_norm(config: &VitConfig, device: &Device) -> LayerNorm {
+    LayerNormConfig::new(config.hidden_size)
+        .with_epsilon(config.layer_norm_eps)
+        .init(device)
+}
+
+impl BlockModel for Vit {
+    type Block = Layer;
+    type Input = Tensor<4>;
+    type Target = Tensor<1, Int>;
+
+    fn embed(&self, pixels: Tensor<4>) -> Tensor<3> {
+        Vit::embed(self, pixels)
+    }
+
+    fn block_forward(layer: &Layer, x: Tensor<3>) -> Tensor<3> {
+        layer.forward(x)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, labels: Tensor<1, Int>) -> Tensor<1> {
+        burnscale_nn::cross_entropy(self.head(x), labels)
+    }
+
+    fn blocks(&self) -> &[Layer] {
+        &self.layer
+    }
+
+    fn take_blocks(&mut self) -> Vec<Layer> {
+        std::mem::take(&mut self.layer)
+    }
+
+    fn set_blocks(&mut self, blocks: Vec<Layer>) {
+        self.layer = blocks;
+    }
+}

