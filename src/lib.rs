@@ -12,6 +12,7 @@ pub use burnscale_train as train;
 pub use burnscale_vit as vit;
 
 pub mod equivalence;
+pub mod images;
 pub mod pretrained;
 pub mod pypi;
 pub mod tasks;

@@ -32,7 +32,17 @@ pub fn dinov2_vit_s14(config: &VitConfig, device: &Device) -> Result<Vit, Pretra
 }
 
 /// As [`dinov2_vit_s14`], from an ONNX file already on disk.
-pub fn load_dinov2(onnx: &Path, config: &VitConfig, device: &Device) -> Result<Vit, PretrainedError> {
+pub fn load_dinov2(
+    onnx: &Path,
+    config: &VitConfig,
+    device: &Device,
+) -> Result<Vit, PretrainedError> {
     let weights = dinov2::read(onnx)?;
-    Ok(loader::load_weights(weights, onnx, config, Head::Fresh, device)?)
+    Ok(loader::load_weights(
+        weights,
+        onnx,
+        config,
+        Head::Fresh,
+        device,
+    )?)
 }

@@ -136,7 +136,11 @@ impl WheelFile<'_> {
                 source,
             })?;
         }
-        let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        let digest: String = hasher
+            .finalize()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
         if digest != sha256 {
             return Err(network(format!(
                 "{url}: sha256 {digest} differs from the index's {sha256} (download cut short?)"

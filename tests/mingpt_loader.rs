@@ -91,7 +91,10 @@ fn bad_files_give_errors_that_name_the_problem() {
     let load = |p: &std::path::Path, c: &GptConfig| loader::load(p, c, &device).unwrap_err();
 
     let err = load(&dir.path().join("absent.safetensors"), &config);
-    assert!(matches!(err, GptError::Weights(WeightError::Io { .. })), "{err}");
+    assert!(
+        matches!(err, GptError::Weights(WeightError::Io { .. })),
+        "{err}"
+    );
 
     let truncated = dir.path().join("truncated.safetensors");
     let bytes = std::fs::read(&good).unwrap();

@@ -14,12 +14,17 @@ const TOLERANCE: f32 = 1e-4;
 
 /// Fixture tensors: the model's weights, and `input.*`/`output.*` by name.
 fn fixture(name: &str) -> (Vec<Weight>, HashMap<String, Weight>) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vit").join(name);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/vit")
+        .join(name);
     let (io, weights): (Vec<Weight>, Vec<Weight>) = weights::read_safetensors(&path)
         .unwrap()
         .into_iter()
         .partition(|w| w.key.starts_with("input.") || w.key.starts_with("output."));
-    (weights, io.into_iter().map(|w| (w.key.clone(), w)).collect())
+    (
+        weights,
+        io.into_iter().map(|w| (w.key.clone(), w)).collect(),
+    )
 }
 
 fn tensor<const D: usize>(w: &Weight, device: &Device) -> Tensor<D> {
@@ -56,7 +61,10 @@ fn tiny_vit_matches_transformers() {
     let logits = max_abs_diff(model.forward(pixels.clone()), &io["output.logits"]);
     let hidden = max_abs_diff(model.features(pixels), &io["output.last_hidden_state"]);
     eprintln!("tiny ViT: max-abs difference logits {logits:.2e}, last hidden state {hidden:.2e}");
-    assert!(logits < TOLERANCE && hidden < TOLERANCE, "logits {logits}, hidden {hidden}");
+    assert!(
+        logits < TOLERANCE && hidden < TOLERANCE,
+        "logits {logits}, hidden {hidden}"
+    );
 }
 
 #[test]
@@ -101,7 +109,9 @@ fn bad_weights_and_images_give_errors_that_name_the_problem() {
     loader::save(&model, &good).unwrap();
     let tiny = VitConfig::tiny();
     let load = |path: &Path, config: &VitConfig, head| {
-        loader::load(path, config, head, &device).unwrap_err().to_string()
+        loader::load(path, config, head, &device)
+            .unwrap_err()
+            .to_string()
     };
 
     let truncated = dir.path().join("truncated.safetensors");
@@ -111,7 +121,10 @@ fn bad_weights_and_images_give_errors_that_name_the_problem() {
 
     let other_classes = tiny.with_num_labels(3);
     let err = load(&good, &other_classes, Head::Load);
-    assert!(err.contains("classifier.weight") && err.contains("fresh head"), "{err}");
+    assert!(
+        err.contains("classifier.weight") && err.contains("fresh head"),
+        "{err}"
+    );
     loader::load(&good, &other_classes, Head::Fresh, &device).unwrap();
 
     let wider = VitConfig {
@@ -125,14 +138,20 @@ fn bad_weights_and_images_give_errors_that_name_the_problem() {
         ..tiny
     };
     let err = load(&good, &deeper, Head::Load);
-    assert!(err.contains("vit.encoder.layer.2.attention.attention.query.weight"), "{err}");
+    assert!(
+        err.contains("vit.encoder.layer.2.attention.attention.query.weight"),
+        "{err}"
+    );
 
     let shallower = VitConfig {
         num_hidden_layers: 1,
         ..tiny
     };
     let err = load(&good, &shallower, Head::Load);
-    assert!(err.contains("vit.encoder.layer.1.output.dense.bias"), "{err}");
+    assert!(
+        err.contains("vit.encoder.layer.1.output.dense.bias"),
+        "{err}"
+    );
 
     let onnx = pretrained::load_dinov2(&good, &VitConfig::vit_s_14(), &device).unwrap_err();
     assert!(onnx.to_string().contains("ONNX"), "{onnx}");

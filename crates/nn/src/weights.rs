@@ -18,7 +18,9 @@ pub enum WeightError {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("{path} is not a valid {format} file ({reason}); is it truncated? re-download or re-export it")]
+    #[error(
+        "{path} is not a valid {format} file ({reason}); is it truncated? re-download or re-export it"
+    )]
     Format {
         path: PathBuf,
         format: &'static str,

@@ -137,7 +137,10 @@ impl VitConfig {
         }
         for (name, p) in [
             ("hidden_dropout_prob", self.hidden_dropout_prob),
-            ("attention_probs_dropout_prob", self.attention_probs_dropout_prob),
+            (
+                "attention_probs_dropout_prob",
+                self.attention_probs_dropout_prob,
+            ),
         ] {
             if !(0.0..1.0).contains(&p) {
                 return invalid(format!("{name} {p} is not in [0, 1)"));
@@ -180,9 +183,20 @@ mod tests {
             num_attention_heads: 5,
             ..VitConfig::tiny()
         };
-        assert!(heads.validate().unwrap_err().to_string().contains("divisible"));
+        assert!(
+            heads
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("divisible")
+        );
         let size = VitConfig::tiny().with_image_size(30);
-        assert!(size.validate().unwrap_err().to_string().contains("patch_size"));
+        assert!(
+            size.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("patch_size")
+        );
         assert!(VitConfig::preset("vit-h-14").is_err());
     }
 }

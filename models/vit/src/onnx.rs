@@ -107,7 +107,9 @@ fn tensor(bytes: &[u8]) -> Result<Option<Weight>, String> {
             (8, value) => name = value.string()?,
             (9, value) => raw = Some(value.bytes()?),
             (14, Value::Varint(1)) => {
-                return Err(format!("tensor `{name}` keeps its data in an external file"));
+                return Err(format!(
+                    "tensor `{name}` keeps its data in an external file"
+                ));
             }
             _ => {}
         }
@@ -235,10 +237,13 @@ mod tests {
 
     #[test]
     fn reads_a_hand_built_model() {
-        let values: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let values: Vec<u8> = [1.5f32, -2.0]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
         let tensor = [
-            vec![1 << 3, 2],      // dims: 2
-            vec![2 << 3, 1],      // data_type: FLOAT
+            vec![1 << 3, 2], // dims: 2
+            vec![2 << 3, 1], // data_type: FLOAT
             field(8, b"w"),
             field(9, &values),
         ]
@@ -248,7 +253,10 @@ mod tests {
         let model = [vec![1 << 3, 7], field(7, &graph)].concat();
         let graph = parse(&model).unwrap();
         let w = graph.input_of("mm", 1).unwrap();
-        assert_eq!((w.shape.clone(), w.values.clone()), (vec![2], vec![1.5, -2.0]));
+        assert_eq!(
+            (w.shape.clone(), w.values.clone()),
+            (vec![2], vec![1.5, -2.0])
+        );
         assert!(graph.input_of("mm", 0).is_err());
         let truncated = parse(&model[..model.len() - 3]).err().unwrap();
         assert!(truncated.contains("truncated"), "{truncated}");
