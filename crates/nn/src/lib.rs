@@ -8,6 +8,6 @@ mod loss;
 pub mod weights;
 
 pub use activation::gelu_tanh;
-pub use blocks::BlockModel;
+pub use blocks::{BlockModel, Mask};
 pub use dropout::{Dropout, DropoutConfig};
 pub use loss::cross_entropy;

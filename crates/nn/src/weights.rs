@@ -34,7 +34,7 @@ pub enum WeightError {
         found: Vec<usize>,
         hint: String,
     },
-    #[error("{path}: tensor `{key}` has dtype {dtype}; only F32, F16 and BF16 weights load")]
+    #[error("{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 (and I64 buffers) load")]
     Dtype {
         path: PathBuf,
         key: String,
@@ -101,6 +101,11 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Weight>, WeightError> {
                     .chunks_exact(2)
                     .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
                     .collect(),
+                // Integer buffers (BERT's `position_ids`) and test inputs; exact below 2^24.
+                Dtype::I64 => data
+                    .chunks_exact(8)
+                    .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
+                    .collect(),
                 other => {
                     return Err(WeightError::Dtype {
                         path: path.to_path_buf(),
@@ -140,6 +145,51 @@ pub fn write_safetensors(path: &Path, tensors: &[Weight]) -> Result<(), WeightEr
     safetensors::serialize_to_file(views, None, path).map_err(|e| save_error(e.to_string()))
 }
 
+/// A loader's key-mapping table: rows of (file key, parameter path) templates, where `{i}`
+/// stands for a block index. A row with an empty path names a file tensor the model does not
+/// load (a buffer, or a weight tied to another).
+#[derive(Debug, Clone, Copy)]
+pub struct KeyTable(pub &'static [(&'static str, &'static str)]);
+
+impl KeyTable {
+    /// The parameter path of a file key: `Some("")` for a skipped tensor, `None` for a key
+    /// the table does not know.
+    pub fn to_path(&self, key: &str) -> Option<String> {
+        self.0
+            .iter()
+            .find_map(|(file, path)| fill(path, matches(file, key)?))
+    }
+
+    /// The file key of a parameter path.
+    pub fn to_key(&self, path: &str) -> Option<String> {
+        self.0
+            .iter()
+            .filter(|(_, p)| !p.is_empty())
+            .find_map(|(file, p)| fill(file, matches(p, path)?))
+    }
+}
+
+/// `Some(index)` if `name` fits `template` (`index` is `{i}`'s value, if any).
+fn matches(template: &str, name: &str) -> Option<Option<usize>> {
+    match template.split_once("{i}") {
+        None => (template == name).then_some(None),
+        Some((head, tail)) => {
+            let digits = name.strip_prefix(head)?.strip_suffix(tail)?;
+            if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
+            }
+            Some(Some(digits.parse().ok()?))
+        }
+    }
+}
+
+fn fill(template: &str, index: Option<usize>) -> Option<String> {
+    Some(match index {
+        Some(i) => template.replacen("{i}", &i.to_string(), 1),
+        None => template.to_string(),
+    })
+}
+
 /// How a model's loader names things, for [`apply`]'s checks and messages.
 pub trait KeyMap {
     /// The file key of a parameter path, for "missing" messages.
@@ -175,15 +225,7 @@ pub fn apply<M: Module>(
         file,
     };
     let model = model.map(&mut mapper);
-    if let Some(err) = mapper.shape_error {
-        return Err(err);
-    }
-    if !mapper.missing.is_empty() {
-        return Err(WeightError::MissingKeys {
-            path: file.to_path_buf(),
-            keys: mapper.missing,
-        });
-    }
+    // Names before shapes: unknown tensors say "another architecture" most directly.
     if !mapper.weights.is_empty() {
         let mut keys: Vec<String> = mapper.weights.into_values().map(|w| w.key).collect();
         keys.sort();
@@ -191,6 +233,15 @@ pub fn apply<M: Module>(
             path: file.to_path_buf(),
             keys,
         });
+    }
+    if !mapper.missing.is_empty() {
+        return Err(WeightError::MissingKeys {
+            path: file.to_path_buf(),
+            keys: mapper.missing,
+        });
+    }
+    if let Some(err) = mapper.shape_error {
+        return Err(err);
     }
     Ok(model)
 }
@@ -279,5 +330,46 @@ impl ModuleVisitor for Collector {
                 values,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TABLE: KeyTable = KeyTable(&[
+        (
+            "encoder.layer.{i}.output.LayerNorm.weight",
+            "layer.{i}.output_norm.gamma",
+        ),
+        ("pooler.dense.weight", "pooler.weight"),
+        ("embeddings.position_ids", ""),
+    ]);
+
+    #[test]
+    fn key_tables_map_both_ways() {
+        assert_eq!(
+            TABLE
+                .to_path("encoder.layer.11.output.LayerNorm.weight")
+                .as_deref(),
+            Some("layer.11.output_norm.gamma")
+        );
+        assert_eq!(
+            TABLE.to_key("layer.3.output_norm.gamma").as_deref(),
+            Some("encoder.layer.3.output.LayerNorm.weight")
+        );
+        assert_eq!(
+            TABLE.to_path("pooler.dense.weight").as_deref(),
+            Some("pooler.weight")
+        );
+        assert_eq!(
+            TABLE.to_path("embeddings.position_ids").as_deref(),
+            Some("")
+        );
+        assert_eq!(
+            TABLE.to_path("encoder.layer.x.output.LayerNorm.weight"),
+            None
+        );
+        assert_eq!(TABLE.to_path("classifier.weight"), None);
     }
 }

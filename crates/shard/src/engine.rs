@@ -341,13 +341,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let blocks = root.take_blocks();
         let root = self.gather_unit(root, 0, &self.device, true)?;
 
-        let embedded = root.embed(input); // [batch, seq, d_model]
+        let (embedded, mask) = root.embed(input); // [batch, seq, d_model]
+        let inner_mask = mask.clone().map(|m| m.inner());
         let mut x = embedded.clone().inner();
         let mut saved = Vec::with_capacity(blocks.len());
         for (i, block) in blocks.iter().enumerate() {
             let block = self.gather_unit(block.clone(), i + 1, &inner, false)?;
             saved.push((x.clone(), dropout::position()));
-            x = M::block_forward(&block, x);
+            x = M::block_forward(&block, x, &inner_mask);
         }
         let x = Tensor::from_inner(x).require_grad();
         let loss = root.head_loss(x.clone(), target) / accumulate as f64;
@@ -368,7 +369,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let (x, at) = saved.pop().expect("one saved input per block");
             dropout::rewind(at);
             let x = Tensor::from_inner(x).require_grad();
-            let y = M::block_forward(&block, x.clone());
+            let y = M::block_forward(&block, x.clone(), &mask);
             let grads = (y * Tensor::from_inner(grad_x)).sum().backward();
             grad_x = x
                 .grad(&grads)

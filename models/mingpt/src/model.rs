@@ -2,7 +2,7 @@ use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, gelu_tanh};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, gelu_tanh};
 
 use crate::{GptConfig, GptError};
 
@@ -214,11 +214,12 @@ impl BlockModel for Gpt {
     type Input = Tensor<2, Int>;
     type Target = Tensor<2, Int>;
 
-    fn embed(&self, idx: Tensor<2, Int>) -> Tensor<3> {
-        Gpt::embed(self, idx)
+    /// Causality is each block's own mask; there is no padding.
+    fn embed(&self, idx: Tensor<2, Int>) -> (Tensor<3>, Mask) {
+        (Gpt::embed(self, idx), None)
     }
 
-    fn block_forward(block: &Block, x: Tensor<3>) -> Tensor<3> {
+    fn block_forward(block: &Block, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         block.forward(x)
     }
 

@@ -3,7 +3,7 @@ use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::{gelu, softmax};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
 use crate::{VitConfig, VitError};
 
@@ -219,11 +219,12 @@ impl BlockModel for Vit {
     type Input = Tensor<4>;
     type Target = Tensor<1, Int>;
 
-    fn embed(&self, pixels: Tensor<4>) -> Tensor<3> {
-        Vit::embed(self, pixels)
+    /// Every patch is visible.
+    fn embed(&self, pixels: Tensor<4>) -> (Tensor<3>, Mask) {
+        (Vit::embed(self, pixels), None)
     }
 
-    fn block_forward(layer: &Layer, x: Tensor<3>) -> Tensor<3> {
+    fn block_forward(layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         layer.forward(x)
     }
 

@@ -1,0 +1,33 @@
+use std::path::PathBuf;
+
+use burnscale_nn::weights::WeightError;
+
+/// Everything that can go wrong building a BERT, loading its weights or tokenizer, or
+/// feeding it a batch.
+#[derive(Debug, thiserror::Error)]
+pub enum BertError {
+    #[error("invalid BERT config: {0}")]
+    InvalidConfig(String),
+    #[error("unknown BERT preset `{0}`; choose one of: {presets}", presets = crate::BertConfig::PRESETS.join(", "))]
+    UnknownPreset(String),
+    #[error("{path}: {reason}")]
+    ConfigFile { path: PathBuf, reason: String },
+    #[error(
+        "a sequence of {len} tokens is longer than the position table ({max} positions); truncate it"
+    )]
+    SequenceTooLong { len: usize, max: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
+    TokenOutOfRange { id: i64, vocab: usize },
+    #[error("{path}: {reason}")]
+    Tokenizer { path: PathBuf, reason: String },
+    #[error(
+        "{path} has {found} tokens but the model's vocabulary has {expected}: a tokenizer for another model?"
+    )]
+    VocabMismatch {
+        path: PathBuf,
+        found: usize,
+        expected: usize,
+    },
+    #[error(transparent)]
+    Weights(#[from] WeightError),
+}

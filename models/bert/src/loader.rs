@@ -1,0 +1,367 @@
+//! Hugging Face BERT and DistilBERT safetensors <-> [`Bert`]. Keys may carry the model
+//! prefix (`bert.`, `distilbert.`) or not (a bare `BertModel` file, as sentence-transformers
+//! ships). `{i}` is the layer index; `Linear` weights are stored `[out, in]` and transposed.
+//!
+//! | BERT key                                          | DistilBERT key                          | burnscale path |
+//! |---------------------------------------------------|-----------------------------------------|----------------|
+//! | `embeddings.word_embeddings.weight`               | same                                    | `embeddings.word_embeddings.weight` |
+//! | `embeddings.position_embeddings.weight`           | same                                    | `embeddings.position_embeddings.weight` |
+//! | `embeddings.token_type_embeddings.weight`         | —                                       | `embeddings.token_type_embeddings.weight` |
+//! | `embeddings.LayerNorm.{weight,bias}`              | same                                    | `embeddings.layer_norm.{gamma,beta}` |
+//! | `encoder.layer.{i}.attention.self.{query,key,value}.*` | `transformer.layer.{i}.attention.{q,k,v}_lin.*` | `layer.{i}.attention.{query,key,value}.*` |
+//! | `encoder.layer.{i}.attention.output.dense.*`      | `transformer.layer.{i}.attention.out_lin.*` | `layer.{i}.attention_output.*` |
+//! | `encoder.layer.{i}.attention.output.LayerNorm.*`  | `transformer.layer.{i}.sa_layer_norm.*` | `layer.{i}.attention_norm.*` |
+//! | `encoder.layer.{i}.intermediate.dense.*`          | `transformer.layer.{i}.ffn.lin1.*`      | `layer.{i}.intermediate.*` |
+//! | `encoder.layer.{i}.output.dense.*`                | `transformer.layer.{i}.ffn.lin2.*`      | `layer.{i}.output.*` |
+//! | `encoder.layer.{i}.output.LayerNorm.*`            | `transformer.layer.{i}.output_layer_norm.*` | `layer.{i}.output_norm.*` |
+//! | `pooler.dense.*`                                  | —                                       | `pooler.*` |
+//! | —                                                 | `pre_classifier.*`                      | `classifier.pre_classifier.*` |
+//! | `classifier.*`                                    | `classifier.*`                          | `classifier.classifier.*` |
+//! | `cls.predictions.transform.dense.*`               | `vocab_transform.*`                     | `mlm.transform.*` |
+//! | `cls.predictions.transform.LayerNorm.*`           | `vocab_layer_norm.*`                    | `mlm.layer_norm.*` |
+//! | `cls.predictions.bias`                            | `vocab_projector.bias`                  | `mlm.bias` |
+//! | `cls.predictions.decoder.{weight,bias}`, `embeddings.position_ids` | `vocab_projector.weight` | — (tied to the word embeddings / `mlm.bias`; a buffer) |
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::prelude::*;
+use burnscale_nn::weights::{self, KeyMap, KeyTable, Weight};
+
+use crate::{Bert, BertConfig, BertError, Layout};
+
+const BERT: KeyTable = KeyTable(&[
+    (
+        "embeddings.word_embeddings.weight",
+        "embeddings.word_embeddings.weight",
+    ),
+    (
+        "embeddings.position_embeddings.weight",
+        "embeddings.position_embeddings.weight",
+    ),
+    (
+        "embeddings.token_type_embeddings.weight",
+        "embeddings.token_type_embeddings.weight",
+    ),
+    ("embeddings.LayerNorm.weight", "embeddings.layer_norm.gamma"),
+    ("embeddings.LayerNorm.bias", "embeddings.layer_norm.beta"),
+    (
+        "encoder.layer.{i}.attention.self.query.weight",
+        "layer.{i}.attention.query.weight",
+    ),
+    (
+        "encoder.layer.{i}.attention.self.query.bias",
+        "layer.{i}.attention.query.bias",
+    ),
+    (
+        "encoder.layer.{i}.attention.self.key.weight",
+        "layer.{i}.attention.key.weight",
+    ),
+    (
+        "encoder.layer.{i}.attention.self.key.bias",
+        "layer.{i}.attention.key.bias",
+    ),
+    (
+        "encoder.layer.{i}.attention.self.value.weight",
+        "layer.{i}.attention.value.weight",
+    ),
+    (
+        "encoder.layer.{i}.attention.self.value.bias",
+        "layer.{i}.attention.value.bias",
+    ),
+    (
+        "encoder.layer.{i}.attention.output.dense.weight",
+        "layer.{i}.attention_output.weight",
+    ),
+    (
+        "encoder.layer.{i}.attention.output.dense.bias",
+        "layer.{i}.attention_output.bias",
+    ),
+    (
+        "encoder.layer.{i}.attention.output.LayerNorm.weight",
+        "layer.{i}.attention_norm.gamma",
+    ),
+    (
+        "encoder.layer.{i}.attention.output.LayerNorm.bias",
+        "layer.{i}.attention_norm.beta",
+    ),
+    (
+        "encoder.layer.{i}.intermediate.dense.weight",
+        "layer.{i}.intermediate.weight",
+    ),
+    (
+        "encoder.layer.{i}.intermediate.dense.bias",
+        "layer.{i}.intermediate.bias",
+    ),
+    (
+        "encoder.layer.{i}.output.dense.weight",
+        "layer.{i}.output.weight",
+    ),
+    (
+        "encoder.layer.{i}.output.dense.bias",
+        "layer.{i}.output.bias",
+    ),
+    (
+        "encoder.layer.{i}.output.LayerNorm.weight",
+        "layer.{i}.output_norm.gamma",
+    ),
+    (
+        "encoder.layer.{i}.output.LayerNorm.bias",
+        "layer.{i}.output_norm.beta",
+    ),
+    ("pooler.dense.weight", "pooler.weight"),
+    ("pooler.dense.bias", "pooler.bias"),
+    ("classifier.weight", "classifier.classifier.weight"),
+    ("classifier.bias", "classifier.classifier.bias"),
+    (
+        "cls.predictions.transform.dense.weight",
+        "mlm.transform.weight",
+    ),
+    ("cls.predictions.transform.dense.bias", "mlm.transform.bias"),
+    (
+        "cls.predictions.transform.LayerNorm.weight",
+        "mlm.layer_norm.gamma",
+    ),
+    (
+        "cls.predictions.transform.LayerNorm.bias",
+        "mlm.layer_norm.beta",
+    ),
+    ("cls.predictions.bias", "mlm.bias"),
+    ("cls.predictions.decoder.weight", ""),
+    ("cls.predictions.decoder.bias", ""),
+    ("embeddings.position_ids", ""),
+]);
+
+const DISTILBERT: KeyTable = KeyTable(&[
+    (
+        "embeddings.word_embeddings.weight",
+        "embeddings.word_embeddings.weight",
+    ),
+    (
+        "embeddings.position_embeddings.weight",
+        "embeddings.position_embeddings.weight",
+    ),
+    ("embeddings.LayerNorm.weight", "embeddings.layer_norm.gamma"),
+    ("embeddings.LayerNorm.bias", "embeddings.layer_norm.beta"),
+    (
+        "transformer.layer.{i}.attention.q_lin.weight",
+        "layer.{i}.attention.query.weight",
+    ),
+    (
+        "transformer.layer.{i}.attention.q_lin.bias",
+        "layer.{i}.attention.query.bias",
+    ),
+    (
+        "transformer.layer.{i}.attention.k_lin.weight",
+        "layer.{i}.attention.key.weight",
+    ),
+    (
+        "transformer.layer.{i}.attention.k_lin.bias",
+        "layer.{i}.attention.key.bias",
+    ),
+    (
+        "transformer.layer.{i}.attention.v_lin.weight",
+        "layer.{i}.attention.value.weight",
+    ),
+    (
+        "transformer.layer.{i}.attention.v_lin.bias",
+        "layer.{i}.attention.value.bias",
+    ),
+    (
+        "transformer.layer.{i}.attention.out_lin.weight",
+        "layer.{i}.attention_output.weight",
+    ),
+    (
+        "transformer.layer.{i}.attention.out_lin.bias",
+        "layer.{i}.attention_output.bias",
+    ),
+    (
+        "transformer.layer.{i}.sa_layer_norm.weight",
+        "layer.{i}.attention_norm.gamma",
+    ),
+    (
+        "transformer.layer.{i}.sa_layer_norm.bias",
+        "layer.{i}.attention_norm.beta",
+    ),
+    (
+        "transformer.layer.{i}.ffn.lin1.weight",
+        "layer.{i}.intermediate.weight",
+    ),
+    (
+        "transformer.layer.{i}.ffn.lin1.bias",
+        "layer.{i}.intermediate.bias",
+    ),
+    (
+        "transformer.layer.{i}.ffn.lin2.weight",
+        "layer.{i}.output.weight",
+    ),
+    (
+        "transformer.layer.{i}.ffn.lin2.bias",
+        "layer.{i}.output.bias",
+    ),
+    (
+        "transformer.layer.{i}.output_layer_norm.weight",
+        "layer.{i}.output_norm.gamma",
+    ),
+    (
+        "transformer.layer.{i}.output_layer_norm.bias",
+        "layer.{i}.output_norm.beta",
+    ),
+    ("pre_classifier.weight", "classifier.pre_classifier.weight"),
+    ("pre_classifier.bias", "classifier.pre_classifier.bias"),
+    ("classifier.weight", "classifier.classifier.weight"),
+    ("classifier.bias", "classifier.classifier.bias"),
+    ("vocab_transform.weight", "mlm.transform.weight"),
+    ("vocab_transform.bias", "mlm.transform.bias"),
+    ("vocab_layer_norm.weight", "mlm.layer_norm.gamma"),
+    ("vocab_layer_norm.bias", "mlm.layer_norm.beta"),
+    ("vocab_projector.bias", "mlm.bias"),
+    ("vocab_projector.weight", ""),
+]);
+
+/// Whether the file's task head is loaded or a fresh one is kept (finetuning on other labels).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Load,
+    Fresh,
+}
+
+struct Keys {
+    table: KeyTable,
+    prefix: &'static str,
+    head: Head,
+}
+
+impl Keys {
+    fn new(layout: Layout, head: Head) -> Self {
+        match layout {
+            Layout::Bert => Self {
+                table: BERT,
+                prefix: "bert.",
+                head,
+            },
+            Layout::DistilBert => Self {
+                table: DISTILBERT,
+                prefix: "distilbert.",
+                head,
+            },
+        }
+    }
+
+    /// The parameter path of a file key: `Ok(None)` for a skipped tensor, `Err` for an
+    /// unknown key (reported as unexpected).
+    fn path(&self, key: &str) -> Option<Option<String>> {
+        let bare = key.strip_prefix(self.prefix).unwrap_or(key);
+        let path = self.table.to_path(bare)?;
+        Some((!path.is_empty()).then_some(path))
+    }
+
+    fn is_head(path: &str) -> bool {
+        path.starts_with("classifier.") || path.starts_with("mlm.")
+    }
+}
+
+impl KeyMap for Keys {
+    fn file_key(&self, path: &str) -> String {
+        let key = self.table.to_key(path).unwrap_or_else(|| path.to_string());
+        // Heads sit beside the model prefix, as in `BertForSequenceClassification`.
+        if Self::is_head(path) {
+            key
+        } else {
+            format!("{}{key}", self.prefix)
+        }
+    }
+
+    fn may_stay_initialised(&self, path: &str) -> bool {
+        self.head == Head::Fresh && Self::is_head(path)
+    }
+
+    fn shape_hint(&self, path: &str) -> &'static str {
+        match path {
+            "embeddings.word_embeddings.weight" | "mlm.bias" => " (another vocabulary size)",
+            "embeddings.position_embeddings.weight" => " (another max_position_embeddings)",
+            p if p.starts_with("classifier.") => {
+                " (another number of labels: load with a fresh head to finetune)"
+            }
+            _ => " (weights for another model size?)",
+        }
+    }
+}
+
+/// Loads an HF BERT/DistilBERT safetensors file into a model built from `config`.
+pub fn load(
+    path: &Path,
+    config: &BertConfig,
+    head: Head,
+    device: &Device,
+) -> Result<Bert, BertError> {
+    load_weights(weights::read_safetensors(path)?, path, config, head, device)
+}
+
+/// Loads HF-keyed tensors (read from `path`) into a model built from `config`.
+pub fn load_weights(
+    tensors: Vec<Weight>,
+    path: &Path,
+    config: &BertConfig,
+    head: Head,
+    device: &Device,
+) -> Result<Bert, BertError> {
+    let keys = Keys::new(config.layout, head);
+    let model = Bert::new(config, device)?;
+    let mut weights = HashMap::new();
+    let mut unknown = Vec::new();
+    for w in tensors {
+        match keys.path(&w.key) {
+            None => unknown.push(w),
+            Some(None) => {}
+            Some(Some(p)) if head == Head::Fresh && Keys::is_head(&p) => {}
+            Some(Some(p)) => {
+                let w = if w.shape.len() == 2 && is_linear(&p) {
+                    w.transposed()
+                } else {
+                    w
+                };
+                weights.insert(p, w);
+            }
+        }
+    }
+    // Unknown keys stay in the map under their own name, for `apply` to report.
+    for w in unknown {
+        weights.insert(format!("?{}", w.key), w);
+    }
+    Ok(weights::apply(model, weights, &keys, path, device)?)
+}
+
+/// Writes `model` as an HF safetensors file of `layout` (`*ForSequenceClassification`,
+/// `*ForMaskedLM` or the base model, by its head), with the tied decoder written out.
+pub fn save(model: &Bert, layout: Layout, path: &Path) -> Result<(), BertError> {
+    let keys = Keys::new(layout, Head::Load);
+    let mut tensors: Vec<Weight> = Vec::new();
+    for (p, w) in weights::collect(model) {
+        let w = if w.shape.len() == 2 && is_linear(&p) {
+            w.transposed()
+        } else {
+            w
+        };
+        if p == "embeddings.word_embeddings.weight" && model.mlm.is_some() {
+            let decoder = match layout {
+                Layout::Bert => "cls.predictions.decoder.weight",
+                Layout::DistilBert => "vocab_projector.weight",
+            };
+            tensors.push(Weight {
+                key: decoder.to_string(),
+                ..w.clone()
+            });
+        }
+        tensors.push(Weight {
+            key: keys.file_key(&p),
+            ..w
+        });
+    }
+    Ok(weights::write_safetensors(path, &tensors)?)
+}
+
+/// Parameters stored as `nn.Linear` weights (embeddings are not transposed).
+fn is_linear(path: &str) -> bool {
+    path.ends_with(".weight") && !path.starts_with("embeddings.")
+}

@@ -1,0 +1,339 @@
+use burn::module::Param;
+use burn::nn::{
+    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
+};
+use burn::prelude::*;
+use burn::tensor::activation::{gelu, relu, softmax};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
+
+use crate::{BertConfig, BertError, BertHead, Layout};
+
+/// A padded batch of token sequences.
+#[derive(Debug, Clone)]
+pub struct BertInput {
+    pub input_ids: Tensor<2, Int>,      // [batch, seq]
+    pub token_type_ids: Tensor<2, Int>, // [batch, seq]
+    /// 1 for tokens, 0 for padding.
+    pub attention_mask: Tensor<2, Int>, // [batch, seq]
+}
+
+/// Word, position and token-type embeddings, summed and layer-normed.
+#[derive(Module, Debug)]
+pub struct Embeddings {
+    pub word_embeddings: Embedding,
+    pub position_embeddings: Embedding,
+    /// Absent in DistilBERT.
+    pub token_type_embeddings: Option<Embedding>,
+    pub layer_norm: LayerNorm,
+    dropout: Dropout,
+}
+
+impl Embeddings {
+    fn new(config: &BertConfig, device: &Device) -> Self {
+        let embedding = |n, d| {
+            EmbeddingConfig::new(n, d)
+                .with_initializer(normal())
+                .init(device)
+        };
+        let d = config.hidden_size;
+        Self {
+            word_embeddings: embedding(config.vocab_size, d),
+            position_embeddings: embedding(config.max_position_embeddings, d),
+            token_type_embeddings: (config.type_vocab_size > 0)
+                .then(|| embedding(config.type_vocab_size, d)),
+            layer_norm: layer_norm(config, device),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+        }
+    }
+
+    pub fn forward(&self, input_ids: Tensor<2, Int>, token_type_ids: Tensor<2, Int>) -> Tensor<3> {
+        let [_, t] = input_ids.dims();
+        let positions = Tensor::<1, Int>::arange(0..t as i64, &input_ids.device()).reshape([1, t]);
+        let mut x =
+            self.word_embeddings.forward(input_ids) + self.position_embeddings.forward(positions); // [b, t, d]
+        if let Some(types) = &self.token_type_embeddings {
+            x = x + types.forward(token_type_ids);
+        }
+        self.dropout.forward(self.layer_norm.forward(x))
+    }
+}
+
+/// Multi-head self-attention over unpadded keys.
+#[derive(Module, Debug)]
+pub struct SelfAttention {
+    pub query: Linear,
+    pub key: Linear,
+    pub value: Linear,
+    dropout: Dropout,
+    num_heads: usize,
+}
+
+impl SelfAttention {
+    fn new(config: &BertConfig, device: &Device) -> Self {
+        let d = config.hidden_size;
+        Self {
+            query: linear(d, d, device),
+            key: linear(d, d, device),
+            value: linear(d, d, device),
+            dropout: DropoutConfig::new(config.attention_probs_dropout_prob).init(),
+            num_heads: config.num_attention_heads,
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+        let [b, t, d] = x.dims();
+        let hd = d / self.num_heads;
+        let heads = |x: Tensor<3>| x.reshape([b, t, self.num_heads, hd]).swap_dims(1, 2);
+        let q = heads(self.query.forward(x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
+        let k = heads(self.key.forward(x.clone()));
+        let v = heads(self.value.forward(x));
+        let mut scores = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
+        if let Some(bias) = mask {
+            scores = scores + bias.clone();
+        }
+        let y = self.dropout.forward(softmax(scores, 3)).matmul(v); // [b, nh, t, hd]
+        y.swap_dims(1, 2).reshape([b, t, d])
+    }
+}
+
+/// One post-LN encoder layer: the unit that sharding and checkpointing wrap.
+#[derive(Module, Debug)]
+pub struct Layer {
+    pub attention: SelfAttention,
+    pub attention_output: Linear,
+    pub attention_norm: LayerNorm,
+    pub intermediate: Linear,
+    pub output: Linear,
+    pub output_norm: LayerNorm,
+    dropout: Dropout,
+}
+
+impl Layer {
+    fn new(config: &BertConfig, device: &Device) -> Self {
+        let (d, f) = (config.hidden_size, config.intermediate_size);
+        Self {
+            attention: SelfAttention::new(config, device),
+            attention_output: linear(d, d, device),
+            attention_norm: layer_norm(config, device),
+            intermediate: linear(d, f, device),
+            output: linear(f, d, device),
+            output_norm: layer_norm(config, device),
+            dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+        }
+    }
+
+    pub fn forward(&self, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+        let a = self
+            .attention_output
+            .forward(self.attention.forward(x.clone(), mask));
+        let x = self.attention_norm.forward(x + self.dropout.forward(a));
+        let h = gelu(self.intermediate.forward(x.clone())); // [b, t, f]
+        self.output_norm
+            .forward(x + self.dropout.forward(self.output.forward(h)))
+    }
+}
+
+/// Sequence classification from the first token: BERT through its pooler, DistilBERT
+/// through `pre_classifier` and a ReLU.
+#[derive(Module, Debug)]
+pub struct Classifier {
+    pub pre_classifier: Option<Linear>,
+    pub classifier: Linear,
+    dropout: Dropout,
+}
+
+/// Masked-LM logits: transform, GELU, layer norm, then the word embeddings (tied) plus a bias.
+#[derive(Module, Debug)]
+pub struct MaskedLmHead {
+    pub transform: Linear,
+    pub layer_norm: LayerNorm,
+    pub bias: Param<Tensor<1>>, // [vocab]
+}
+
+#[derive(Module, Debug)]
+pub struct Bert {
+    pub embeddings: Embeddings,
+    pub layer: Vec<Layer>,
+    /// BERT's `[CLS]` dense + tanh; absent in DistilBERT.
+    pub pooler: Option<Linear>,
+    pub classifier: Option<Classifier>,
+    pub mlm: Option<MaskedLmHead>,
+    max_positions: usize,
+    vocab_size: usize,
+}
+
+impl Bert {
+    /// A freshly initialised model (HF's `_init_weights`: N(0, 0.02), zero biases).
+    pub fn new(config: &BertConfig, device: &Device) -> Result<Self, BertError> {
+        config.validate()?;
+        let d = config.hidden_size;
+        let classifier = match config.head {
+            BertHead::SequenceClassification { num_labels } => Some(Classifier {
+                pre_classifier: (config.layout == Layout::DistilBert).then(|| linear(d, d, device)),
+                classifier: linear(d, num_labels, device),
+                dropout: DropoutConfig::new(config.classifier_dropout_prob).init(),
+            }),
+            _ => None,
+        };
+        let mlm = (config.head == BertHead::MaskedLm).then(|| MaskedLmHead {
+            transform: linear(d, d, device),
+            layer_norm: layer_norm(config, device),
+            bias: Initializer::Zeros.init([config.vocab_size], device),
+        });
+        Ok(Self {
+            embeddings: Embeddings::new(config, device),
+            layer: (0..config.num_hidden_layers)
+                .map(|_| Layer::new(config, device))
+                .collect(),
+            pooler: config.has_pooler().then(|| linear(d, d, device)),
+            classifier,
+            mlm,
+            max_positions: config.max_position_embeddings,
+            vocab_size: config.vocab_size,
+        })
+    }
+
+    /// `Ok` if the batch fits the position table and the vocabulary.
+    pub fn check_input(&self, input: &BertInput) -> Result<(), BertError> {
+        let [_, t] = input.input_ids.dims();
+        if t > self.max_positions {
+            return Err(BertError::SequenceTooLong {
+                len: t,
+                max: self.max_positions,
+            });
+        }
+        let ids: Vec<i64> = input
+            .input_ids
+            .to_data()
+            .try_to_vec_as()
+            .unwrap_or_default();
+        match ids
+            .iter()
+            .find(|&&id| id < 0 || id as usize >= self.vocab_size)
+        {
+            Some(&id) => Err(BertError::TokenOutOfRange {
+                id,
+                vocab: self.vocab_size,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// The last hidden state (HF's `last_hidden_state`).
+    pub fn hidden_states(&self, input: BertInput) -> Tensor<3> {
+        let (x, mask) = self.embed(input);
+        self.layer
+            .iter()
+            .fold(x, |x, layer| layer.forward(x, &mask)) // [b, t, d]
+    }
+
+    /// BERT's pooled `[CLS]` representation (HF's `pooler_output`); `None` for DistilBERT.
+    pub fn pooled(&self, hidden: Tensor<3>) -> Option<Tensor<2>> {
+        let pooler = self.pooler.as_ref()?;
+        Some(pooler.forward(first_token(hidden)).tanh()) // [b, d]
+    }
+
+    /// Head logits: `[b, labels]` for classification, `[b·t, vocab]` for masked LM, and the
+    /// hidden states `[b·t, d]` for a base model.
+    pub fn logits(&self, hidden: Tensor<3>) -> Tensor<2> {
+        let [b, t, d] = hidden.dims();
+        if let Some(head) = &self.classifier {
+            let x = match (&head.pre_classifier, self.pooled(hidden.clone())) {
+                (Some(pre), _) => relu(pre.forward(first_token(hidden))),
+                (None, Some(pooled)) => pooled,
+                (None, None) => first_token(hidden),
+            };
+            return head.classifier.forward(head.dropout.forward(x)); // [b, labels]
+        }
+        let x = hidden.reshape([b * t, d]);
+        match &self.mlm {
+            Some(head) => {
+                let h = head.layer_norm.forward(gelu(head.transform.forward(x)));
+                let words = self.embeddings.word_embeddings.weight.val(); // [vocab, d]
+                h.matmul(words.transpose()) + head.bias.val().unsqueeze() // [b·t, vocab]
+            }
+            None => x,
+        }
+    }
+
+    /// Embeddings and the padding mask, as every layer reads them. Panics on a batch
+    /// [`Bert::check_input`] rejects (the embedding lookup would).
+    pub fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
+        if let Err(e) = self.check_input(&input) {
+            panic!("{e}");
+        }
+        let x = self
+            .embeddings
+            .forward(input.input_ids, input.token_type_ids);
+        let [b, t] = input.attention_mask.dims();
+        // HF's extended attention mask: the dtype's minimum where a key is padding.
+        let padding = input
+            .attention_mask
+            .equal_elem(0)
+            .float()
+            .reshape([b, 1, 1, t]);
+        (x, Some(padding * f32::MIN))
+    }
+}
+
+fn first_token(hidden: Tensor<3>) -> Tensor<2> {
+    let [b, _, d] = hidden.dims();
+    hidden.narrow(1, 0, 1).reshape([b, d])
+}
+
+fn normal() -> Initializer {
+    Initializer::Normal {
+        mean: 0.0,
+        std: 0.02,
+    }
+}
+
+fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
+    let mut layer = LinearConfig::new(d_in, d_out)
+        .with_initializer(normal())
+        .init(device);
+    layer.bias = Some(Initializer::Zeros.init([d_out], device));
+    layer
+}
+
+fn layer_norm(config: &BertConfig, device: &Device) -> LayerNorm {
+    LayerNormConfig::new(config.hidden_size)
+        .with_epsilon(config.layer_norm_eps)
+        .init(device)
+}
+
+impl BlockModel for Bert {
+    type Block = Layer;
+    type Input = BertInput;
+    /// Class ids `[b]` for classification; token ids `[b·t]` for masked LM, -1 where a
+    /// position is not predicted.
+    type Target = Tensor<1, Int>;
+
+    fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
+        Bert::embed(self, input)
+    }
+
+    fn block_forward(layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+        layer.forward(x, mask)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, target: Tensor<1, Int>) -> Tensor<1> {
+        assert!(
+            self.classifier.is_some() || self.mlm.is_some(),
+            "a base BERT has no head to train: build it with a classification or masked-LM head"
+        );
+        burnscale_nn::cross_entropy(self.logits(x), target)
+    }
+
+    fn blocks(&self) -> &[Layer] {
+        &self.layer
+    }
+
+    fn take_blocks(&mut self) -> Vec<Layer> {
+        std::mem::take(&mut self.layer)
+    }
+
+    fn set_blocks(&mut self, blocks: Vec<Layer>) {
+        self.layer = blocks;
+    }
+}

@@ -1,0 +1,122 @@
+//! WordPiece tokenization with the `tokenizers` crate, from a `tokenizer.json` or a BERT
+//! `vocab.txt`, into padded [`BertInput`] batches.
+
+use std::path::Path;
+
+use burn::prelude::*;
+use tokenizers::models::wordpiece::WordPiece;
+use tokenizers::normalizers::BertNormalizer;
+use tokenizers::pre_tokenizers::bert::BertPreTokenizer;
+use tokenizers::processors::bert::BertProcessing;
+use tokenizers::{Tokenizer, TruncationParams};
+
+use crate::{BertConfig, BertError, BertInput};
+
+pub struct BertTokenizer {
+    inner: Tokenizer,
+    pad_id: i64,
+}
+
+impl BertTokenizer {
+    /// A `tokenizer.json` as saved by HF tokenizers, or a `vocab.txt` (one WordPiece per line,
+    /// BERT's `[CLS]`/`[SEP]`/`[PAD]`/`[UNK]` among them), lower-cased if `lowercase`.
+    pub fn from_file(path: &Path, lowercase: bool) -> Result<Self, BertError> {
+        let error = |reason: String| BertError::Tokenizer {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let inner = if path.extension().is_some_and(|e| e == "json") {
+            Tokenizer::from_file(path).map_err(|e| error(e.to_string()))?
+        } else {
+            let vocab = path
+                .to_str()
+                .ok_or_else(|| error("not a UTF-8 path".into()))?;
+            let wordpiece = WordPiece::from_file(vocab)
+                .unk_token("[UNK]".into())
+                .build()
+                .map_err(|e| error(e.to_string()))?;
+            let mut tokenizer = Tokenizer::new(wordpiece);
+            let id = |token: &str| {
+                tokenizer
+                    .token_to_id(token)
+                    .ok_or_else(|| error(format!("the vocabulary has no {token}")))
+            };
+            let (cls, sep) = (id("[CLS]")?, id("[SEP]")?);
+            tokenizer
+                .with_normalizer(Some(BertNormalizer::new(true, true, None, lowercase)))
+                .with_pre_tokenizer(Some(BertPreTokenizer))
+                .with_post_processor(Some(BertProcessing::new(
+                    ("[SEP]".into(), sep),
+                    ("[CLS]".into(), cls),
+                )));
+            tokenizer
+        };
+        let pad_id = inner
+            .token_to_id("[PAD]")
+            .ok_or_else(|| error("the vocabulary has no [PAD]".into()))?
+            as i64;
+        Ok(Self { inner, pad_id })
+    }
+
+    /// Tokens in the vocabulary, added tokens included.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// `Ok` if this tokenizer's ids are the model's vocabulary.
+    pub fn check_vocab(&self, config: &BertConfig, path: &Path) -> Result<(), BertError> {
+        if self.vocab_size() == config.vocab_size {
+            Ok(())
+        } else {
+            Err(BertError::VocabMismatch {
+                path: path.to_path_buf(),
+                found: self.vocab_size(),
+                expected: config.vocab_size,
+            })
+        }
+    }
+
+    /// `texts` with `[CLS]`/`[SEP]`, truncated to `max_len` tokens and padded to the longest.
+    pub fn encode(
+        &self,
+        texts: &[&str],
+        max_len: usize,
+        device: &Device,
+    ) -> Result<BertInput, BertError> {
+        let error = |e: tokenizers::Error| BertError::Tokenizer {
+            path: "(encoding)".into(),
+            reason: e.to_string(),
+        };
+        let mut tokenizer = self.inner.clone();
+        tokenizer
+            .with_truncation(Some(TruncationParams {
+                max_length: max_len,
+                ..Default::default()
+            }))
+            .map_err(error)?;
+        tokenizer.with_padding(None);
+        let encodings = tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(error)?;
+        let b = encodings.len();
+        let t = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
+        let (mut ids, mut types, mut mask) = (
+            vec![self.pad_id; b * t],
+            vec![0i64; b * t],
+            vec![0i64; b * t],
+        );
+        for (row, e) in encodings.iter().enumerate() {
+            for (col, (&id, &ty)) in e.get_ids().iter().zip(e.get_type_ids()).enumerate() {
+                ids[row * t + col] = id as i64;
+                types[row * t + col] = ty as i64;
+                mask[row * t + col] = 1;
+            }
+        }
+        let tensor = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [b, t]), device);
+        Ok(BertInput {
+            input_ids: tensor(ids),
+            token_type_ids: tensor(types),
+            attention_mask: tensor(mask),
+        })
+    }
+}

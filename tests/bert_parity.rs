@@ -1,0 +1,220 @@
+//! BERT parity: random-init tiny BERT and DistilBERT (classification and masked-LM heads) and
+//! the real all-MiniLM-L6-v2 against outputs `scripts/gen_bert_fixtures.py` computed with
+//! transformers (1e-4 max-abs); tokenization against HF's tokenizer; bad input.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::prelude::*;
+use burnscale::bert::loader::{self, Head};
+use burnscale::bert::tokenizer::BertTokenizer;
+use burnscale::bert::{BertConfig, BertError, BertHead, BertInput, Layout};
+use burnscale::nn::weights::{self, Weight};
+use burnscale::pretrained;
+
+const TOLERANCE: f32 = 1e-4;
+
+fn fixture(name: &str) -> (Vec<Weight>, HashMap<String, Weight>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/bert")
+        .join(name);
+    let (io, weights): (Vec<Weight>, Vec<Weight>) = weights::read_safetensors(&path)
+        .unwrap()
+        .into_iter()
+        .partition(|w| w.key.starts_with("input.") || w.key.starts_with("output."));
+    (
+        weights,
+        io.into_iter().map(|w| (w.key.clone(), w)).collect(),
+    )
+}
+
+fn ints(w: &Weight, device: &Device) -> Tensor<2, Int> {
+    let values: Vec<i64> = w.values.iter().map(|&v| v as i64).collect();
+    Tensor::from_data(TensorData::new(values, w.shape.clone()), device)
+}
+
+fn input(io: &HashMap<String, Weight>, device: &Device) -> BertInput {
+    let ids = ints(&io["input.input_ids"], device);
+    BertInput {
+        token_type_ids: match io.get("input.token_type_ids") {
+            Some(types) => ints(types, device),
+            None => ids.zeros_like(),
+        },
+        attention_mask: ints(&io["input.attention_mask"], device),
+        input_ids: ids,
+    }
+}
+
+fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 {
+    let ours: Vec<f32> = ours.into_data().try_into_vec_as().unwrap();
+    assert_eq!(ours.len(), reference.values.len(), "{}", reference.key);
+    ours.iter()
+        .zip(&reference.values)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn tiny_models_match_transformers() {
+    let device = Device::default();
+    for (layout, name) in [(Layout::Bert, "bert"), (Layout::DistilBert, "distilbert")] {
+        for (head, head_name) in [
+            (BertHead::SequenceClassification { num_labels: 2 }, "cls"),
+            (BertHead::MaskedLm, "mlm"),
+        ] {
+            let file = format!("tiny_{name}_{head_name}.safetensors");
+            let (tensors, io) = fixture(&file);
+            let base = match layout {
+                Layout::Bert => BertConfig::tiny(),
+                Layout::DistilBert => BertConfig {
+                    layout,
+                    type_vocab_size: 0,
+                    ..BertConfig::tiny()
+                },
+            };
+            let config = base.with_head(head);
+            let model =
+                loader::load_weights(tensors, Path::new(&file), &config, Head::Load, &device)
+                    .unwrap_or_else(|e| panic!("{file}: {e}"));
+            let logits = model.logits(model.hidden_states(input(&io, &device)));
+            let diff = max_abs_diff(logits, &io["output.logits"]);
+            eprintln!("{file}: logits max-abs difference {diff:.2e}");
+            assert!(diff < TOLERANCE, "{file}: logits differ by {diff}");
+        }
+    }
+}
+
+#[test]
+fn minilm_matches_transformers_and_its_tokenizer() {
+    let device = Device::default();
+    let files = pretrained::minilm_files()
+        .unwrap_or_else(|e| panic!("the MiniLM weights are needed for this test: {e}"));
+    let config = BertConfig::from_hf_json(&files.config).unwrap();
+    assert_eq!(config.num_params(), BertConfig::minilm_l6().num_params());
+    let model = loader::load(&files.weights, &config, Head::Load, &device).unwrap();
+    let (_, io) = fixture("minilm.safetensors");
+
+    let sentences = [
+        "The quick brown fox jumps over the lazy dog.",
+        "burnscale trains models too big for one device!",
+        "Hello, world",
+    ];
+    for path in [&files.tokenizer_json, &files.vocab] {
+        let tokenizer = BertTokenizer::from_file(path, true).unwrap();
+        tokenizer.check_vocab(&config, path).unwrap();
+        let ours = tokenizer.encode(&sentences, 128, &device).unwrap();
+        let ids: Vec<i64> = ours.input_ids.into_data().try_into_vec_as().unwrap();
+        let want: Vec<i64> = io["input.input_ids"]
+            .values
+            .iter()
+            .map(|&v| v as i64)
+            .collect();
+        assert_eq!(ids, want, "token ids from {}", path.display());
+    }
+
+    let batch = input(&io, &device);
+    let mask = batch.attention_mask.clone().float().unsqueeze_dim::<3>(2); // [b, t, 1]
+    let hidden = model.hidden_states(batch);
+    let pooled = (hidden.clone() * mask.clone())
+        .sum_dim(1)
+        .squeeze_dim::<2>(1)
+        / mask.sum_dim(1).squeeze_dim::<2>(1);
+    let h = max_abs_diff(hidden, &io["output.last_hidden_state"]);
+    let p = max_abs_diff(pooled, &io["output.mean_pooled"]);
+    eprintln!("MiniLM: max-abs difference last hidden state {h:.2e}, mean-pooled {p:.2e}");
+    assert!(h < TOLERANCE && p < TOLERANCE, "hidden {h}, pooled {p}");
+}
+
+#[test]
+fn bad_input_gives_errors_that_name_the_problem() {
+    let device = Device::default();
+    let (tensors, _) = fixture("tiny_bert_cls.safetensors");
+    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, &device).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.safetensors");
+    loader::save(&model, Layout::Bert, &good).unwrap();
+    let load = |config: &BertConfig, head| {
+        loader::load(&good, config, head, &device)
+            .unwrap_err()
+            .to_string()
+    };
+
+    // Saved and loaded back: the same model.
+    let again = loader::load(&good, &cls, Head::Load, &device).unwrap();
+    let probe = BertInput {
+        input_ids: Tensor::from_data([[1i64, 5, 7, 2]], &device),
+        token_type_ids: Tensor::zeros([1, 4], &device),
+        attention_mask: Tensor::ones([1, 4], &device),
+    };
+    let a = model.logits(model.hidden_states(probe.clone()));
+    let b = again.logits(again.hidden_states(probe.clone()));
+    assert!(a.equal(b).all().into_scalar::<bool>());
+
+    let three = cls.with_head(BertHead::SequenceClassification { num_labels: 3 });
+    assert!(load(&three, Head::Load).contains("fresh head"));
+    loader::load(&good, &three, Head::Fresh, &device).unwrap();
+    let distil = BertConfig {
+        layout: Layout::DistilBert,
+        type_vocab_size: 0,
+        ..cls
+    };
+    let err = load(&distil, Head::Load);
+    assert!(
+        err.contains("bert.encoder.layer.0.attention.self.query.weight")
+            && err.contains("another architecture"),
+        "{err}"
+    );
+    let bigger_vocab = BertConfig {
+        vocab_size: 120,
+        ..cls
+    };
+    assert!(load(&bigger_vocab, Head::Load).contains("vocabulary"));
+
+    let truncated = dir.path().join("truncated.safetensors");
+    let bytes = std::fs::read(&good).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
+    let err = loader::load(&truncated, &cls, Head::Load, &device).unwrap_err();
+    assert!(err.to_string().contains("truncated"), "{err}");
+
+    let long = BertInput {
+        input_ids: Tensor::ones([1, 41], &device),
+        token_type_ids: Tensor::zeros([1, 41], &device),
+        attention_mask: Tensor::ones([1, 41], &device),
+    };
+    let err = model.check_input(&long).unwrap_err();
+    assert!(
+        matches!(err, BertError::SequenceTooLong { len: 41, max: 40 }),
+        "{err}"
+    );
+    let out_of_vocab = BertInput {
+        input_ids: Tensor::from_data([[1i64, 99]], &device),
+        ..probe.clone()
+    };
+    assert!(matches!(
+        model.check_input(&out_of_vocab),
+        Err(BertError::TokenOutOfRange { id: 99, .. })
+    ));
+
+    let vocab = dir.path().join("vocab.txt");
+    std::fs::write(&vocab, "[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\n").unwrap();
+    let tokenizer = BertTokenizer::from_file(&vocab, true).unwrap();
+    let err = tokenizer.check_vocab(&cls, &vocab).unwrap_err();
+    assert!(err.to_string().contains("5 tokens"), "{err}");
+    let ids = tokenizer
+        .encode(&["Hello hello", "x"], 16, &device)
+        .unwrap();
+    let ids: Vec<i64> = ids.input_ids.into_data().try_into_vec_as().unwrap();
+    assert_eq!(ids, vec![2, 4, 4, 3, 2, 1, 3, 0]);
+    let broken = dir.path().join("tokenizer.json");
+    std::fs::write(&broken, "{\"version\": ").unwrap();
+    assert!(BertTokenizer::from_file(&broken, true).is_err());
+
+    let vit = dir.path().join("vit.safetensors");
+    let vit_model = burnscale::vit::Vit::new(&burnscale::vit::VitConfig::tiny(), &device).unwrap();
+    burnscale::vit::loader::save(&vit_model, &vit).unwrap();
+    let err = loader::load(&vit, &cls, Head::Load, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("vit.embeddings.cls_token"), "{err}");
+}
