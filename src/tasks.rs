@@ -1,6 +1,7 @@
 //! Training tasks: a model paired with its data, as the runner consumes them.
 
 use burn::prelude::*;
+use burnscale_bert::{Bert, BertInput};
 use burnscale_mingpt::{Gpt, cross_entropy};
 use burnscale_train::data::TokenWindows;
 use burnscale_train::{Batch, BatchPart, TrainError, TrainTask};
@@ -89,9 +90,7 @@ pub struct ImageClassification {
     prep: Preprocess,
     batch: usize,
     eval_batch: usize,
-    rng: StdRng,
-    order: Vec<usize>,
-    cursor: usize,
+    sampler: EpochSampler,
 }
 
 impl ImageClassification {
@@ -111,30 +110,13 @@ impl ImageClassification {
             )));
         }
         Ok(Self {
+            sampler: EpochSampler::new(train.len(), seed),
             train,
             test,
             prep,
             batch,
             eval_batch: eval_batch.max(1),
-            rng: StdRng::seed_from_u64(seed),
-            order: Vec::new(),
-            cursor: 0,
         })
-    }
-
-    /// The next `n` training indices, reshuffling at each epoch's end.
-    fn next_indices(&mut self, n: usize) -> Vec<usize> {
-        (0..n)
-            .map(|_| {
-                if self.cursor == self.order.len() {
-                    self.order = (0..self.train.len()).collect();
-                    self.order.shuffle(&mut self.rng);
-                    self.cursor = 0;
-                }
-                self.cursor += 1;
-                self.order[self.cursor - 1]
-            })
-            .collect()
     }
 }
 
@@ -142,9 +124,8 @@ impl TrainTask for ImageClassification {
     type Model = Vit;
 
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Vit> {
-        let global = self.next_indices(self.batch * part.world);
-        let mine = &global[part.rank * self.batch..(part.rank + 1) * self.batch];
-        self.train.batch(mine, &self.prep, device)
+        let mine = self.sampler.next_batch(self.batch, part);
+        self.train.batch(&mine, &self.prep, device)
     }
 
     fn items(&self, x: &Tensor<4>) -> usize {
@@ -162,19 +143,151 @@ impl TrainTask for ImageClassification {
         let (mut loss, mut correct) = (0.0, 0i64);
         for chunk in indices.chunks(self.eval_batch) {
             let (x, y) = self.test.batch(chunk, &self.prep, &device);
-            let logits = model.forward(x);
-            let sum_loss =
-                burnscale_nn::cross_entropy(logits.clone(), y.clone()) * chunk.len() as f32;
-            loss += sum_loss.into_scalar::<f32>() as f64;
-            correct += logits
-                .argmax(1)
-                .reshape([chunk.len()])
-                .equal(y)
-                .int()
-                .sum()
-                .into_scalar::<i64>();
+            let (l, c) = loss_and_correct(model.forward(x), y);
+            loss += l;
+            correct += c;
         }
         let n = self.test.len() as f64;
         (loss / n, Some(correct as f64 / n))
+    }
+}
+
+/// Sequence classification for BERT on token-id sequences (already tokenized, `[CLS]` ...
+/// `[SEP]`), padded per batch to its longest sequence with `pad_id`; the same epoch order
+/// and per-rank slicing as [`ImageClassification`].
+#[derive(Clone)]
+pub struct TextClassification {
+    train: Vec<(Vec<i64>, i64)>,
+    test: Vec<(Vec<i64>, i64)>,
+    pad_id: i64,
+    batch: usize,
+    sampler: EpochSampler,
+}
+
+impl TextClassification {
+    pub fn new(
+        train: Vec<(Vec<i64>, i64)>,
+        test: Vec<(Vec<i64>, i64)>,
+        pad_id: i64,
+        batch: usize,
+        seed: u64,
+    ) -> Result<Self, TrainError> {
+        if train.is_empty() || test.is_empty() {
+            return Err(TrainError::InvalidArgs(format!(
+                "{} training and {} test sequences: both splits need some",
+                train.len(),
+                test.len()
+            )));
+        }
+        Ok(Self {
+            sampler: EpochSampler::new(train.len(), seed),
+            train,
+            test,
+            pad_id,
+            batch,
+        })
+    }
+
+    fn batch_of(&self, rows: &[&(Vec<i64>, i64)], device: &Device) -> (BertInput, Tensor<1, Int>) {
+        let (b, t) = (
+            rows.len(),
+            rows.iter().map(|r| r.0.len()).max().unwrap_or(0),
+        );
+        let (mut ids, mut mask) = (vec![self.pad_id; b * t], vec![0i64; b * t]);
+        for (i, (seq, _)) in rows.iter().enumerate() {
+            ids[i * t..i * t + seq.len()].copy_from_slice(seq);
+            mask[i * t..i * t + seq.len()].fill(1);
+        }
+        let ints = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [b, t]), device);
+        let labels: Vec<i64> = rows.iter().map(|r| r.1).collect();
+        let input = BertInput {
+            input_ids: ints(ids),
+            token_type_ids: Tensor::zeros([b, t], device),
+            attention_mask: ints(mask),
+        };
+        (
+            input,
+            Tensor::from_data(TensorData::new(labels, [b]), device),
+        )
+    }
+}
+
+impl TrainTask for TextClassification {
+    type Model = Bert;
+
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Bert> {
+        let mine = self.sampler.next_batch(self.batch, part);
+        let rows: Vec<&(Vec<i64>, i64)> = mine.iter().map(|&i| &self.train[i]).collect();
+        self.batch_of(&rows, device)
+    }
+
+    fn items(&self, input: &BertInput) -> usize {
+        input.input_ids.dims()[0]
+    }
+
+    fn counts_tokens(&self) -> bool {
+        false
+    }
+
+    fn evaluate(&mut self, model: &Bert) -> (f64, Option<f64>) {
+        let device = model.embeddings.word_embeddings.weight.val().device();
+        let (mut loss, mut correct) = (0.0, 0i64);
+        let rows: Vec<&(Vec<i64>, i64)> = self.test.iter().collect();
+        for chunk in rows.chunks(self.batch.max(1)) {
+            let (x, y) = self.batch_of(chunk, &device);
+            let (l, c) = loss_and_correct(model.logits(model.hidden_states(x)), y);
+            loss += l;
+            correct += c;
+        }
+        let n = self.test.len() as f64;
+        (loss / n, Some(correct as f64 / n))
+    }
+}
+
+/// Summed cross-entropy and the number of right answers of a batch of class logits.
+fn loss_and_correct(logits: Tensor<2>, labels: Tensor<1, Int>) -> (f64, i64) {
+    let [n, _] = logits.dims();
+    let loss = burnscale_nn::cross_entropy(logits.clone(), labels.clone()) * n as f32;
+    let correct = logits.argmax(1).reshape([n]).equal(labels).int().sum();
+    (
+        loss.into_scalar::<f32>() as f64,
+        correct.into_scalar::<i64>(),
+    )
+}
+
+/// A seeded epoch order over `len` items, reshuffled at each epoch's end: every rank
+/// draws the same global batches and keeps its slice (a distributed sampler).
+#[derive(Clone)]
+struct EpochSampler {
+    len: usize,
+    rng: StdRng,
+    order: Vec<usize>,
+    cursor: usize,
+}
+
+impl EpochSampler {
+    fn new(len: usize, seed: u64) -> Self {
+        Self {
+            len,
+            rng: StdRng::seed_from_u64(seed),
+            order: Vec::new(),
+            cursor: 0,
+        }
+    }
+
+    /// `part`'s `batch` indices of the next global batch of `batch * part.world`.
+    fn next_batch(&mut self, batch: usize, part: BatchPart) -> Vec<usize> {
+        let global: Vec<usize> = (0..batch * part.world)
+            .map(|_| {
+                if self.cursor == self.order.len() {
+                    self.order = (0..self.len).collect();
+                    self.order.shuffle(&mut self.rng);
+                    self.cursor = 0;
+                }
+                self.cursor += 1;
+                self.order[self.cursor - 1]
+            })
+            .collect();
+        global[part.rank * batch..(part.rank + 1) * batch].to_vec()
     }
 }
