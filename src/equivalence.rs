@@ -32,15 +32,26 @@ pub fn check(
     strategy: &str,
     extra: &[&str],
 ) -> Result<Vec<String>, TrainError> {
+    check_with_dropout(comm, strategy, 0.0, extra)
+}
+
+/// [`check`] with dropout in the model. Only a world of one draws the single-device masks
+/// (every rank has its own stream), so only there is the comparison meaningful.
+pub fn check_with_dropout(
+    comm: &dyn Communicator,
+    strategy: &str,
+    dropout: f64,
+    extra: &[&str],
+) -> Result<Vec<String>, TrainError> {
     let world = comm.world_size();
     if !GLOBAL_BATCH.is_multiple_of(world) {
         return Err(TrainError::InvalidArgs(format!(
             "the check splits a global batch of {GLOBAL_BATCH}, which {world} ranks do not divide"
         )));
     }
-    let sharded = train_tiny(comm, strategy, GLOBAL_BATCH / world, extra)?;
+    let sharded = train_tiny(comm, strategy, GLOBAL_BATCH / world, dropout, extra)?;
     let solo = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
-    let single = train_tiny(&solo, "single", GLOBAL_BATCH, extra)?;
+    let single = train_tiny(&solo, "single", GLOBAL_BATCH, dropout, extra)?;
 
     let d = GptConfig::tiny().n_embd;
     let mut differences = Vec::new();
@@ -68,6 +79,7 @@ fn train_tiny(
     comm: &dyn Communicator,
     strategy: &str,
     batch: usize,
+    dropout: f64,
     extra: &[&str],
 ) -> Result<Vec<(String, Vec<f32>)>, TrainError> {
     let device = Device::default().autodiff();
@@ -76,7 +88,7 @@ fn train_tiny(
         static INIT: Mutex<()> = Mutex::new(());
         let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         device.seed(11);
-        let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device)
+        let model = Gpt::new(&GptConfig::tiny().with_dropout(dropout), &device)
             .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
         burnscale_shard::host::materialize(&model);
         model

@@ -52,10 +52,26 @@ fn run(flags: &[&str]) -> (Bert, Option<f64>) {
 fn zero3_on_two_ranks_equals_single_with_padding() {
     // SGD: the attention key bias has an exactly-zero true gradient, whose float noise Adam
     // would normalise into visible updates (see src/equivalence.rs).
-    let common = ["--optimizer", "sgd", "--lr", "0.05", "--max-steps", "3", "--grad-clip", "0.5"];
+    let common = [
+        "--optimizer",
+        "sgd",
+        "--lr",
+        "0.05",
+        "--max-steps",
+        "3",
+        "--grad-clip",
+        "0.5",
+    ];
     let (single, _) = run(&[&common[..], &["--batch-size", "8"]].concat());
     for strategy in ["zero3", "zero2"] {
-        let flags = ["--strategy", strategy, "--devices", "2", "--batch-size", "4"];
+        let flags = [
+            "--strategy",
+            strategy,
+            "--devices",
+            "2",
+            "--batch-size",
+            "4",
+        ];
         let (sharded, _) = run(&[&common[..], &flags[..]].concat());
         let a = burnscale::nn::weights::collect(&single);
         let b = burnscale::nn::weights::collect(&sharded);

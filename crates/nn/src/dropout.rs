@@ -15,6 +15,29 @@ use rayon::prelude::*;
 thread_local! {
     /// (seed, calls so far) of this thread's dropout stream.
     static STREAM: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
+    /// Whether training code runs on a plain device (see [`training_scope`]).
+    static TRAINING_WITHOUT_AUTODIFF: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Marks code that trains outside autodiff (ZeRO-3 runs blocks forward on the plain device
+/// and recomputes them under autodiff in backward): dropout drops there too, as it does in
+/// the recomputation. Ends when the guard drops.
+pub fn training_scope() -> TrainingScope {
+    TrainingScope(TRAINING_WITHOUT_AUTODIFF.with(|t| t.replace(true)))
+}
+
+pub struct TrainingScope(bool);
+
+impl Drop for TrainingScope {
+    fn drop(&mut self) {
+        TRAINING_WITHOUT_AUTODIFF.with(|t| t.set(self.0));
+    }
+}
+
+/// The next key of this thread's stream, for other training-time randomness (BigBird's
+/// random blocks) that a recomputation must redraw identically after [`rewind`].
+pub fn next_key() -> u64 {
+    next_call_key()
 }
 
 /// Restarts this thread's dropout stream from `seed`.
@@ -105,8 +128,15 @@ pub struct Dropout {
 }
 
 impl Dropout {
+    /// Whether this module trains on `device`: not in eval mode, and on an autodiff device
+    /// or inside a [`training_scope`].
+    pub fn is_training(&self, device: &Device) -> bool {
+        self.training.is_enabled()
+            && (device.is_autodiff() || TRAINING_WITHOUT_AUTODIFF.with(Cell::get))
+    }
+
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        if !self.training.is_enabled() || !input.device().is_autodiff() || self.prob == 0.0 {
+        if self.prob == 0.0 || !self.is_training(&input.device()) {
             return input;
         }
         let shape = input.shape();
@@ -171,6 +201,12 @@ mod tests {
                 .all(|v| *v == 1.0)
         );
         let plain = DropoutConfig::new(0.5).init();
+        let out = values(plain.forward(ones(&Device::default())));
+        assert!(out.iter().all(|v| *v == 1.0));
+        let scope = training_scope();
+        let out = values(plain.forward(ones(&Device::default())));
+        assert!(out.contains(&0.0));
+        drop(scope);
         let out = values(plain.forward(ones(&Device::default())));
         assert!(out.iter().all(|v| *v == 1.0));
     }

@@ -345,11 +345,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let inner_mask = mask.clone().map(|m| m.inner());
         let mut x = embedded.clone().inner();
         let mut saved = Vec::with_capacity(blocks.len());
+        let training = dropout::training_scope();
         for (i, block) in blocks.iter().enumerate() {
             let block = self.gather_unit(block.clone(), i + 1, &inner, false)?;
             saved.push((x.clone(), dropout::position()));
             x = M::block_forward(&block, x, &inner_mask);
         }
+        drop(training);
         let x = Tensor::from_inner(x).require_grad();
         let loss = root.head_loss(x.clone(), target) / accumulate as f64;
         let value = loss.clone().into_scalar::<f32>() as f64;
