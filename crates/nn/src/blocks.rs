@@ -19,7 +19,9 @@ pub trait BlockModel: Module {
 
     /// Activations entering the first block, and the mask every block applies.
     fn embed(&self, input: Self::Input) -> (Tensor<3>, Mask); // [batch, seq, d_model]
-    fn block_forward(block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
+    /// One block, run by its model (which may hold what every block shares, as an attention
+    /// pattern); the model's own block list may be taken out meanwhile.
+    fn block_forward(&self, block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
     /// Mean loss of the last block's output against `target`.
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;
 
@@ -34,7 +36,7 @@ pub trait BlockModel: Module {
         let x = self
             .blocks()
             .iter()
-            .fold(x, |x, block| Self::block_forward(block, x, &mask));
+            .fold(x, |x, block| self.block_forward(block, x, &mask));
         self.head_loss(x, target)
     }
 }

@@ -349,7 +349,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         for (i, block) in blocks.iter().enumerate() {
             let block = self.gather_unit(block.clone(), i + 1, &inner, false)?;
             saved.push((x.clone(), dropout::position()));
-            x = M::block_forward(&block, x, &inner_mask);
+            x = root.block_forward(&block, x, &inner_mask);
         }
         drop(training);
         let x = Tensor::from_inner(x).require_grad();
@@ -371,7 +371,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let (x, at) = saved.pop().expect("one saved input per block");
             dropout::rewind(at);
             let x = Tensor::from_inner(x).require_grad();
-            let y = M::block_forward(&block, x.clone(), &mask);
+            let y = root.block_forward(&block, x.clone(), &mask);
             let grads = (y * Tensor::from_inner(grad_x)).sum().backward();
             grad_x = x
                 .grad(&grads)

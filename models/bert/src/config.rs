@@ -1,5 +1,7 @@
 use std::path::Path;
 
+use burn::prelude::*;
+use burn::tensor::activation::gelu;
 use serde::{Deserialize, Serialize};
 
 use crate::BertError;
@@ -9,6 +11,32 @@ use crate::BertError;
 pub enum Layout {
     Bert,
     DistilBert,
+}
+
+/// The feed-forward activation (HF's `hidden_act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Activation {
+    /// Exact (erf) GELU: `gelu`.
+    Gelu,
+    /// The tanh approximation: `gelu_new` (BigBird-RoBERTa, GPT-2).
+    GeluNew,
+}
+
+impl Activation {
+    fn from_hf(name: &str) -> Option<Self> {
+        match name {
+            "gelu" => Some(Self::Gelu),
+            "gelu_new" | "gelu_pytorch_tanh" => Some(Self::GeluNew),
+            _ => None,
+        }
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self {
+            Self::Gelu => gelu(x),
+            Self::GeluNew => burnscale_nn::gelu_tanh(x),
+        }
+    }
 }
 
 /// The head on top of the encoder.
@@ -32,6 +60,7 @@ pub struct BertConfig {
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
     pub intermediate_size: usize,
+    pub hidden_act: Activation,
     pub max_position_embeddings: usize,
     /// 0 for DistilBERT, which has no token types.
     pub type_vocab_size: usize,
@@ -61,6 +90,7 @@ impl BertConfig {
             num_hidden_layers: layers,
             num_attention_heads: heads,
             intermediate_size: 4 * hidden,
+            hidden_act: Activation::Gelu,
             max_position_embeddings: 512,
             type_vocab_size: 2,
             layer_norm_eps: 1e-12,
@@ -150,6 +180,14 @@ impl BertConfig {
         };
         let float =
             |key: &str, default: f64| json.get(key).and_then(|v| v.as_f64()).unwrap_or(default);
+        let act = |key: &str| -> Result<Activation, BertError> {
+            match json.get(key).and_then(|v| v.as_str()) {
+                None => Ok(Activation::Gelu),
+                Some(name) => Activation::from_hf(name).ok_or_else(|| {
+                    error(format!("{key} `{name}` is not supported (gelu, gelu_new)"))
+                }),
+            }
+        };
         let config = match json.get("model_type").and_then(|v| v.as_str()) {
             Some("bert") => Self {
                 vocab_size: int("vocab_size")?,
@@ -157,6 +195,7 @@ impl BertConfig {
                 num_hidden_layers: int("num_hidden_layers")?,
                 num_attention_heads: int("num_attention_heads")?,
                 intermediate_size: int("intermediate_size")?,
+                hidden_act: act("hidden_act")?,
                 max_position_embeddings: int("max_position_embeddings")?,
                 type_vocab_size: int("type_vocab_size")?,
                 layer_norm_eps: float("layer_norm_eps", 1e-12),
@@ -172,6 +211,7 @@ impl BertConfig {
                 num_hidden_layers: int("n_layers")?,
                 num_attention_heads: int("n_heads")?,
                 intermediate_size: int("hidden_dim")?,
+                hidden_act: act("activation")?,
                 max_position_embeddings: int("max_position_embeddings")?,
                 hidden_dropout_prob: float("dropout", 0.1),
                 attention_probs_dropout_prob: float("attention_dropout", 0.1),

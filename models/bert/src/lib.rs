@@ -10,6 +10,9 @@ pub mod loader;
 mod model;
 pub mod tokenizer;
 
-pub use config::{BertConfig, BertHead, Layout};
+pub use config::{Activation, BertConfig, BertHead, Layout};
 pub use error::BertError;
-pub use model::{Bert, BertInput, Classifier, Embeddings, Layer, MaskedLmHead, SelfAttention};
+pub use model::{
+    Bert, BertInput, Classifier, Embeddings, Kernel, Layer, MaskedLmHead, SelfAttention,
+    first_token, full_attention, linear, normal,
+};

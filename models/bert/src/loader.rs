@@ -28,185 +28,76 @@ use std::path::Path;
 use burn::prelude::*;
 use burnscale_nn::weights::{self, KeyMap, KeyTable, Weight};
 
+use burn::module::Module;
+use burnscale_nn::weights::WeightError;
+
 use crate::{Bert, BertConfig, BertError, Layout};
 
-const BERT: KeyTable = KeyTable(&[
-    (
-        "embeddings.word_embeddings.weight",
-        "embeddings.word_embeddings.weight",
-    ),
-    (
-        "embeddings.position_embeddings.weight",
-        "embeddings.position_embeddings.weight",
-    ),
-    (
-        "embeddings.token_type_embeddings.weight",
-        "embeddings.token_type_embeddings.weight",
-    ),
+/// BERT's encoder (embeddings, layers, pooler); BigBird's too.
+#[rustfmt::skip]
+pub const BERT_ENCODER: KeyTable = KeyTable(&[
+    ("embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+    ("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight"),
+    ("embeddings.token_type_embeddings.weight", "embeddings.token_type_embeddings.weight"),
     ("embeddings.LayerNorm.weight", "embeddings.layer_norm.gamma"),
     ("embeddings.LayerNorm.bias", "embeddings.layer_norm.beta"),
-    (
-        "encoder.layer.{i}.attention.self.query.weight",
-        "layer.{i}.attention.query.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.query.bias",
-        "layer.{i}.attention.query.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.key.weight",
-        "layer.{i}.attention.key.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.key.bias",
-        "layer.{i}.attention.key.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.value.weight",
-        "layer.{i}.attention.value.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.self.value.bias",
-        "layer.{i}.attention.value.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.dense.weight",
-        "layer.{i}.attention_output.weight",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.dense.bias",
-        "layer.{i}.attention_output.bias",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.LayerNorm.weight",
-        "layer.{i}.attention_norm.gamma",
-    ),
-    (
-        "encoder.layer.{i}.attention.output.LayerNorm.bias",
-        "layer.{i}.attention_norm.beta",
-    ),
-    (
-        "encoder.layer.{i}.intermediate.dense.weight",
-        "layer.{i}.intermediate.weight",
-    ),
-    (
-        "encoder.layer.{i}.intermediate.dense.bias",
-        "layer.{i}.intermediate.bias",
-    ),
-    (
-        "encoder.layer.{i}.output.dense.weight",
-        "layer.{i}.output.weight",
-    ),
-    (
-        "encoder.layer.{i}.output.dense.bias",
-        "layer.{i}.output.bias",
-    ),
-    (
-        "encoder.layer.{i}.output.LayerNorm.weight",
-        "layer.{i}.output_norm.gamma",
-    ),
-    (
-        "encoder.layer.{i}.output.LayerNorm.bias",
-        "layer.{i}.output_norm.beta",
-    ),
+    ("encoder.layer.{i}.attention.self.query.weight", "layer.{i}.attention.query.weight"),
+    ("encoder.layer.{i}.attention.self.query.bias", "layer.{i}.attention.query.bias"),
+    ("encoder.layer.{i}.attention.self.key.weight", "layer.{i}.attention.key.weight"),
+    ("encoder.layer.{i}.attention.self.key.bias", "layer.{i}.attention.key.bias"),
+    ("encoder.layer.{i}.attention.self.value.weight", "layer.{i}.attention.value.weight"),
+    ("encoder.layer.{i}.attention.self.value.bias", "layer.{i}.attention.value.bias"),
+    ("encoder.layer.{i}.attention.output.dense.weight", "layer.{i}.attention_output.weight"),
+    ("encoder.layer.{i}.attention.output.dense.bias", "layer.{i}.attention_output.bias"),
+    ("encoder.layer.{i}.attention.output.LayerNorm.weight", "layer.{i}.attention_norm.gamma"),
+    ("encoder.layer.{i}.attention.output.LayerNorm.bias", "layer.{i}.attention_norm.beta"),
+    ("encoder.layer.{i}.intermediate.dense.weight", "layer.{i}.intermediate.weight"),
+    ("encoder.layer.{i}.intermediate.dense.bias", "layer.{i}.intermediate.bias"),
+    ("encoder.layer.{i}.output.dense.weight", "layer.{i}.output.weight"),
+    ("encoder.layer.{i}.output.dense.bias", "layer.{i}.output.bias"),
+    ("encoder.layer.{i}.output.LayerNorm.weight", "layer.{i}.output_norm.gamma"),
+    ("encoder.layer.{i}.output.LayerNorm.bias", "layer.{i}.output_norm.beta"),
     ("pooler.dense.weight", "pooler.weight"),
     ("pooler.dense.bias", "pooler.bias"),
-    ("classifier.weight", "classifier.classifier.weight"),
-    ("classifier.bias", "classifier.classifier.bias"),
-    (
-        "cls.predictions.transform.dense.weight",
-        "mlm.transform.weight",
-    ),
-    ("cls.predictions.transform.dense.bias", "mlm.transform.bias"),
-    (
-        "cls.predictions.transform.LayerNorm.weight",
-        "mlm.layer_norm.gamma",
-    ),
-    (
-        "cls.predictions.transform.LayerNorm.bias",
-        "mlm.layer_norm.beta",
-    ),
-    ("cls.predictions.bias", "mlm.bias"),
-    ("cls.predictions.decoder.weight", ""),
-    ("cls.predictions.decoder.bias", ""),
     ("embeddings.position_ids", ""),
 ]);
 
-const DISTILBERT: KeyTable = KeyTable(&[
-    (
-        "embeddings.word_embeddings.weight",
-        "embeddings.word_embeddings.weight",
-    ),
-    (
-        "embeddings.position_embeddings.weight",
-        "embeddings.position_embeddings.weight",
-    ),
+/// BERT's task heads.
+#[rustfmt::skip]
+pub const BERT_HEADS: KeyTable = KeyTable(&[
+    ("classifier.weight", "classifier.classifier.weight"),
+    ("classifier.bias", "classifier.classifier.bias"),
+    ("cls.predictions.transform.dense.weight", "mlm.transform.weight"),
+    ("cls.predictions.transform.dense.bias", "mlm.transform.bias"),
+    ("cls.predictions.transform.LayerNorm.weight", "mlm.layer_norm.gamma"),
+    ("cls.predictions.transform.LayerNorm.bias", "mlm.layer_norm.beta"),
+    ("cls.predictions.bias", "mlm.bias"),
+    ("cls.predictions.decoder.weight", ""),
+    ("cls.predictions.decoder.bias", ""),
+]);
+
+#[rustfmt::skip]
+pub const DISTILBERT: KeyTable = KeyTable(&[
+    ("embeddings.word_embeddings.weight", "embeddings.word_embeddings.weight"),
+    ("embeddings.position_embeddings.weight", "embeddings.position_embeddings.weight"),
     ("embeddings.LayerNorm.weight", "embeddings.layer_norm.gamma"),
     ("embeddings.LayerNorm.bias", "embeddings.layer_norm.beta"),
-    (
-        "transformer.layer.{i}.attention.q_lin.weight",
-        "layer.{i}.attention.query.weight",
-    ),
-    (
-        "transformer.layer.{i}.attention.q_lin.bias",
-        "layer.{i}.attention.query.bias",
-    ),
-    (
-        "transformer.layer.{i}.attention.k_lin.weight",
-        "layer.{i}.attention.key.weight",
-    ),
-    (
-        "transformer.layer.{i}.attention.k_lin.bias",
-        "layer.{i}.attention.key.bias",
-    ),
-    (
-        "transformer.layer.{i}.attention.v_lin.weight",
-        "layer.{i}.attention.value.weight",
-    ),
-    (
-        "transformer.layer.{i}.attention.v_lin.bias",
-        "layer.{i}.attention.value.bias",
-    ),
-    (
-        "transformer.layer.{i}.attention.out_lin.weight",
-        "layer.{i}.attention_output.weight",
-    ),
-    (
-        "transformer.layer.{i}.attention.out_lin.bias",
-        "layer.{i}.attention_output.bias",
-    ),
-    (
-        "transformer.layer.{i}.sa_layer_norm.weight",
-        "layer.{i}.attention_norm.gamma",
-    ),
-    (
-        "transformer.layer.{i}.sa_layer_norm.bias",
-        "layer.{i}.attention_norm.beta",
-    ),
-    (
-        "transformer.layer.{i}.ffn.lin1.weight",
-        "layer.{i}.intermediate.weight",
-    ),
-    (
-        "transformer.layer.{i}.ffn.lin1.bias",
-        "layer.{i}.intermediate.bias",
-    ),
-    (
-        "transformer.layer.{i}.ffn.lin2.weight",
-        "layer.{i}.output.weight",
-    ),
-    (
-        "transformer.layer.{i}.ffn.lin2.bias",
-        "layer.{i}.output.bias",
-    ),
-    (
-        "transformer.layer.{i}.output_layer_norm.weight",
-        "layer.{i}.output_norm.gamma",
-    ),
-    (
-        "transformer.layer.{i}.output_layer_norm.bias",
-        "layer.{i}.output_norm.beta",
-    ),
+    ("transformer.layer.{i}.attention.q_lin.weight", "layer.{i}.attention.query.weight"),
+    ("transformer.layer.{i}.attention.q_lin.bias", "layer.{i}.attention.query.bias"),
+    ("transformer.layer.{i}.attention.k_lin.weight", "layer.{i}.attention.key.weight"),
+    ("transformer.layer.{i}.attention.k_lin.bias", "layer.{i}.attention.key.bias"),
+    ("transformer.layer.{i}.attention.v_lin.weight", "layer.{i}.attention.value.weight"),
+    ("transformer.layer.{i}.attention.v_lin.bias", "layer.{i}.attention.value.bias"),
+    ("transformer.layer.{i}.attention.out_lin.weight", "layer.{i}.attention_output.weight"),
+    ("transformer.layer.{i}.attention.out_lin.bias", "layer.{i}.attention_output.bias"),
+    ("transformer.layer.{i}.sa_layer_norm.weight", "layer.{i}.attention_norm.gamma"),
+    ("transformer.layer.{i}.sa_layer_norm.bias", "layer.{i}.attention_norm.beta"),
+    ("transformer.layer.{i}.ffn.lin1.weight", "layer.{i}.intermediate.weight"),
+    ("transformer.layer.{i}.ffn.lin1.bias", "layer.{i}.intermediate.bias"),
+    ("transformer.layer.{i}.ffn.lin2.weight", "layer.{i}.output.weight"),
+    ("transformer.layer.{i}.ffn.lin2.bias", "layer.{i}.output.bias"),
+    ("transformer.layer.{i}.output_layer_norm.weight", "layer.{i}.output_norm.gamma"),
+    ("transformer.layer.{i}.output_layer_norm.bias", "layer.{i}.output_norm.beta"),
     ("pre_classifier.weight", "classifier.pre_classifier.weight"),
     ("pre_classifier.bias", "classifier.pre_classifier.bias"),
     ("classifier.weight", "classifier.classifier.weight"),
@@ -226,46 +117,96 @@ pub enum Head {
     Fresh,
 }
 
-struct Keys {
-    table: KeyTable,
-    prefix: &'static str,
-    head: Head,
+/// How an HF encoder checkpoint maps onto a model: its key table, the model prefix its
+/// encoder keys may carry, and which parameter paths belong to the task head (those sit
+/// beside the prefix, and [`Head::Fresh`] leaves them initialised).
+#[derive(Debug, Clone, Copy)]
+pub struct Checkpoint {
+    /// Tried in order.
+    pub tables: &'static [KeyTable],
+    pub prefix: &'static str,
+    pub heads: &'static [&'static str],
+    pub head: Head,
 }
 
-impl Keys {
-    fn new(layout: Layout, head: Head) -> Self {
-        match layout {
-            Layout::Bert => Self {
-                table: BERT,
-                prefix: "bert.",
-                head,
-            },
-            Layout::DistilBert => Self {
-                table: DISTILBERT,
-                prefix: "distilbert.",
-                head,
-            },
+impl Checkpoint {
+    fn for_layout(layout: Layout, head: Head) -> Self {
+        let (tables, prefix): (&'static [KeyTable], _) = match layout {
+            Layout::Bert => (&[BERT_ENCODER, BERT_HEADS], "bert."),
+            Layout::DistilBert => (&[DISTILBERT], "distilbert."),
+        };
+        Self {
+            tables,
+            prefix,
+            heads: &["classifier.", "mlm."],
+            head,
         }
     }
 
-    /// The parameter path of a file key: `Ok(None)` for a skipped tensor, `Err` for an
-    /// unknown key (reported as unexpected).
-    fn path(&self, key: &str) -> Option<Option<String>> {
-        let bare = key.strip_prefix(self.prefix).unwrap_or(key);
-        let path = self.table.to_path(bare)?;
-        Some((!path.is_empty()).then_some(path))
+    fn is_head(&self, path: &str) -> bool {
+        self.heads.iter().any(|h| path.starts_with(h))
     }
 
-    fn is_head(path: &str) -> bool {
-        path.starts_with("classifier.") || path.starts_with("mlm.")
+    /// Swaps `model`'s parameters for `tensors` (HF keys, read from `file`), checking names
+    /// and shapes.
+    pub fn load_into<M: Module>(
+        &self,
+        model: M,
+        tensors: Vec<Weight>,
+        file: &Path,
+        device: &Device,
+    ) -> Result<M, WeightError> {
+        let mut weights = HashMap::new();
+        for w in tensors {
+            let bare = w.key.strip_prefix(self.prefix).unwrap_or(&w.key);
+            match self.tables.iter().find_map(|t| t.to_path(bare)) {
+                // Unknown keys stay in the map under their own name, for `apply` to report.
+                None => {
+                    weights.insert(format!("?{}", w.key), w);
+                }
+                Some(path) if path.is_empty() => {}
+                Some(path) if self.head == Head::Fresh && self.is_head(&path) => {}
+                Some(path) => {
+                    let w = if is_linear(&path, &w.shape) {
+                        w.transposed()
+                    } else {
+                        w
+                    };
+                    weights.insert(path, w);
+                }
+            }
+        }
+        weights::apply(model, weights, self, file, device)
+    }
+
+    /// Every parameter of `model` under its HF key, in HF's layout.
+    pub fn tensors<M: Module>(&self, model: &M) -> Vec<Weight> {
+        weights::collect(model)
+            .into_iter()
+            .map(|(path, w)| {
+                let w = if is_linear(&path, &w.shape) {
+                    w.transposed()
+                } else {
+                    w
+                };
+                Weight {
+                    key: self.file_key(&path),
+                    ..w
+                }
+            })
+            .collect()
     }
 }
 
-impl KeyMap for Keys {
+impl KeyMap for Checkpoint {
     fn file_key(&self, path: &str) -> String {
-        let key = self.table.to_key(path).unwrap_or_else(|| path.to_string());
+        let key = self
+            .tables
+            .iter()
+            .find_map(|t| t.to_key(path))
+            .unwrap_or_else(|| path.to_string());
         // Heads sit beside the model prefix, as in `BertForSequenceClassification`.
-        if Self::is_head(path) {
+        if self.is_head(path) {
             key
         } else {
             format!("{}{key}", self.prefix)
@@ -273,14 +214,14 @@ impl KeyMap for Keys {
     }
 
     fn may_stay_initialised(&self, path: &str) -> bool {
-        self.head == Head::Fresh && Self::is_head(path)
+        self.head == Head::Fresh && self.is_head(path)
     }
 
     fn shape_hint(&self, path: &str) -> &'static str {
         match path {
             "embeddings.word_embeddings.weight" | "mlm.bias" => " (another vocabulary size)",
             "embeddings.position_embeddings.weight" => " (another max_position_embeddings)",
-            p if p.starts_with("classifier.") => {
+            p if self.is_head(p) => {
                 " (another number of labels: load with a fresh head to finetune)"
             }
             _ => " (weights for another model size?)",
@@ -306,62 +247,34 @@ pub fn load_weights(
     head: Head,
     device: &Device,
 ) -> Result<Bert, BertError> {
-    let keys = Keys::new(config.layout, head);
     let model = Bert::new(config, device)?;
-    let mut weights = HashMap::new();
-    let mut unknown = Vec::new();
-    for w in tensors {
-        match keys.path(&w.key) {
-            None => unknown.push(w),
-            Some(None) => {}
-            Some(Some(p)) if head == Head::Fresh && Keys::is_head(&p) => {}
-            Some(Some(p)) => {
-                let w = if w.shape.len() == 2 && is_linear(&p) {
-                    w.transposed()
-                } else {
-                    w
-                };
-                weights.insert(p, w);
-            }
-        }
-    }
-    // Unknown keys stay in the map under their own name, for `apply` to report.
-    for w in unknown {
-        weights.insert(format!("?{}", w.key), w);
-    }
-    Ok(weights::apply(model, weights, &keys, path, device)?)
+    Ok(Checkpoint::for_layout(config.layout, head).load_into(model, tensors, path, device)?)
 }
 
 /// Writes `model` as an HF safetensors file of `layout` (`*ForSequenceClassification`,
 /// `*ForMaskedLM` or the base model, by its head), with the tied decoder written out.
 pub fn save(model: &Bert, layout: Layout, path: &Path) -> Result<(), BertError> {
-    let keys = Keys::new(layout, Head::Load);
-    let mut tensors: Vec<Weight> = Vec::new();
-    for (p, w) in weights::collect(model) {
-        let w = if w.shape.len() == 2 && is_linear(&p) {
-            w.transposed()
-        } else {
-            w
+    let mut tensors = Checkpoint::for_layout(layout, Head::Load).tensors(model);
+    if model.mlm.is_some() {
+        let words = format!(
+            "{}embeddings.word_embeddings.weight",
+            Checkpoint::for_layout(layout, Head::Load).prefix
+        );
+        let decoder = match layout {
+            Layout::Bert => "cls.predictions.decoder.weight",
+            Layout::DistilBert => "vocab_projector.weight",
         };
-        if p == "embeddings.word_embeddings.weight" && model.mlm.is_some() {
-            let decoder = match layout {
-                Layout::Bert => "cls.predictions.decoder.weight",
-                Layout::DistilBert => "vocab_projector.weight",
-            };
+        if let Some(w) = tensors.iter().find(|w| w.key == words).cloned() {
             tensors.push(Weight {
                 key: decoder.to_string(),
-                ..w.clone()
+                ..w
             });
         }
-        tensors.push(Weight {
-            key: keys.file_key(&p),
-            ..w
-        });
     }
     Ok(weights::write_safetensors(path, &tensors)?)
 }
 
-/// Parameters stored as `nn.Linear` weights (embeddings are not transposed).
-fn is_linear(path: &str) -> bool {
-    path.ends_with(".weight") && !path.starts_with("embeddings.")
+/// `nn.Linear` weights, stored `[out, in]` by PyTorch (embeddings are not transposed).
+fn is_linear(path: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && path.ends_with(".weight") && !path.starts_with("embeddings.")
 }

@@ -3,10 +3,10 @@ use burn::nn::{
     Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
 };
 use burn::prelude::*;
-use burn::tensor::activation::{gelu, relu, softmax};
+use burn::tensor::activation::{relu, softmax};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
-use crate::{BertConfig, BertError, BertHead, Layout};
+use crate::{Activation, BertConfig, BertError, BertHead, Layout};
 
 /// A padded batch of token sequences.
 #[derive(Debug, Clone)]
@@ -29,7 +29,7 @@ pub struct Embeddings {
 }
 
 impl Embeddings {
-    fn new(config: &BertConfig, device: &Device) -> Self {
+    pub fn new(config: &BertConfig, device: &Device) -> Self {
         let embedding = |n, d| {
             EmbeddingConfig::new(n, d)
                 .with_initializer(normal())
@@ -44,6 +44,42 @@ impl Embeddings {
             layer_norm: layer_norm(config, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
         }
+    }
+
+    /// `Ok` if the batch fits the position table and the vocabulary.
+    pub fn check_input(&self, input: &BertInput) -> Result<(), BertError> {
+        let [_, t] = input.input_ids.dims();
+        let [max, _] = self.position_embeddings.weight.dims();
+        if t > max {
+            return Err(BertError::SequenceTooLong { len: t, max });
+        }
+        let [vocab, _] = self.word_embeddings.weight.dims();
+        let ids: Vec<i64> = input
+            .input_ids
+            .to_data()
+            .try_to_vec_as()
+            .unwrap_or_default();
+        match ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
+            Some(&id) => Err(BertError::TokenOutOfRange { id, vocab }),
+            None => Ok(()),
+        }
+    }
+
+    /// The embeddings and the padding mask every layer applies. Panics on a batch
+    /// [`Embeddings::check_input`] rejects (the embedding lookup would).
+    pub fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
+        if let Err(e) = self.check_input(&input) {
+            panic!("{e}");
+        }
+        let x = self.forward(input.input_ids, input.token_type_ids);
+        let [b, t] = input.attention_mask.dims();
+        // HF's extended attention mask: the dtype's minimum where a key is padding.
+        let padding = input
+            .attention_mask
+            .equal_elem(0)
+            .float()
+            .reshape([b, 1, 1, t]);
+        (x, Some(padding * f32::MIN))
     }
 
     pub fn forward(&self, input_ids: Tensor<2, Int>, token_type_ids: Tensor<2, Int>) -> Tensor<3> {
@@ -80,20 +116,37 @@ impl SelfAttention {
         }
     }
 
-    pub fn forward(&self, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+    /// Projects to heads, lets `kernel` attend, and merges the heads back.
+    pub fn forward(&self, x: Tensor<3>, mask: &Mask, kernel: Kernel) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let hd = d / self.num_heads;
         let heads = |x: Tensor<3>| x.reshape([b, t, self.num_heads, hd]).swap_dims(1, 2);
         let q = heads(self.query.forward(x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
         let k = heads(self.key.forward(x.clone()));
         let v = heads(self.value.forward(x));
-        let mut scores = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
-        if let Some(bias) = mask {
-            scores = scores + bias.clone();
-        }
-        let y = self.dropout.forward(softmax(scores, 3)).matmul(v); // [b, nh, t, hd]
+        let y = kernel(q, k, v, mask, &self.dropout); // [b, nh, t, hd]
         y.swap_dims(1, 2).reshape([b, t, d])
     }
+}
+
+/// How attention combines scaled queries, keys and values (`[b, heads, t, head_dim]`) under a
+/// padding mask, with the attention-probability dropout. BERT attends to every key
+/// ([`full_attention`]); BigBird plugs in its block-sparse pattern.
+pub type Kernel<'a> = &'a dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>, &Mask, &Dropout) -> Tensor<4>;
+
+/// Softmax attention over every unpadded key.
+pub fn full_attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    mask: &Mask,
+    dropout: &Dropout,
+) -> Tensor<4> {
+    let mut scores = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
+    if let Some(bias) = mask {
+        scores = scores + bias.clone();
+    }
+    dropout.forward(softmax(scores, 3)).matmul(v) // [b, nh, t, hd]
 }
 
 /// One post-LN encoder layer: the unit that sharding and checkpointing wrap.
@@ -106,10 +159,12 @@ pub struct Layer {
     pub output: Linear,
     pub output_norm: LayerNorm,
     dropout: Dropout,
+    #[module(skip)]
+    activation: Activation,
 }
 
 impl Layer {
-    fn new(config: &BertConfig, device: &Device) -> Self {
+    pub fn new(config: &BertConfig, device: &Device) -> Self {
         let (d, f) = (config.hidden_size, config.intermediate_size);
         Self {
             attention: SelfAttention::new(config, device),
@@ -119,15 +174,18 @@ impl Layer {
             output: linear(f, d, device),
             output_norm: layer_norm(config, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            activation: config.hidden_act,
         }
     }
 
-    pub fn forward(&self, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+    pub fn forward(&self, x: Tensor<3>, mask: &Mask, kernel: Kernel) -> Tensor<3> {
         let a = self
             .attention_output
-            .forward(self.attention.forward(x.clone(), mask));
+            .forward(self.attention.forward(x.clone(), mask, kernel));
         let x = self.attention_norm.forward(x + self.dropout.forward(a));
-        let h = gelu(self.intermediate.forward(x.clone())); // [b, t, f]
+        let h = self
+            .activation
+            .forward(self.intermediate.forward(x.clone())); // [b, t, f]
         self.output_norm
             .forward(x + self.dropout.forward(self.output.forward(h)))
     }
@@ -148,6 +206,8 @@ pub struct MaskedLmHead {
     pub transform: Linear,
     pub layer_norm: LayerNorm,
     pub bias: Param<Tensor<1>>, // [vocab]
+    #[module(skip)]
+    activation: Activation,
 }
 
 #[derive(Module, Debug)]
@@ -158,8 +218,6 @@ pub struct Bert {
     pub pooler: Option<Linear>,
     pub classifier: Option<Classifier>,
     pub mlm: Option<MaskedLmHead>,
-    max_positions: usize,
-    vocab_size: usize,
 }
 
 impl Bert {
@@ -179,6 +237,7 @@ impl Bert {
             transform: linear(d, d, device),
             layer_norm: layer_norm(config, device),
             bias: Initializer::Zeros.init([config.vocab_size], device),
+            activation: config.hidden_act,
         });
         Ok(Self {
             embeddings: Embeddings::new(config, device),
@@ -188,35 +247,12 @@ impl Bert {
             pooler: config.has_pooler().then(|| linear(d, d, device)),
             classifier,
             mlm,
-            max_positions: config.max_position_embeddings,
-            vocab_size: config.vocab_size,
         })
     }
 
     /// `Ok` if the batch fits the position table and the vocabulary.
     pub fn check_input(&self, input: &BertInput) -> Result<(), BertError> {
-        let [_, t] = input.input_ids.dims();
-        if t > self.max_positions {
-            return Err(BertError::SequenceTooLong {
-                len: t,
-                max: self.max_positions,
-            });
-        }
-        let ids: Vec<i64> = input
-            .input_ids
-            .to_data()
-            .try_to_vec_as()
-            .unwrap_or_default();
-        match ids
-            .iter()
-            .find(|&&id| id < 0 || id as usize >= self.vocab_size)
-        {
-            Some(&id) => Err(BertError::TokenOutOfRange {
-                id,
-                vocab: self.vocab_size,
-            }),
-            None => Ok(()),
-        }
+        self.embeddings.check_input(input)
     }
 
     /// The last hidden state (HF's `last_hidden_state`).
@@ -224,7 +260,7 @@ impl Bert {
         let (x, mask) = self.embed(input);
         self.layer
             .iter()
-            .fold(x, |x, layer| layer.forward(x, &mask)) // [b, t, d]
+            .fold(x, |x, layer| layer.forward(x, &mask, &full_attention)) // [b, t, d]
     }
 
     /// BERT's pooled `[CLS]` representation (HF's `pooler_output`); `None` for DistilBERT.
@@ -248,7 +284,9 @@ impl Bert {
         let x = hidden.reshape([b * t, d]);
         match &self.mlm {
             Some(head) => {
-                let h = head.layer_norm.forward(gelu(head.transform.forward(x)));
+                let h = head
+                    .layer_norm
+                    .forward(head.activation.forward(head.transform.forward(x)));
                 let words = self.embeddings.word_embeddings.weight.val(); // [vocab, d]
                 h.matmul(words.transpose()) + head.bias.val().unsqueeze() // [b·t, vocab]
             }
@@ -256,39 +294,26 @@ impl Bert {
         }
     }
 
-    /// Embeddings and the padding mask, as every layer reads them. Panics on a batch
-    /// [`Bert::check_input`] rejects (the embedding lookup would).
+    /// Embeddings and the padding mask, as every layer reads them.
     pub fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
-        if let Err(e) = self.check_input(&input) {
-            panic!("{e}");
-        }
-        let x = self
-            .embeddings
-            .forward(input.input_ids, input.token_type_ids);
-        let [b, t] = input.attention_mask.dims();
-        // HF's extended attention mask: the dtype's minimum where a key is padding.
-        let padding = input
-            .attention_mask
-            .equal_elem(0)
-            .float()
-            .reshape([b, 1, 1, t]);
-        (x, Some(padding * f32::MIN))
+        self.embeddings.embed(input)
     }
 }
 
-fn first_token(hidden: Tensor<3>) -> Tensor<2> {
+pub fn first_token(hidden: Tensor<3>) -> Tensor<2> {
     let [b, _, d] = hidden.dims();
     hidden.narrow(1, 0, 1).reshape([b, d])
 }
 
-fn normal() -> Initializer {
+pub fn normal() -> Initializer {
     Initializer::Normal {
         mean: 0.0,
         std: 0.02,
     }
 }
 
-fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
+/// A linear layer initialised as HF's `_init_weights`: N(0, 0.02) weight, zero bias.
+pub fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
     let mut layer = LinearConfig::new(d_in, d_out)
         .with_initializer(normal())
         .init(device);
@@ -313,8 +338,8 @@ impl BlockModel for Bert {
         Bert::embed(self, input)
     }
 
-    fn block_forward(layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
-        layer.forward(x, mask)
+    fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+        layer.forward(x, mask, &full_attention)
     }
 
     fn head_loss(&self, x: Tensor<3>, target: Tensor<1, Int>) -> Tensor<1> {

@@ -219,7 +219,7 @@ impl BlockModel for Gpt {
         (Gpt::embed(self, idx), None)
     }
 
-    fn block_forward(block: &Block, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
+    fn block_forward(&self, block: &Block, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         block.forward(x)
     }
 

@@ -224,7 +224,7 @@ impl BlockModel for Vit {
         (Vit::embed(self, pixels), None)
     }
 
-    fn block_forward(layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
+    fn block_forward(&self, layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         layer.forward(x)
     }
 
