@@ -2,9 +2,10 @@
 //!
 //! The crates, re-exported: [`train`] (the runner, its CLI and reports), [`shard`] (DDP and
 //! ZeRO-1/2/3), [`collective`] (process groups), [`nn`] (shared layers and the block-list
-//! view of a model) and the models ([`mingpt`], [`vit`], [`bert`]). See README.md for what works today.
+//! view of a model) and the models ([`mingpt`], [`vit`], [`bert`], [`bigbird`]). See README.md for what works today.
 
 pub use burnscale_bert as bert;
+pub use burnscale_bigbird as bigbird;
 pub use burnscale_collective as collective;
 pub use burnscale_mingpt as mingpt;
 pub use burnscale_nn as nn;

@@ -1,8 +1,12 @@
 //! Training tasks: a model paired with its data, as the runner consumes them.
 
+use std::marker::PhantomData;
+
 use burn::prelude::*;
 use burnscale_bert::{Bert, BertInput};
+use burnscale_bigbird::BigBird;
 use burnscale_mingpt::{Gpt, cross_entropy};
+use burnscale_nn::BlockModel;
 use burnscale_train::data::TokenWindows;
 use burnscale_train::{Batch, BatchPart, TrainError, TrainTask};
 use burnscale_vit::Vit;
@@ -152,19 +156,61 @@ impl TrainTask for ImageClassification {
     }
 }
 
-/// Sequence classification for BERT on token-id sequences (already tokenized, `[CLS]` ...
-/// `[SEP]`), padded per batch to its longest sequence with `pad_id`; the same epoch order
-/// and per-rank slicing as [`ImageClassification`].
-#[derive(Clone)]
-pub struct TextClassification {
+/// An encoder with a sequence-classification head over token ids (BERT, DistilBERT, BigBird).
+pub trait SequenceClassifier:
+    BlockModel<Input = BertInput, Target = Tensor<1, Int>> + Send + Sync
+{
+    /// Class logits `[b, labels]`.
+    fn classify(&self, input: BertInput) -> Tensor<2>;
+    fn device(&self) -> Device;
+}
+
+impl SequenceClassifier for Bert {
+    fn classify(&self, input: BertInput) -> Tensor<2> {
+        self.logits(self.hidden_states(input))
+    }
+
+    fn device(&self) -> Device {
+        self.embeddings.word_embeddings.weight.val().device()
+    }
+}
+
+impl SequenceClassifier for BigBird {
+    fn classify(&self, input: BertInput) -> Tensor<2> {
+        self.logits(self.hidden_states(input))
+    }
+
+    fn device(&self) -> Device {
+        self.embeddings.word_embeddings.weight.val().device()
+    }
+}
+
+/// Sequence classification on token-id sequences (already tokenized, `[CLS]` ... `[SEP]`),
+/// padded per batch to its longest sequence with `pad_id`; the same epoch order and per-rank
+/// slicing as [`ImageClassification`].
+pub struct TextClassification<M> {
     train: Vec<(Vec<i64>, i64)>,
     test: Vec<(Vec<i64>, i64)>,
     pad_id: i64,
     batch: usize,
     sampler: EpochSampler,
+    model: PhantomData<fn() -> M>,
 }
 
-impl TextClassification {
+impl<M> Clone for TextClassification<M> {
+    fn clone(&self) -> Self {
+        Self {
+            train: self.train.clone(),
+            test: self.test.clone(),
+            pad_id: self.pad_id,
+            batch: self.batch,
+            sampler: self.sampler.clone(),
+            model: PhantomData,
+        }
+    }
+}
+
+impl<M> TextClassification<M> {
     pub fn new(
         train: Vec<(Vec<i64>, i64)>,
         test: Vec<(Vec<i64>, i64)>,
@@ -185,6 +231,7 @@ impl TextClassification {
             test,
             pad_id,
             batch,
+            model: PhantomData,
         })
     }
 
@@ -212,10 +259,10 @@ impl TextClassification {
     }
 }
 
-impl TrainTask for TextClassification {
-    type Model = Bert;
+impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
+    type Model = M;
 
-    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Bert> {
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<M> {
         let mine = self.sampler.next_batch(self.batch, part);
         let rows: Vec<&(Vec<i64>, i64)> = mine.iter().map(|&i| &self.train[i]).collect();
         self.batch_of(&rows, device)
@@ -229,13 +276,13 @@ impl TrainTask for TextClassification {
         false
     }
 
-    fn evaluate(&mut self, model: &Bert) -> (f64, Option<f64>) {
-        let device = model.embeddings.word_embeddings.weight.val().device();
+    fn evaluate(&mut self, model: &M) -> (f64, Option<f64>) {
+        let device = model.device();
         let (mut loss, mut correct) = (0.0, 0i64);
         let rows: Vec<&(Vec<i64>, i64)> = self.test.iter().collect();
         for chunk in rows.chunks(self.batch.max(1)) {
             let (x, y) = self.batch_of(chunk, &device);
-            let (l, c) = loss_and_correct(model.logits(model.hidden_states(x)), y);
+            let (l, c) = loss_and_correct(model.classify(x), y);
             loss += l;
             correct += c;
         }

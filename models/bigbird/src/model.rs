@@ -1,0 +1,124 @@
+use burn::nn::Linear;
+use burn::prelude::*;
+use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention, linear};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
+
+use crate::attention::block_sparse;
+use crate::{AttentionType, BigBirdConfig};
+
+/// HF's `BigBirdClassificationHead`: the first token through dense, activation, out_proj.
+#[derive(Module, Debug)]
+pub struct ClassificationHead {
+    pub dense: Linear,
+    pub out_proj: Linear,
+    dropout: Dropout,
+}
+
+#[derive(Module, Debug)]
+pub struct BigBird {
+    pub embeddings: Embeddings,
+    pub layer: Vec<Layer>,
+    /// HF's `BigBirdModel` pooler (dense + tanh on the first token); the classification head
+    /// does not read it, but checkpoints carry it.
+    pub pooler: Linear,
+    pub classifier: Option<ClassificationHead>,
+    #[module(skip)]
+    config: BigBirdConfig,
+}
+
+impl BigBird {
+    pub fn new(config: &BigBirdConfig, device: &Device) -> Result<Self, burnscale_bert::BertError> {
+        config.validate()?;
+        let enc = &config.encoder;
+        let d = enc.hidden_size;
+        Ok(Self {
+            embeddings: Embeddings::new(enc, device),
+            layer: (0..enc.num_hidden_layers)
+                .map(|_| Layer::new(enc, device))
+                .collect(),
+            pooler: linear(d, d, device),
+            classifier: config.num_labels.map(|n| ClassificationHead {
+                dense: linear(d, d, device),
+                out_proj: linear(d, n, device),
+                dropout: DropoutConfig::new(enc.classifier_dropout_prob).init(),
+            }),
+            config: *config,
+        })
+    }
+
+    pub fn config(&self) -> &BigBirdConfig {
+        &self.config
+    }
+
+    /// Whether a sequence of `len` tokens attends block-sparsely (else fully, as HF).
+    pub fn is_sparse(&self, len: usize) -> bool {
+        self.config.attention_type == AttentionType::BlockSparse
+            && len >= self.config.min_sparse_len()
+    }
+
+    /// `Ok` if the batch fits the position table and the vocabulary.
+    pub fn check_input(&self, input: &BertInput) -> Result<(), burnscale_bert::BertError> {
+        self.embeddings.check_input(input)
+    }
+
+    /// The last hidden state (HF's `last_hidden_state`).
+    pub fn hidden_states(&self, input: BertInput) -> Tensor<3> {
+        let (x, mask) = self.embeddings.embed(input);
+        self.layer
+            .iter()
+            .fold(x, |x, layer| self.block_forward(layer, x, &mask)) // [b, t, d]
+    }
+
+    /// Class logits `[b, labels]`. Panics without a classification head.
+    pub fn logits(&self, hidden: Tensor<3>) -> Tensor<2> {
+        let head = self
+            .classifier
+            .as_ref()
+            .expect("a bare BigBird has no classification head: build it with num_labels");
+        let x = head.dropout.forward(first_token(hidden));
+        let x = self
+            .config
+            .encoder
+            .hidden_act
+            .forward(head.dense.forward(x));
+        head.out_proj.forward(head.dropout.forward(x))
+    }
+}
+
+impl BlockModel for BigBird {
+    type Block = Layer;
+    type Input = BertInput;
+    /// Class ids `[b]`.
+    type Target = Tensor<1, Int>;
+
+    fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
+        self.embeddings.embed(input)
+    }
+
+    fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
+        let [_, t, _] = x.dims();
+        if !self.is_sparse(t) {
+            return layer.forward(x, mask, &full_attention);
+        }
+        let (block, random) = (self.config.block_size, self.config.num_random_blocks);
+        let sparse =
+            move |q, k, v, m: &Mask, d: &Dropout| block_sparse(q, k, v, m, d, block, random);
+        layer.forward(x, mask, &sparse)
+    }
+
+    fn head_loss(&self, x: Tensor<3>, target: Tensor<1, Int>) -> Tensor<1> {
+        burnscale_nn::cross_entropy(self.logits(x), target)
+    }
+
+    fn blocks(&self) -> &[Layer] {
+        &self.layer
+    }
+
+    fn take_blocks(&mut self) -> Vec<Layer> {
+        std::mem::take(&mut self.layer)
+    }
+
+    fn set_blocks(&mut self, blocks: Vec<Layer>) {
+        self.layer = blocks;
+    }
+}
