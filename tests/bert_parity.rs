@@ -2,6 +2,8 @@
 //! the real all-MiniLM-L6-v2 against outputs `scripts/gen_bert_fixtures.py` computed with
 //! transformers (1e-4 max-abs); tokenization against HF's tokenizer; bad input.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -9,24 +11,11 @@ use burn::prelude::*;
 use burnscale::bert::loader::{self, Head};
 use burnscale::bert::tokenizer::BertTokenizer;
 use burnscale::bert::{BertConfig, BertError, BertHead, BertInput, Layout};
-use burnscale::nn::weights::{self, Weight};
+use burnscale::nn::weights::Weight;
 use burnscale::pretrained;
+use common::{fixture, max_abs_diff};
 
 const TOLERANCE: f32 = 1e-4;
-
-fn fixture(name: &str) -> (Vec<Weight>, HashMap<String, Weight>) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/bert")
-        .join(name);
-    let (io, weights): (Vec<Weight>, Vec<Weight>) = weights::read_safetensors(&path)
-        .unwrap()
-        .into_iter()
-        .partition(|w| w.key.starts_with("input.") || w.key.starts_with("output."));
-    (
-        weights,
-        io.into_iter().map(|w| (w.key.clone(), w)).collect(),
-    )
-}
 
 fn ints(w: &Weight, device: &Device) -> Tensor<2, Int> {
     let values: Vec<i64> = w.values.iter().map(|&v| v as i64).collect();
@@ -45,15 +34,6 @@ fn input(io: &HashMap<String, Weight>, device: &Device) -> BertInput {
     }
 }
 
-fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 {
-    let ours: Vec<f32> = ours.into_data().try_into_vec_as().unwrap();
-    assert_eq!(ours.len(), reference.values.len(), "{}", reference.key);
-    ours.iter()
-        .zip(&reference.values)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-}
-
 #[test]
 fn tiny_models_match_transformers() {
     let device = Device::default();
@@ -63,7 +43,7 @@ fn tiny_models_match_transformers() {
             (BertHead::MaskedLm, "mlm"),
         ] {
             let file = format!("tiny_{name}_{head_name}.safetensors");
-            let (tensors, io) = fixture(&file);
+            let (tensors, io) = fixture("bert", &file);
             let base = match layout {
                 Layout::Bert => BertConfig::tiny(),
                 Layout::DistilBert => BertConfig {
@@ -92,7 +72,7 @@ fn minilm_matches_transformers_and_its_tokenizer() {
     let config = BertConfig::from_hf_json(&files.config).unwrap();
     assert_eq!(config.num_params(), BertConfig::minilm_l6().num_params());
     let model = loader::load(&files.weights, &config, Head::Load, &device).unwrap();
-    let (_, io) = fixture("minilm.safetensors");
+    let (_, io) = fixture("bert", "minilm.safetensors");
 
     let sentences = [
         "The quick brown fox jumps over the lazy dog.",
@@ -128,7 +108,7 @@ fn minilm_matches_transformers_and_its_tokenizer() {
 #[test]
 fn bad_input_gives_errors_that_name_the_problem() {
     let device = Device::default();
-    let (tensors, _) = fixture("tiny_bert_cls.safetensors");
+    let (tensors, _) = fixture("bert", "tiny_bert_cls.safetensors");
     let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
     let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, &device).unwrap();
     let dir = tempfile::tempdir().unwrap();

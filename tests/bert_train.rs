@@ -3,14 +3,14 @@
 //! run with the same global batch, and a tiny model learns a toy task. BigBird's training-time
 //! random blocks are redrawn identically when ZeRO-3 recomputes a block.
 
-use std::sync::Mutex;
+mod common;
 
-use burn::module::Module;
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::bigbird::{BigBird, BigBirdConfig};
 use burnscale::tasks::{SequenceClassifier, TextClassification};
 use burnscale::train::{TrainArgs, train};
+use common::{assert_same, seeded_model};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -34,22 +34,11 @@ fn data_of_lengths(n: usize, lengths: std::ops::Range<usize>, seed: u64) -> Vec<
         .collect()
 }
 
-/// Flex seeds one process-wide generator, and tests run in parallel.
-fn init<M: Module>(build: impl FnOnce(&Device) -> M) -> M {
-    static INIT: Mutex<()> = Mutex::new(());
-    let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let device = Device::default().autodiff();
-    device.seed(3);
-    let model = build(&device);
-    burnscale::shard::host::materialize(&model);
-    model
-}
-
 fn run(flags: &[&str]) -> (Bert, Option<f64>) {
     let config = BertConfig::tiny()
         .with_dropout(0.0)
         .with_head(BertHead::SequenceClassification { num_labels: 2 });
-    let model = init(|device| Bert::new(&config, device).unwrap());
+    let model = seeded_model(3, |device| Bert::new(&config, device).unwrap());
     run_task(model, data(512, 1), data(128, 2), flags)
 }
 
@@ -64,24 +53,6 @@ fn run_task<M: SequenceClassifier>(
     let device = Device::default().autodiff();
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
     (model, summary.accuracy)
-}
-
-fn assert_same<M: Module>(a: &M, b: &M, what: &str) {
-    let a = burnscale::nn::weights::collect(a);
-    let b = burnscale::nn::weights::collect(b);
-    for ((path, x), (_, y)) in a.iter().zip(&b) {
-        let scale = x.values.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = x
-            .values
-            .iter()
-            .zip(&y.values)
-            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-        // The floor covers the attention key bias, which stays at float noise.
-        assert!(
-            diff <= 1e-5 * scale + 1e-9,
-            "{what} {path}: differs by {diff} (scale {scale})"
-        );
-    }
 }
 
 #[test]
@@ -121,7 +92,7 @@ fn bigbird_block_sparse_zero3_recomputes_the_same_random_blocks() {
     // kernel, recomputation); that a rewound stream redraws the same blocks is checked on
     // the kernel itself (`attention::tests`).
     let config = BigBirdConfig::tiny().with_num_labels(2);
-    let build = || init(|device| BigBird::new(&config, device).unwrap());
+    let build = || seeded_model(3, |device| BigBird::new(&config, device).unwrap());
     let common = [
         "--optimizer",
         "sgd",

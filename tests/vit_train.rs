@@ -1,13 +1,14 @@
 //! ViT through the runner: it learns the bundled digits, and a sharded run over thread ranks
 //! equals a single-device run with the same global batch.
 
-use std::sync::Mutex;
+mod common;
 
 use burn::prelude::*;
 use burnscale::images::{self, Preprocess};
 use burnscale::tasks::ImageClassification;
 use burnscale::train::{TrainArgs, train};
 use burnscale::vit::{Vit, VitConfig};
+use common::{assert_same, seeded_model};
 
 fn config() -> VitConfig {
     VitConfig {
@@ -19,15 +20,7 @@ fn config() -> VitConfig {
 fn run(flags: &[&str]) -> (Vit, Option<f64>) {
     let args = TrainArgs::from_flags(flags).unwrap();
     let device = Device::default().autodiff();
-    let model = {
-        // Flex seeds one process-wide generator, and tests run in parallel.
-        static INIT: Mutex<()> = Mutex::new(());
-        let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        device.seed(5);
-        let model = Vit::new(&config(), &device).unwrap();
-        burnscale::shard::host::materialize(&model);
-        model
-    };
+    let model = seeded_model(5, |device| Vit::new(&config(), device).unwrap());
     let (train_set, test_set) = images::load("digits", 0.2, 0).unwrap();
     let prep = Preprocess {
         size: 16,
@@ -74,19 +67,5 @@ fn zero3_on_two_ranks_equals_single() {
     let (single, _) = run(&[&common[..], &["--batch-size", "8"]].concat());
     let sharded_flags = ["--strategy", "zero3", "--devices", "2", "--batch-size", "4"];
     let (sharded, _) = run(&[&common[..], &sharded_flags[..]].concat());
-    let a = burnscale::nn::weights::collect(&single);
-    let b = burnscale::nn::weights::collect(&sharded);
-    for ((path, x), (_, y)) in a.iter().zip(&b) {
-        let scale = x.values.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = x
-            .values
-            .iter()
-            .zip(&y.values)
-            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
-        // The floor covers the attention key bias, which stays at float noise (~1e-12).
-        assert!(
-            diff <= 1e-5 * scale + 1e-9,
-            "{path}: differs by {diff} (scale {scale})"
-        );
-    }
+    assert_same(&single, &sharded, "zero3");
 }

@@ -3,6 +3,7 @@
 
 mod activation;
 mod blocks;
+pub mod config;
 pub mod dropout;
 mod loss;
 pub mod weights;

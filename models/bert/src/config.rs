@@ -230,43 +230,41 @@ impl BertConfig {
     }
 
     pub fn validate(&self) -> Result<(), BertError> {
-        let invalid = |msg: String| Err(BertError::InvalidConfig(msg));
-        let sizes = [
+        use burnscale_nn::config::{check_heads, check_positive, check_probabilities};
+        check_positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_attention_heads", self.num_attention_heads),
             ("intermediate_size", self.intermediate_size),
             ("max_position_embeddings", self.max_position_embeddings),
-        ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return invalid(format!("{name} must be positive"));
-        }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return invalid(format!(
-                "hidden_size {} is not divisible by num_attention_heads {}",
-                self.hidden_size, self.num_attention_heads
-            ));
-        }
-        if self.layout == Layout::DistilBert && self.type_vocab_size != 0 {
-            return invalid("DistilBERT has no token types: type_vocab_size must be 0".into());
-        }
-        if let BertHead::SequenceClassification { num_labels: 0 } = self.head {
-            return invalid("a classification head needs at least one label".into());
-        }
-        for (name, p) in [
-            ("hidden_dropout_prob", self.hidden_dropout_prob),
-            (
-                "attention_probs_dropout_prob",
-                self.attention_probs_dropout_prob,
-            ),
-            ("classifier_dropout_prob", self.classifier_dropout_prob),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return invalid(format!("{name} {p} is not in [0, 1)"));
+        ])
+        .and_then(|()| {
+            check_heads(
+                ("hidden_size", self.hidden_size),
+                ("num_attention_heads", self.num_attention_heads),
+            )
+        })
+        .and_then(|()| {
+            check_probabilities(&[
+                ("hidden_dropout_prob", self.hidden_dropout_prob),
+                (
+                    "attention_probs_dropout_prob",
+                    self.attention_probs_dropout_prob,
+                ),
+                ("classifier_dropout_prob", self.classifier_dropout_prob),
+            ])
+        })
+        .and_then(|()| match (self.layout, self.head) {
+            (Layout::DistilBert, _) if self.type_vocab_size != 0 => {
+                Err("DistilBERT has no token types: type_vocab_size must be 0".into())
             }
-        }
-        Ok(())
+            (_, BertHead::SequenceClassification { num_labels: 0 }) => {
+                Err("a classification head needs at least one label".into())
+            }
+            _ => Ok(()),
+        })
+        .map_err(BertError::InvalidConfig)
     }
 
     /// BERT's pooler exists except under a masked-LM head (as HF's `BertForMaskedLM`).

@@ -95,35 +95,23 @@ impl GptConfig {
 
     /// Rejects configs that cannot build a model, naming the fix.
     pub fn validate(&self) -> Result<(), GptError> {
-        let bad = |msg: String| Err(GptError::InvalidConfig(msg));
-        if self.n_layer == 0 || self.n_head == 0 || self.n_embd == 0 {
-            return bad(format!(
-                "n_layer, n_head and n_embd must be at least 1 (got {}, {}, {})",
-                self.n_layer, self.n_head, self.n_embd
-            ));
-        }
-        if !self.n_embd.is_multiple_of(self.n_head) {
-            return bad(format!(
-                "n_embd ({}) must be divisible by n_head ({}); pick n_embd as a multiple of n_head",
-                self.n_embd, self.n_head
-            ));
-        }
-        if self.block_size == 0 {
-            return bad("block_size must be at least 1".into());
-        }
-        if self.vocab_size == 0 {
-            return bad("vocab_size must be at least 1".into());
-        }
-        for (name, p) in [
-            ("embd_pdrop", self.embd_pdrop),
-            ("resid_pdrop", self.resid_pdrop),
-            ("attn_pdrop", self.attn_pdrop),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return bad(format!("{name} must be in [0, 1), got {p}"));
-            }
-        }
-        Ok(())
+        use burnscale_nn::config::{check_heads, check_positive, check_probabilities};
+        check_positive(&[
+            ("n_layer", self.n_layer),
+            ("n_head", self.n_head),
+            ("n_embd", self.n_embd),
+            ("block_size", self.block_size),
+            ("vocab_size", self.vocab_size),
+        ])
+        .and_then(|()| check_heads(("n_embd", self.n_embd), ("n_head", self.n_head)))
+        .and_then(|()| {
+            check_probabilities(&[
+                ("embd_pdrop", self.embd_pdrop),
+                ("resid_pdrop", self.resid_pdrop),
+                ("attn_pdrop", self.attn_pdrop),
+            ])
+        })
+        .map_err(GptError::InvalidConfig)
     }
 
     /// Parameter count of the model this config builds (untied LM head, as minGPT).

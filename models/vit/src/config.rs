@@ -109,8 +109,8 @@ impl VitConfig {
     }
 
     pub fn validate(&self) -> Result<(), VitError> {
-        let invalid = |msg: String| Err(VitError::InvalidConfig(msg));
-        let sizes = [
+        use burnscale_nn::config::{check_heads, check_positive, check_probabilities};
+        check_positive(&[
             ("image_size", self.image_size),
             ("patch_size", self.patch_size),
             ("num_channels", self.num_channels),
@@ -119,34 +119,33 @@ impl VitConfig {
             ("num_attention_heads", self.num_attention_heads),
             ("intermediate_size", self.intermediate_size),
             ("num_labels", self.num_labels),
-        ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return invalid(format!("{name} must be positive"));
-        }
-        if !self.hidden_size.is_multiple_of(self.num_attention_heads) {
-            return invalid(format!(
-                "hidden_size {} is not divisible by num_attention_heads {}",
-                self.hidden_size, self.num_attention_heads
-            ));
-        }
-        if !self.image_size.is_multiple_of(self.patch_size) {
-            return invalid(format!(
-                "image_size {} is not a multiple of patch_size {}",
-                self.image_size, self.patch_size
-            ));
-        }
-        for (name, p) in [
-            ("hidden_dropout_prob", self.hidden_dropout_prob),
-            (
-                "attention_probs_dropout_prob",
-                self.attention_probs_dropout_prob,
-            ),
-        ] {
-            if !(0.0..1.0).contains(&p) {
-                return invalid(format!("{name} {p} is not in [0, 1)"));
+        ])
+        .and_then(|()| {
+            check_heads(
+                ("hidden_size", self.hidden_size),
+                ("num_attention_heads", self.num_attention_heads),
+            )
+        })
+        .and_then(|()| {
+            if self.image_size.is_multiple_of(self.patch_size) {
+                Ok(())
+            } else {
+                Err(format!(
+                    "image_size {} is not a multiple of patch_size {}",
+                    self.image_size, self.patch_size
+                ))
             }
-        }
-        Ok(())
+        })
+        .and_then(|()| {
+            check_probabilities(&[
+                ("hidden_dropout_prob", self.hidden_dropout_prob),
+                (
+                    "attention_probs_dropout_prob",
+                    self.attention_probs_dropout_prob,
+                ),
+            ])
+        })
+        .map_err(VitError::InvalidConfig)
     }
 
     /// Parameters of the model this config builds (what `Module::num_params` counts).

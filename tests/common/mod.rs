@@ -1,0 +1,67 @@
+//! Helpers the integration tests share. Each test binary uses some of them.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+use burn::module::Module;
+use burn::prelude::*;
+use burnscale::nn::weights::{self, Weight};
+
+/// A parity fixture under `tests/fixtures/<dir>/`: the model's weights, and the `input.*` /
+/// `output.*` tensors by name.
+pub fn fixture(dir: &str, name: &str) -> (Vec<Weight>, HashMap<String, Weight>) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(dir)
+        .join(name);
+    let (io, weights): (Vec<Weight>, Vec<Weight>) = weights::read_safetensors(&path)
+        .unwrap()
+        .into_iter()
+        .partition(|w| w.key.starts_with("input.") || w.key.starts_with("output."));
+    (
+        weights,
+        io.into_iter().map(|w| (w.key.clone(), w)).collect(),
+    )
+}
+
+/// Max |a - b| over two equally long tensors.
+pub fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 {
+    let ours: Vec<f32> = ours.into_data().try_into_vec_as().unwrap();
+    assert_eq!(ours.len(), reference.values.len(), "{}", reference.key);
+    ours.iter()
+        .zip(&reference.values)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+}
+
+/// Builds a model on the autodiff device with the generator seeded: Flex seeds one
+/// process-wide generator, and tests run in parallel, so builds take turns.
+pub fn seeded_model<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M {
+    static INIT: Mutex<()> = Mutex::new(());
+    let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let device = Device::default().autodiff();
+    device.seed(seed);
+    let model = build(&device);
+    burnscale::shard::host::materialize(&model);
+    model
+}
+
+/// Panics naming the first parameter where `a` and `b` differ by more than 1e-5 of its
+/// largest value (plus a floor for the attention key bias, which stays at float noise).
+pub fn assert_same<M: Module>(a: &M, b: &M, what: &str) {
+    let a = weights::collect(a);
+    let b = weights::collect(b);
+    for ((path, x), (_, y)) in a.iter().zip(&b) {
+        let scale = x.values.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let diff = x
+            .values
+            .iter()
+            .zip(&y.values)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            diff <= 1e-5 * scale + 1e-9,
+            "{what} {path}: differs by {diff} (scale {scale})"
+        );
+    }
+}
