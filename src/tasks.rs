@@ -106,15 +106,8 @@ impl ImageClassification {
         eval_batch: usize,
         seed: u64,
     ) -> Result<Self, TrainError> {
-        if train.is_empty() || test.is_empty() {
-            return Err(TrainError::InvalidArgs(format!(
-                "{} training and {} test images: both splits need images",
-                train.len(),
-                test.len()
-            )));
-        }
         Ok(Self {
-            sampler: EpochSampler::new(train.len(), seed),
+            sampler: EpochSampler::new(train.len(), test.len(), seed)?,
             train,
             test,
             prep,
@@ -218,15 +211,8 @@ impl<M> TextClassification<M> {
         batch: usize,
         seed: u64,
     ) -> Result<Self, TrainError> {
-        if train.is_empty() || test.is_empty() {
-            return Err(TrainError::InvalidArgs(format!(
-                "{} training and {} test sequences: both splits need some",
-                train.len(),
-                test.len()
-            )));
-        }
         Ok(Self {
-            sampler: EpochSampler::new(train.len(), seed),
+            sampler: EpochSampler::new(train.len(), test.len(), seed)?,
             train,
             test,
             pad_id,
@@ -313,13 +299,19 @@ struct EpochSampler {
 }
 
 impl EpochSampler {
-    fn new(len: usize, seed: u64) -> Self {
-        Self {
+    /// Over a training split of `len` items; `test_len` is only checked (both need items).
+    fn new(len: usize, test_len: usize, seed: u64) -> Result<Self, TrainError> {
+        if len == 0 || test_len == 0 {
+            return Err(TrainError::InvalidArgs(format!(
+                "{len} training and {test_len} test examples: both splits need some"
+            )));
+        }
+        Ok(Self {
             len,
             rng: StdRng::seed_from_u64(seed),
             order: Vec::new(),
             cursor: 0,
-        }
+        })
     }
 
     /// `part`'s `batch` indices of the next global batch of `batch * part.world`.

@@ -40,3 +40,22 @@ pub trait BlockModel: Module {
         self.head_loss(x, target)
     }
 }
+
+/// Implements [`BlockModel`]'s `blocks`, `take_blocks` and `set_blocks` for a model whose
+/// blocks are the `Vec` field `$field`.
+#[macro_export]
+macro_rules! block_list {
+    ($field:ident) => {
+        fn blocks(&self) -> &[Self::Block] {
+            &self.$field
+        }
+
+        fn take_blocks(&mut self) -> Vec<Self::Block> {
+            std::mem::take(&mut self.$field)
+        }
+
+        fn set_blocks(&mut self, blocks: Vec<Self::Block>) {
+            self.$field = blocks;
+        }
+    };
+}

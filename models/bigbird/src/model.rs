@@ -110,15 +110,5 @@ impl BlockModel for BigBird {
         burnscale_nn::cross_entropy(self.logits(x), target)
     }
 
-    fn blocks(&self) -> &[Layer] {
-        &self.layer
-    }
-
-    fn take_blocks(&mut self) -> Vec<Layer> {
-        std::mem::take(&mut self.layer)
-    }
-
-    fn set_blocks(&mut self, blocks: Vec<Layer>) {
-        self.layer = blocks;
-    }
+    burnscale_nn::block_list!(layer);
 }

@@ -227,15 +227,5 @@ impl BlockModel for Gpt {
         cross_entropy(self.head(x), targets)
     }
 
-    fn blocks(&self) -> &[Block] {
-        &self.h
-    }
-
-    fn take_blocks(&mut self) -> Vec<Block> {
-        std::mem::take(&mut self.h)
-    }
-
-    fn set_blocks(&mut self, blocks: Vec<Block>) {
-        self.h = blocks;
-    }
+    burnscale_nn::block_list!(h);
 }

@@ -232,15 +232,5 @@ impl BlockModel for Vit {
         burnscale_nn::cross_entropy(self.head(x), labels)
     }
 
-    fn blocks(&self) -> &[Layer] {
-        &self.layer
-    }
-
-    fn take_blocks(&mut self) -> Vec<Layer> {
-        std::mem::take(&mut self.layer)
-    }
-
-    fn set_blocks(&mut self, blocks: Vec<Layer>) {
-        self.layer = blocks;
-    }
+    burnscale_nn::block_list!(layer);
 }
