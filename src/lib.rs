@@ -47,13 +47,47 @@ pub fn check_ranks(
 }
 
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with
-/// `RUST_BACKTRACE` set: these are user errors) and exits non-zero.
+/// `RUST_BACKTRACE` set: these are user errors) and exits non-zero. A cause whose text its
+/// error already shows (typed errors print their source) is not repeated.
 pub fn exit_code(result: anyhow::Result<()>) -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", error_line(&err));
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+fn error_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_lines_show_each_cause_once() {
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let typed = burnscale_nn::weights::WeightError::Io {
+            path: "w.safetensors".into(),
+            source: io,
+        };
+        let err = anyhow::Error::new(typed).context("loading the model");
+        assert_eq!(
+            error_line(&err),
+            "loading the model: cannot read weights file w.safetensors: no such file"
+        );
     }
 }
