@@ -34,6 +34,8 @@ pub struct Sharded<'c, M: BlockModel> {
     /// Gradients after the collective: full (ddp, zero1) or this rank's shards.
     reduced: HostValues,
     grad_bytes: usize,
+    /// Per-block activation checkpointing (always on under ZeRO-3).
+    checkpoint: bool,
 }
 
 impl<'c, M: BlockModel> Sharded<'c, M> {
@@ -71,6 +73,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             local: HashMap::new(),
             reduced: HashMap::new(),
             grad_bytes: 0,
+            checkpoint: strategy == Strategy::Zero3,
         };
         let model = this.broadcast_from_rank0(model)?;
         this.model = Some(if strategy == Strategy::Zero3 {
@@ -80,6 +83,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             model
         });
         Ok(this)
+    }
+
+    /// Per-block activation checkpointing: each block keeps only its input in forward and is
+    /// recomputed in backward. ZeRO-3 always works this way (it must drop gathered weights).
+    pub fn checkpoint_activations(mut self, on: bool) -> Self {
+        self.checkpoint = on || self.strategy == Strategy::Zero3;
+        self
     }
 
     /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
@@ -92,8 +102,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         accumulate: usize,
         last: bool,
     ) -> Result<f64, ShardError> {
-        if self.strategy == Strategy::Zero3 {
-            return self.zero3_micro_step(input, target, accumulate, last);
+        if self.checkpoint {
+            return self.blockwise_micro_step(input, target, accumulate, last);
         }
         let model = self.model.as_ref().expect(PRESENT);
         let loss = model.loss(input, target) / accumulate as f64;
@@ -324,22 +334,28 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
-    /// ZeRO-3: each unit's parameters are gathered just before it runs and dropped after.
-    /// Blocks run forward outside autodiff, keeping only their input; backward gathers each
-    /// block again, recomputes it under autodiff (with the same dropout masks) and
-    /// back-propagates the incoming gradient through it, then reduce-scatters its gradients.
-    /// The root unit (embeddings and head) stays gathered for the whole micro-step.
-    fn zero3_micro_step(
+    /// Per-block checkpointing, and ZeRO-3. Blocks run forward outside autodiff, keeping
+    /// only their input; backward takes each block again, recomputes it under autodiff (with
+    /// the same dropout masks) and back-propagates the incoming gradient through it. Under
+    /// ZeRO-3 a block's parameters are gathered just before it runs and dropped after, and its
+    /// gradients reduce-scattered as soon as backward leaves it; the root unit (embeddings and
+    /// head) stays gathered for the whole micro-step. Other strategies reduce their buckets
+    /// after the whole backward, as without checkpointing.
+    fn blockwise_micro_step(
         &mut self,
         input: M::Input,
         target: M::Target,
         accumulate: usize,
         last: bool,
     ) -> Result<f64, ShardError> {
-        let inner = self.inner_device();
+        let zero3 = self.strategy == Strategy::Zero3;
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
-        let root = self.gather_unit(root, 0, &self.device, true)?;
+        let root = if zero3 {
+            self.gather_unit(root, 0, &self.device, true)?
+        } else {
+            root
+        };
 
         let (embedded, mask) = root.embed(input); // [batch, seq, d_model]
         let inner_mask = mask.clone().map(|m| m.inner());
@@ -347,7 +363,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let mut saved = Vec::with_capacity(blocks.len());
         let training = dropout::training_scope();
         for (i, block) in blocks.iter().enumerate() {
-            let block = self.gather_unit(block.clone(), i + 1, &inner, false)?;
+            let block = self.block(block, i, false)?;
             saved.push((x.clone(), dropout::position()));
             x = root.block_forward(&block, x, &inner_mask);
         }
@@ -367,7 +383,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             &mut self.local,
         );
         for (i, block) in blocks.iter().enumerate().rev() {
-            let block = self.gather_unit(block.clone(), i + 1, &self.device, true)?;
+            let block = self.block(block, i, true)?;
             let (x, at) = saved.pop().expect("one saved input per block");
             dropout::rewind(at);
             let x = Tensor::from_inner(x).require_grad();
@@ -382,7 +398,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 &mut self.local,
             );
             drop(block);
-            if last {
+            if zero3 && last {
                 self.reduce_bucket(i + 1)?;
             }
         }
@@ -396,9 +412,25 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             );
         }
         if last {
-            self.reduce_bucket(0)?;
+            let buckets = if zero3 { 0..1 } else { 0..self.buckets.len() };
+            for bucket in buckets {
+                self.reduce_bucket(bucket)?;
+            }
         }
         Ok(value)
+    }
+
+    /// Block `i` for forward outside autodiff (`!train`) or for recomputation under it: its
+    /// gathered parameters under ZeRO-3, else the replica's own.
+    fn block(&self, block: &M::Block, i: usize, train: bool) -> Result<M::Block, ShardError> {
+        match (self.strategy, train) {
+            (Strategy::Zero3, true) => self.gather_unit(block.clone(), i + 1, &self.device, true),
+            (Strategy::Zero3, false) => {
+                self.gather_unit(block.clone(), i + 1, &self.inner_device(), false)
+            }
+            (_, true) => Ok(block.clone()),
+            (_, false) => Ok(host::detached(block)),
+        }
     }
 
     /// `unit` (shard-shaped) with its full parameters gathered onto `device`.

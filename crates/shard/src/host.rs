@@ -120,6 +120,19 @@ pub fn set_values<M: Module>(
     })
 }
 
+/// `module` with every parameter on the plain (non-autodiff) device: a forward through it
+/// records no graph and keeps no activations (shares the values, copies nothing).
+pub fn detached<M: Module>(module: &M) -> M {
+    struct Detach;
+    impl ModuleMapper for Detach {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, tensor.inner(), mapper)
+        }
+    }
+    module.clone().map(&mut Detach)
+}
+
 /// Gradients for `module`'s parameters from host values, each shaped as its parameter.
 pub fn to_grads<M: Module>(module: &M, mut host: HostValues, device: &Device) -> GradientsParams {
     struct ToGrads<'a> {

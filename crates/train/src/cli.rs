@@ -74,7 +74,8 @@ pub struct TrainArgs {
     /// Numeric precision of weights and compute.
     #[arg(long, value_enum, default_value = "32-true")]
     pub precision: Precision,
-    /// Recompute each block in backward instead of keeping its activations.
+    /// Per-block activation checkpointing: each block keeps only its input in forward and is
+    /// recomputed in backward (always so under zero3).
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// Keep optimizer state (or parameters) in host memory.
@@ -161,12 +162,6 @@ impl TrainArgs {
                 "mixed and 16-bit precision arrive with the precision policies",
             );
         }
-        if self.checkpoint_activations {
-            return not_yet(
-                "--checkpoint-activations",
-                "per-block checkpointing arrives with the precision/checkpointing work",
-            );
-        }
         if self.offload != Offload::None || self.offload_dir.is_some() {
             return not_yet(
                 "--offload/--offload-dir",
@@ -231,7 +226,6 @@ mod tests {
     fn unlanded_techniques_are_rejected_not_ignored() {
         for args in [
             &["--precision", "bf16-mixed"][..],
-            &["--checkpoint-activations"],
             &["--offload", "optimizer"],
             &["--optimizer", "adam8bit"],
         ] {

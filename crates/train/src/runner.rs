@@ -142,7 +142,8 @@ pub fn train_on<T: TrainTask>(
 
     // Rank 0 draws the stream a single-device run with this seed draws.
     burnscale_nn::dropout::seed(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9_7F4A_7C15));
-    let mut engine = Sharded::new(strategy, model, comm, device)?;
+    let mut engine = Sharded::new(strategy, model, comm, device)?
+        .checkpoint_activations(args.checkpoint_activations);
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;

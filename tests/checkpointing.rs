@@ -1,0 +1,138 @@
+//! Per-block activation checkpointing (`--checkpoint-activations`) gives the gradients of the
+//! plain step, for every model that exposes its block list, alone and with each strategy.
+//!
+//! One SGD step with learning rate 1 and nothing else (no momentum, decay or clipping) moves
+//! each parameter by exactly its gradient, so comparing parameters after it compares
+//! gradients.
+
+mod common;
+
+use burn::prelude::*;
+use burnscale::bert::{Bert, BertConfig, BertHead};
+use burnscale::bigbird::{BigBird, BigBirdConfig};
+use burnscale::images::{self, Preprocess};
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::tasks::{ImageClassification, NextToken, TextClassification};
+use burnscale::train::{TrainArgs, TrainTask, train};
+use burnscale::vit::{Vit, VitConfig};
+use common::seeded_model;
+
+const ONE_GRADIENT_STEP: [&str; 12] = [
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "1",
+    "--momentum",
+    "0",
+    "--weight-decay",
+    "0",
+    "--grad-clip",
+    "0",
+    "--max-steps",
+    "1",
+];
+
+/// Max |plain - checkpointed| over all parameters, as a fraction of the largest gradient.
+fn gradient_difference<T: TrainTask>(model: impl Fn() -> T::Model, task: T, extra: &[&str]) -> f32 {
+    let device = Device::default().autodiff();
+    let run = |flags: &[&str]| {
+        let args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
+        train(model(), &mut task.clone(), &args, &device).unwrap().0
+    };
+    let start = burnscale::nn::weights::collect(&model());
+    let plain = burnscale::nn::weights::collect(&run(extra));
+    let checkpointed =
+        burnscale::nn::weights::collect(&run(&[extra, &["--checkpoint-activations"]].concat()));
+    let (mut worst, mut largest) = (0f32, 0f32);
+    for (path, p0) in &start {
+        let (a, b) = (&plain[path].values, &checkpointed[path].values);
+        for ((x0, x), y) in p0.values.iter().zip(a).zip(b) {
+            largest = largest.max((x0 - x).abs());
+            worst = worst.max((x - y).abs());
+        }
+    }
+    assert!(largest > 0.0, "the step moved nothing");
+    worst / largest
+}
+
+fn check<T: TrainTask>(name: &str, model: impl Fn() -> T::Model, task: T) {
+    for extra in [
+        &[][..],
+        &["--strategy", "ddp"],
+        &["--strategy", "zero2", "--devices", "2"],
+    ] {
+        let diff = gradient_difference(&model, task.clone(), extra);
+        eprintln!(
+            "{name} {extra:?}: checkpointed vs plain gradients differ by {diff:.1e} (relative)"
+        );
+        assert!(
+            diff < 1e-6,
+            "{name} {extra:?}: gradients differ by {diff:e} of the largest"
+        );
+    }
+}
+
+#[test]
+fn mingpt() {
+    let tokens: Vec<i64> = (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect();
+    let task = NextToken::new(tokens, 8, 4, 1).unwrap();
+    // Dropout on: the recomputation must drop what the forward dropped.
+    let config = GptConfig::tiny().with_dropout(0.1);
+    check(
+        "minGPT",
+        || seeded_model(1, |d| Gpt::new(&config, d).unwrap()),
+        task,
+    );
+}
+
+#[test]
+fn vit() {
+    let (train_set, test_set) = images::load("digits", 0.2, 0).unwrap();
+    let prep = Preprocess {
+        size: 32,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+    };
+    let task = ImageClassification::new(train_set, test_set, prep, 4, 64, 1).unwrap();
+    let config = VitConfig::tiny().with_dropout(0.1);
+    check(
+        "ViT",
+        || seeded_model(2, |d| Vit::new(&config, d).unwrap()),
+        task,
+    );
+}
+
+/// 32 labelled sequences of `min..min + 20` tokens (padded per batch).
+fn text(min: usize) -> Vec<(Vec<i64>, i64)> {
+    (0..32)
+        .map(|i| {
+            let seq = (0..min + i % 20)
+                .map(|j| (5 + (i * 3 + j) % 90) as i64)
+                .collect();
+            (seq, (i % 2) as i64)
+        })
+        .collect()
+}
+
+#[test]
+fn bert() {
+    let task = TextClassification::<Bert>::new(text(5), text(5), 0, 4, 1).unwrap();
+    let config = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    check(
+        "BERT",
+        || seeded_model(3, |d| Bert::new(&config, d).unwrap()),
+        task,
+    );
+}
+
+#[test]
+fn bigbird() {
+    // 60 tokens and more: block-sparse attention, random blocks drawn in training.
+    let task = TextClassification::<BigBird>::new(text(60), text(60), 0, 4, 1).unwrap();
+    let config = BigBirdConfig::tiny().with_num_labels(2);
+    check(
+        "BigBird",
+        || seeded_model(4, |d| BigBird::new(&config, d).unwrap()),
+        task,
+    );
+}
