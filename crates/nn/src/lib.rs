@@ -5,6 +5,7 @@ mod activation;
 mod blocks;
 pub mod config;
 pub mod dropout;
+pub mod init;
 mod loss;
 pub mod weights;
 

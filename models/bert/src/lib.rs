@@ -14,5 +14,5 @@ pub use config::{Activation, BertConfig, BertHead, Layout};
 pub use error::BertError;
 pub use model::{
     Bert, BertInput, Classifier, Embeddings, Kernel, Layer, MaskedLmHead, SelfAttention,
-    first_token, full_attention, linear, normal,
+    first_token, full_attention,
 };

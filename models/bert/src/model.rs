@@ -1,9 +1,8 @@
 use burn::module::Param;
-use burn::nn::{
-    Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig,
-};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::{relu, softmax};
+use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
@@ -32,7 +31,7 @@ impl Embeddings {
     pub fn new(config: &BertConfig, device: &Device) -> Self {
         let embedding = |n, d| {
             EmbeddingConfig::new(n, d)
-                .with_initializer(normal())
+                .with_initializer(normal(INITIALIZER_RANGE))
                 .init(device)
         };
         let d = config.hidden_size;
@@ -108,9 +107,9 @@ impl SelfAttention {
     fn new(config: &BertConfig, device: &Device) -> Self {
         let d = config.hidden_size;
         Self {
-            query: linear(d, d, device),
-            key: linear(d, d, device),
-            value: linear(d, d, device),
+            query: linear(d, d, INITIALIZER_RANGE, device),
+            key: linear(d, d, INITIALIZER_RANGE, device),
+            value: linear(d, d, INITIALIZER_RANGE, device),
             dropout: DropoutConfig::new(config.attention_probs_dropout_prob).init(),
             num_heads: config.num_attention_heads,
         }
@@ -168,10 +167,10 @@ impl Layer {
         let (d, f) = (config.hidden_size, config.intermediate_size);
         Self {
             attention: SelfAttention::new(config, device),
-            attention_output: linear(d, d, device),
+            attention_output: linear(d, d, INITIALIZER_RANGE, device),
             attention_norm: layer_norm(config, device),
-            intermediate: linear(d, f, device),
-            output: linear(f, d, device),
+            intermediate: linear(d, f, INITIALIZER_RANGE, device),
+            output: linear(f, d, INITIALIZER_RANGE, device),
             output_norm: layer_norm(config, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
             activation: config.hidden_act,
@@ -227,14 +226,15 @@ impl Bert {
         let d = config.hidden_size;
         let classifier = match config.head {
             BertHead::SequenceClassification { num_labels } => Some(Classifier {
-                pre_classifier: (config.layout == Layout::DistilBert).then(|| linear(d, d, device)),
-                classifier: linear(d, num_labels, device),
+                pre_classifier: (config.layout == Layout::DistilBert)
+                    .then(|| linear(d, d, INITIALIZER_RANGE, device)),
+                classifier: linear(d, num_labels, INITIALIZER_RANGE, device),
                 dropout: DropoutConfig::new(config.classifier_dropout_prob).init(),
             }),
             _ => None,
         };
         let mlm = (config.head == BertHead::MaskedLm).then(|| MaskedLmHead {
-            transform: linear(d, d, device),
+            transform: linear(d, d, INITIALIZER_RANGE, device),
             layer_norm: layer_norm(config, device),
             bias: Initializer::Zeros.init([config.vocab_size], device),
             activation: config.hidden_act,
@@ -244,7 +244,9 @@ impl Bert {
             layer: (0..config.num_hidden_layers)
                 .map(|_| Layer::new(config, device))
                 .collect(),
-            pooler: config.has_pooler().then(|| linear(d, d, device)),
+            pooler: config
+                .has_pooler()
+                .then(|| linear(d, d, INITIALIZER_RANGE, device)),
             classifier,
             mlm,
         })
@@ -303,22 +305,6 @@ impl Bert {
 pub fn first_token(hidden: Tensor<3>) -> Tensor<2> {
     let [b, _, d] = hidden.dims();
     hidden.narrow(1, 0, 1).reshape([b, d])
-}
-
-pub fn normal() -> Initializer {
-    Initializer::Normal {
-        mean: 0.0,
-        std: 0.02,
-    }
-}
-
-/// A linear layer initialised as HF's `_init_weights`: N(0, 0.02) weight, zero bias.
-pub fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
-    let mut layer = LinearConfig::new(d_in, d_out)
-        .with_initializer(normal())
-        .init(device);
-    layer.bias = Some(Initializer::Zeros.init([d_out], device));
-    layer
 }
 
 fn layer_norm(config: &BertConfig, device: &Device) -> LayerNorm {

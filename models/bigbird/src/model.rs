@@ -1,6 +1,7 @@
 use burn::nn::Linear;
 use burn::prelude::*;
-use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention, linear};
+use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention};
+use burnscale_nn::init::{INITIALIZER_RANGE, linear};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
 use crate::attention::block_sparse;
@@ -36,10 +37,10 @@ impl BigBird {
             layer: (0..enc.num_hidden_layers)
                 .map(|_| Layer::new(enc, device))
                 .collect(),
-            pooler: linear(d, d, device),
+            pooler: linear(d, d, INITIALIZER_RANGE, device),
             classifier: config.num_labels.map(|n| ClassificationHead {
-                dense: linear(d, d, device),
-                out_proj: linear(d, n, device),
+                dense: linear(d, d, INITIALIZER_RANGE, device),
+                out_proj: linear(d, n, INITIALIZER_RANGE, device),
                 dropout: DropoutConfig::new(enc.classifier_dropout_prob).init(),
             }),
             config: *config,

@@ -1,7 +1,8 @@
-use burn::nn::{Embedding, EmbeddingConfig, Initializer};
+use burn::nn::{Embedding, EmbeddingConfig};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burn::tensor::activation::softmax;
+use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, gelu_tanh};
 
 use crate::{GptConfig, GptError};
@@ -20,7 +21,7 @@ impl CausalSelfAttention {
     fn new(config: &GptConfig, device: &Device) -> Self {
         let d = config.n_embd;
         Self {
-            c_attn: linear(d, 3 * d, 0.02, device),
+            c_attn: linear(d, 3 * d, INITIALIZER_RANGE, device),
             c_proj: linear(d, d, residual_std(config), device),
             attn_dropout: DropoutConfig::new(config.attn_pdrop).init(),
             resid_dropout: DropoutConfig::new(config.resid_pdrop).init(),
@@ -63,7 +64,7 @@ impl Mlp {
     fn new(config: &GptConfig, device: &Device) -> Self {
         let d = config.n_embd;
         Self {
-            c_fc: linear(d, 4 * d, 0.02, device),
+            c_fc: linear(d, 4 * d, INITIALIZER_RANGE, device),
             c_proj: linear(4 * d, d, residual_std(config), device),
             dropout: DropoutConfig::new(config.resid_pdrop).init(),
         }
@@ -118,18 +119,12 @@ impl Gpt {
         config.validate()?;
         let embedding = |n, d| {
             EmbeddingConfig::new(n, d)
-                .with_initializer(Initializer::Normal {
-                    mean: 0.0,
-                    std: 0.02,
-                })
+                .with_initializer(normal(INITIALIZER_RANGE))
                 .init(device)
         };
         let lm_head = LinearConfig::new(config.n_embd, config.vocab_size)
             .with_bias(false)
-            .with_initializer(Initializer::Normal {
-                mean: 0.0,
-                std: 0.02,
-            })
+            .with_initializer(normal(INITIALIZER_RANGE))
             .init(device);
         Ok(Self {
             wte: embedding(config.vocab_size, config.n_embd),
@@ -195,18 +190,9 @@ pub fn cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
     burnscale_nn::cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
 }
 
-/// A linear layer initialised as minGPT: N(0, std) weight, zero bias.
-fn linear(d_in: usize, d_out: usize, std: f64, device: &Device) -> Linear {
-    let mut layer = LinearConfig::new(d_in, d_out)
-        .with_initializer(Initializer::Normal { mean: 0.0, std })
-        .init(device);
-    layer.bias = Some(Initializer::Zeros.init([d_out], device));
-    layer
-}
-
 /// GPT-2's scaled init of the projections that write into the residual stream.
 fn residual_std(config: &GptConfig) -> f64 {
-    0.02 / (2.0 * config.n_layer as f64).sqrt()
+    INITIALIZER_RANGE / (2.0 * config.n_layer as f64).sqrt()
 }
 
 impl BlockModel for Gpt {

@@ -1,8 +1,9 @@
 use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
-use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::{gelu, softmax};
+use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
 use crate::{VitConfig, VitError};
@@ -21,10 +22,7 @@ impl Embeddings {
     fn new(config: &VitConfig, device: &Device) -> Self {
         let d = config.hidden_size;
         let p = config.patch_size;
-        let normal = Initializer::Normal {
-            mean: 0.0,
-            std: 0.02,
-        };
+        let normal = normal(INITIALIZER_RANGE);
         Self {
             cls_token: normal.init([1, 1, d], device),
             position_embeddings: normal.init([1, config.seq_len(), d], device),
@@ -62,10 +60,10 @@ impl Attention {
     fn new(config: &VitConfig, device: &Device) -> Self {
         let d = config.hidden_size;
         Self {
-            query: linear(d, d, device),
-            key: linear(d, d, device),
-            value: linear(d, d, device),
-            output: linear(d, d, device),
+            query: linear(d, d, INITIALIZER_RANGE, device),
+            key: linear(d, d, INITIALIZER_RANGE, device),
+            value: linear(d, d, INITIALIZER_RANGE, device),
+            output: linear(d, d, INITIALIZER_RANGE, device),
             attn_dropout: DropoutConfig::new(config.attention_probs_dropout_prob).init(),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
             num_heads: config.num_attention_heads,
@@ -106,8 +104,8 @@ impl Layer {
             layernorm_before: layer_norm(config, device),
             attention: Attention::new(config, device),
             layernorm_after: layer_norm(config, device),
-            intermediate: linear(d, f, device),
-            output: linear(f, d, device),
+            intermediate: linear(d, f, INITIALIZER_RANGE, device),
+            output: linear(f, d, INITIALIZER_RANGE, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
         }
     }
@@ -143,7 +141,12 @@ impl Vit {
                 .map(|_| Layer::new(config, device))
                 .collect(),
             layernorm: layer_norm(config, device),
-            classifier: linear(config.hidden_size, config.num_labels, device),
+            classifier: linear(
+                config.hidden_size,
+                config.num_labels,
+                INITIALIZER_RANGE,
+                device,
+            ),
             num_channels: config.num_channels,
             image_size: config.image_size,
         })
@@ -195,17 +198,6 @@ impl Vit {
         let cls = self.layernorm.forward(x.narrow(1, 0, 1)).reshape([b, d]); // [b, d]
         self.classifier.forward(cls) // [b, labels]
     }
-}
-
-fn linear(d_in: usize, d_out: usize, device: &Device) -> Linear {
-    let mut layer = LinearConfig::new(d_in, d_out)
-        .with_initializer(Initializer::Normal {
-            mean: 0.0,
-            std: 0.02,
-        })
-        .init(device);
-    layer.bias = Some(Initializer::Zeros.init([d_out], device));
-    layer
 }
 
 fn layer_norm(config: &VitConfig, device: &Device) -> LayerNorm {
