@@ -1,6 +1,8 @@
 //! Per-block activation checkpointing on minGPT: activation memory (process peak minus model
-//! states, counting allocator) and median step time with and without
-//! `--checkpoint-activations`, side by side in one run, for several depths.
+//! states, counting allocator) and median step time without checkpointing, with
+//! `--checkpoint-activations` (ours, per block), and with Burn's own device-level gradient
+//! checkpointing (`Device::gradient_checkpointing`, which recomputes memory-bound operations
+//! and keeps compute-bound ones), side by side in one run, for several depths.
 //!
 //!     cargo bench --bench checkpointing
 //!     cargo bench --bench checkpointing -- --layers 4,8 --steps 3
@@ -37,16 +39,19 @@ struct Cli {
     batch_size: usize,
     #[arg(long, default_value_t = 4)]
     steps: usize,
-    /// Worker mode (set by the driver): one run, `layers[0]` blocks, checkpointed or not.
+    /// Worker mode (set by the driver): one run, `layers[0]` blocks, plain / per-block / burn.
     #[arg(long, hide = true)]
-    worker: Option<bool>,
+    worker: Option<String>,
     // `cargo bench` passes `--bench` to every bench target.
     #[arg(long, hide = true)]
     bench: bool,
 }
 
-fn worker(cli: &Cli, checkpoint: bool) -> Result<()> {
-    let device = Device::default().autodiff();
+fn worker(cli: &Cli, mode: &str) -> Result<()> {
+    let device = match mode {
+        "burn" => Device::default().autodiff().gradient_checkpointing(),
+        _ => Device::default().autodiff(),
+    };
     device.seed(1);
     let n_layer = cli.layers[0];
     let config =
@@ -55,7 +60,7 @@ fn worker(cli: &Cli, checkpoint: bool) -> Result<()> {
     let tokens: Vec<i64> = (0..1 << 18).map(|i| (i * 31 % 65) as i64).collect();
     let (steps, batch) = (cli.steps.to_string(), cli.batch_size.to_string());
     let mut flags = vec!["--max-steps", &steps, "--batch-size", &batch];
-    if checkpoint {
+    if mode == "per-block" {
         flags.push("--checkpoint-activations");
     }
     let args = TrainArgs::from_flags(&flags)?;
@@ -71,15 +76,10 @@ fn worker(cli: &Cli, checkpoint: bool) -> Result<()> {
     Ok(())
 }
 
-fn run_child(cli: &Cli, layers: usize, checkpoint: bool) -> Result<Value> {
+fn run_child(cli: &Cli, layers: usize, mode: &str) -> Result<Value> {
     let exe = std::env::current_exe()?;
     let out = Command::new(exe)
-        .args([
-            "--worker",
-            &checkpoint.to_string(),
-            "--layers",
-            &layers.to_string(),
-        ])
+        .args(["--worker", mode, "--layers", &layers.to_string()])
         .args([
             "--n-head",
             &cli.n_head.to_string(),
@@ -110,39 +110,46 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    if let Some(checkpoint) = cli.worker {
-        return worker(&cli, checkpoint);
+    if let Some(mode) = &cli.worker {
+        return worker(&cli, mode);
     }
     println!(
         "minGPT width {}, {} heads, batch {} x {} tokens, {} steps (median step time)",
         cli.n_embd, cli.n_head, cli.batch_size, cli.block_size, cli.steps
     );
     println!(
-        "  {:>6} {:>11} {:>16} {:>16} {:>7} {:>8} {:>9} {:>10} {:>7}",
+        "  {:>6} {:>11} {:>12} {:>12} {:>6} {:>12} {:>6} {:>6} {:>8} {:>6} {:>6}",
         "blocks",
         "params",
         "activations",
-        "checkpointed",
+        "per-block",
+        "ratio",
+        "burn",
         "ratio",
         "1.5/L",
         "step s",
-        "ckpt s",
-        "ratio"
+        "ratio",
+        "burn"
     );
     for &layers in &cli.layers {
-        let plain = run_child(&cli, layers, false)?;
-        let ckpt = run_child(&cli, layers, true)?;
+        let plain = run_child(&cli, layers, "plain")?;
+        let ckpt = run_child(&cli, layers, "per-block")?;
+        let burn = run_child(&cli, layers, "burn")?;
         let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
-        let (a, b) = (f(&plain, "activation_bytes"), f(&ckpt, "activation_bytes"));
-        let (s, t) = (f(&plain, "step_s"), f(&ckpt, "step_s"));
+        let act = |v: &Value| f(v, "activation_bytes");
+        let (a, b, c) = (act(&plain), act(&ckpt), act(&burn));
+        let s = f(&plain, "step_s");
         println!(
-            "  {layers:>6} {:>11} {:>16} {:>16} {:>7.2} {:>8.2} {s:>9.3} {t:>10.3} {:>7.2}",
+            "  {layers:>6} {:>11} {:>12} {:>12} {:>6.2} {:>12} {:>6.2} {:>6.2} {s:>8.3} {:>6.2} {:>6.2}",
             f(&plain, "params"),
             human_bytes(a as usize),
             human_bytes(b as usize),
             b / a,
+            human_bytes(c as usize),
+            c / a,
             1.5 / layers as f64,
-            t / s
+            f(&ckpt, "step_s") / s,
+            f(&burn, "step_s") / s,
         );
     }
     Ok(())

@@ -9,6 +9,7 @@ pub use burnscale_bigbird as bigbird;
 pub use burnscale_collective as collective;
 pub use burnscale_mingpt as mingpt;
 pub use burnscale_nn as nn;
+pub use burnscale_precision as precision;
 pub use burnscale_shard as shard;
 pub use burnscale_train as train;
 pub use burnscale_vit as vit;

@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::Mutex;
 
 use burn::module::Module;
 use burn::prelude::*;
@@ -35,17 +34,8 @@ pub fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 
         .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
 }
 
-/// Builds a model on the autodiff device with the generator seeded: Flex seeds one
-/// process-wide generator, and tests run in parallel, so builds take turns.
-pub fn seeded_model<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M {
-    static INIT: Mutex<()> = Mutex::new(());
-    let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let device = Device::default().autodiff();
-    device.seed(seed);
-    let model = build(&device);
-    burnscale::shard::host::materialize(&model);
-    model
-}
+#[allow(unused_imports)]
+pub use burnscale::equivalence::seeded_model;
 
 /// Panics naming the first parameter where `a` and `b` differ by more than 1e-5 of its
 /// largest value (plus a floor for the attention key bias, which stays at float noise).

@@ -142,6 +142,7 @@ impl Dropout {
         let shape = input.shape();
         let values = mask(shape.num_elements(), 1.0 - self.prob, next_call_key());
         let mask = Tensor::<D>::from_data(TensorData::new(values, shape), &input.device());
+        let mask = crate::autocast::like(mask, &input);
         input * mask
     }
 }

@@ -2,6 +2,7 @@
 //! block split that wrap policies use, and checkpoint reading and writing.
 
 mod activation;
+pub mod autocast;
 mod blocks;
 pub mod config;
 pub mod dropout;

@@ -1,13 +1,15 @@
 //! The classification loss every model head ends in.
 
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use burn::tensor::activation::log_softmax;
 
 /// Mean cross-entropy of `logits` against class ids; rows whose target is negative are
-/// ignored (PyTorch's `ignore_index=-1`, which minGPT uses).
+/// ignored (PyTorch's `ignore_index=-1`, which minGPT uses). Computed in f32 whatever the
+/// logits' dtype.
 pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     let [n, _] = logits.dims();
-    let logp = log_softmax(logits, 1); // [n, classes]
+    let logp = log_softmax(logits.cast(FloatDType::F32), 1); // [n, classes]
     let keep = targets.clone().greater_equal_elem(0).float(); // [n]
     let picked = logp
         .gather(1, targets.clamp_min(0).reshape([n, 1]))

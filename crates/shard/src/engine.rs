@@ -3,8 +3,9 @@ use std::collections::HashMap;
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
-use burnscale_collective::{Buffer, Communicator, ReduceOp};
-use burnscale_nn::{BlockModel, dropout};
+use burnscale_collective::{Buffer, Communicator, DType, ReduceOp};
+use burnscale_nn::{BlockModel, autocast, dropout};
+use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::host::{self, HostValues};
 use crate::layout::{self, Slot};
@@ -36,6 +37,19 @@ pub struct Sharded<'c, M: BlockModel> {
     grad_bytes: usize,
     /// Per-block activation checkpointing (always on under ZeRO-3).
     checkpoint: bool,
+    precision: Precision,
+    /// The dtype gradients travel in when reduced over the ranks.
+    reduce_dtype: DType,
+    scaler: Option<LossScaler>,
+}
+
+/// What [`Sharded::step`] did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepOutcome {
+    /// The global gradient norm before clipping (unscaled).
+    pub grad_norm: f64,
+    /// Whether the loss scaler skipped the update (the gradients overflowed).
+    pub skipped: bool,
 }
 
 impl<'c, M: BlockModel> Sharded<'c, M> {
@@ -74,6 +88,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             reduced: HashMap::new(),
             grad_bytes: 0,
             checkpoint: strategy == Strategy::Zero3,
+            precision: Precision::F32True,
+            reduce_dtype: DType::F32,
+            scaler: None,
         };
         let model = this.broadcast_from_rank0(model)?;
         this.model = Some(if strategy == Strategy::Zero3 {
@@ -92,6 +109,45 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self
     }
 
+    /// Trains under `precision`: the `*-true` policies keep the weights (and so the optimizer
+    /// state) in 16 bits; the mixed ones keep f32 masters and run each forward on a 16-bit
+    /// copy with autocast; `16-mixed` scales the loss with `scaler`.
+    pub fn precision(mut self, precision: Precision, scaler: ScalerConfig) -> Self {
+        self.precision = precision;
+        self.scaler = precision.scales_loss().then(|| LossScaler::new(scaler));
+        if precision.param_dtype() != burn::tensor::FloatDType::F32 {
+            let model = self.model.take().expect(PRESENT);
+            self.model = Some(burnscale_precision::cast(model, precision.param_dtype()));
+        }
+        self
+    }
+
+    /// Reduces gradients over the ranks in `dtype` (f32 by default; bf16 or f16 halve the
+    /// traffic at the cost of rounding the sum).
+    pub fn reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = dtype;
+        self
+    }
+
+    /// The loss scale (`16-mixed`) and the steps it skipped so far.
+    pub fn loss_scale(&self) -> Option<(f64, usize)> {
+        self.scaler.as_ref().map(|s| (s.scale(), s.skipped()))
+    }
+
+    /// `module` as forward runs it: a 16-bit copy under the mixed policies.
+    fn compute<U: Module>(&self, module: U) -> U {
+        if self.precision.is_mixed() {
+            burnscale_precision::cast(module, self.precision.compute_dtype())
+        } else {
+            module
+        }
+    }
+
+    /// The factor backward starts from: the loss scale over the accumulation steps.
+    fn loss_factor(&self, accumulate: usize) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accumulate as f64
+    }
+
     /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
     /// divided by `accumulate`; the `last` micro-step of an optimizer step reduces the
     /// gradients over the ranks. Returns the (divided) loss.
@@ -105,11 +161,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if self.checkpoint {
             return self.blockwise_micro_step(input, target, accumulate, last);
         }
-        let model = self.model.as_ref().expect(PRESENT);
-        let loss = model.loss(input, target) / accumulate as f64;
-        let value = loss.clone().into_scalar::<f32>() as f64;
-        let mut grads = GradientsParams::from_grads(loss.backward(), model);
-        host::add_grads(model, &mut grads, &mut self.local);
+        let model = self.compute(self.model.as_ref().expect(PRESENT).clone());
+        let loss = {
+            let _autocast = autocast::scope(self.precision.is_mixed());
+            model.loss(input, target)
+        };
+        let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
+        let loss = loss * self.loss_factor(accumulate);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        host::add_grads(&model, &mut grads, &mut self.local);
         if last {
             for bucket in 0..self.buckets.len() {
                 self.reduce_bucket(bucket)?;
@@ -118,15 +178,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(value)
     }
 
-    /// Clips the reduced gradients to a global L2 norm of `max_norm` (0: only measures; the
-    /// norm is taken across shards), hands this rank's part of the model with its
-    /// gradients to `optimize`, and redistributes the result. Returns the norm before
-    /// clipping.
+    /// Unscales the reduced gradients (`16-mixed`), skips the step if any rank's overflowed,
+    /// clips them to a global L2 norm of `max_norm` (0: only measures; the norm is taken
+    /// across shards), hands this rank's part of the model with its gradients to `optimize`,
+    /// and redistributes the result.
     pub fn step(
         &mut self,
         max_norm: f64,
         optimize: impl FnOnce(M, GradientsParams) -> M,
-    ) -> Result<f64, ShardError> {
+    ) -> Result<StepOutcome, ShardError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let mut grads = std::mem::take(&mut self.reduced);
         self.grad_bytes = grads.values().map(|g| 4 * g.len()).sum();
@@ -135,6 +195,23 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 if let Some(grad) = grads.get_mut(&slot.id) {
                     *grad = slot.shard_of(grad, rank);
                 }
+            }
+        }
+        if let Some(scale) = self.scaler.as_ref().map(LossScaler::scale) {
+            let inv = (1.0 / scale) as f32;
+            grads.values_mut().flatten().for_each(|g| *g *= inv);
+            let overflow = grads.values().flatten().any(|g| !g.is_finite());
+            let mut flag = Buffer::F32(vec![if overflow { 1.0 } else { 0.0 }]);
+            if world > 1 {
+                self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
+            }
+            let found_inf = f32s(flag)[0] > 0.0;
+            let scaler = self.scaler.as_mut().expect("checked above");
+            if !scaler.update(found_inf) {
+                return Ok(StepOutcome {
+                    grad_norm: f64::INFINITY,
+                    skipped: true,
+                });
             }
         }
         let mut sum_sq: f64 = grads.values().flatten().map(|&g| g as f64 * g as f64).sum();
@@ -171,7 +248,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 self.gather(replica, shards, 0..self.buckets.len(), &self.device, true)?
             }
         });
-        Ok(norm)
+        Ok(StepOutcome {
+            grad_norm: norm,
+            skipped: false,
+        })
     }
 
     /// The whole model on every rank (ZeRO-3 gathers it: a collective), for evaluation and
@@ -310,7 +390,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let reduced = match self.strategy {
             Strategy::Ddp | Strategy::Zero1 if world == 1 => local,
             Strategy::Ddp | Strategy::Zero1 => {
-                let mut buf = Buffer::F32(local.concat());
+                let mut buf = Buffer::from_f32(self.reduce_dtype, local.concat());
                 self.comm.all_reduce(&mut buf, ReduceOp::Mean)?;
                 layout::split(&f32s(buf), slots.iter().map(|s| s.numel()))
             }
@@ -320,10 +400,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 let mine = if world == 1 {
                     packed
                 } else {
-                    f32s(
-                        self.comm
-                            .reduce_scatter(&Buffer::F32(packed), ReduceOp::Mean)?,
-                    )
+                    let packed = Buffer::from_f32(self.reduce_dtype, packed);
+                    f32s(self.comm.reduce_scatter(&packed, ReduceOp::Mean)?)
                 };
                 layout::split(&mine, slots.iter().map(|s| s.shard_numel()))
             }
@@ -349,13 +427,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         last: bool,
     ) -> Result<f64, ShardError> {
         let zero3 = self.strategy == Strategy::Zero3;
+        let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
-        let root = if zero3 {
+        let root = self.compute(if zero3 {
             self.gather_unit(root, 0, &self.device, true)?
         } else {
             root
-        };
+        });
 
         let (embedded, mask) = root.embed(input); // [batch, seq, d_model]
         let inner_mask = mask.clone().map(|m| m.inner());
@@ -369,8 +448,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         drop(training);
         let x = Tensor::from_inner(x).require_grad();
-        let loss = root.head_loss(x.clone(), target) / accumulate as f64;
-        let value = loss.clone().into_scalar::<f32>() as f64;
+        let loss = root.head_loss(x.clone(), target);
+        let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
+        let loss = loss * self.loss_factor(accumulate);
         let resume = dropout::position();
 
         let grads = loss.backward();
@@ -421,16 +501,19 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Block `i` for forward outside autodiff (`!train`) or for recomputation under it: its
-    /// gathered parameters under ZeRO-3, else the replica's own.
+    /// gathered parameters under ZeRO-3, else the replica's own; in the compute dtype.
     fn block(&self, block: &M::Block, i: usize, train: bool) -> Result<M::Block, ShardError> {
-        match (self.strategy, train) {
-            (Strategy::Zero3, true) => self.gather_unit(block.clone(), i + 1, &self.device, true),
-            (Strategy::Zero3, false) => {
-                self.gather_unit(block.clone(), i + 1, &self.inner_device(), false)
+        let block = match (self.strategy, train) {
+            (Strategy::Zero3, true) => {
+                self.gather_unit(block.clone(), i + 1, &self.device, true)?
             }
-            (_, true) => Ok(block.clone()),
-            (_, false) => Ok(host::detached(block)),
-        }
+            (Strategy::Zero3, false) => {
+                self.gather_unit(block.clone(), i + 1, &self.inner_device(), false)?
+            }
+            (_, true) => block.clone(),
+            (_, false) => host::detached(block),
+        };
+        Ok(self.compute(block))
     }
 
     /// `unit` (shard-shaped) with its full parameters gathered onto `device`.

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 
 use crate::layout::Slot;
 
@@ -88,7 +89,8 @@ pub fn add_grads<M: Module>(module: &M, grads: &mut GradientsParams, sums: &mut 
 }
 
 /// `module` with the parameters named in `values` replaced by tensors of the given dims on
-/// `device` (tracked for gradients if `require_grad`); the others untouched.
+/// `device`, each in its parameter's dtype (tracked for gradients if `require_grad`); the
+/// others untouched.
 pub fn set_values<M: Module>(
     module: M,
     values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
@@ -105,8 +107,11 @@ pub fn set_values<M: Module>(
             let Some((value, dims)) = self.values.remove(&param.id) else {
                 return param;
             };
-            let (id, _, mapper) = param.consume();
-            let mut tensor = Tensor::<D>::from_data(TensorData::new(value, dims), self.device);
+            let (id, old, mapper) = param.consume();
+            let dtype = FloatDType::from(old.dtype());
+            drop(old);
+            let mut tensor =
+                Tensor::<D>::from_data(TensorData::new(value, dims), self.device).cast(dtype);
             if self.require_grad {
                 tensor = tensor.require_grad();
             }
@@ -133,7 +138,8 @@ pub fn detached<M: Module>(module: &M) -> M {
     module.clone().map(&mut Detach)
 }
 
-/// Gradients for `module`'s parameters from host values, each shaped as its parameter.
+/// Gradients for `module`'s parameters from host values, each shaped as its parameter and in
+/// its dtype.
 pub fn to_grads<M: Module>(module: &M, mut host: HostValues, device: &Device) -> GradientsParams {
     struct ToGrads<'a> {
         host: &'a mut HostValues,
@@ -144,8 +150,11 @@ pub fn to_grads<M: Module>(module: &M, mut host: HostValues, device: &Device) ->
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(value) = self.host.remove(&param.id) {
                 let data = TensorData::new(value, param.shape());
-                self.grads
-                    .register(param.id, Tensor::<D>::from_data(data, self.device));
+                let dtype = FloatDType::from(param.val().dtype());
+                self.grads.register(
+                    param.id,
+                    Tensor::<D>::from_data(data, self.device).cast(dtype),
+                );
             }
         }
     }

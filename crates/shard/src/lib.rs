@@ -20,7 +20,7 @@ mod engine;
 pub mod host;
 pub mod layout;
 
-pub use engine::Sharded;
+pub use engine::{Sharded, StepOutcome};
 
 use burnscale_collective::CollectiveError;
 

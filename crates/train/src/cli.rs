@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
+use burnscale_precision::Precision;
+
 use crate::TrainError;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -18,23 +20,23 @@ pub enum Strategy {
     Zero3,
 }
 
+/// The dtype gradients are reduced in over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
-pub enum Precision {
-    #[value(name = "32-true")]
-    #[serde(rename = "32-true")]
-    F32True,
-    #[value(name = "16-mixed")]
-    #[serde(rename = "16-mixed")]
-    F16Mixed,
-    #[value(name = "bf16-mixed")]
-    #[serde(rename = "bf16-mixed")]
-    Bf16Mixed,
-    #[value(name = "16-true")]
-    #[serde(rename = "16-true")]
-    F16True,
-    #[value(name = "bf16-true")]
-    #[serde(rename = "bf16-true")]
-    Bf16True,
+#[serde(rename_all = "lowercase")]
+pub enum ReduceDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl ReduceDtype {
+    pub fn dtype(self) -> burnscale_collective::DType {
+        match self {
+            ReduceDtype::F32 => burnscale_collective::DType::F32,
+            ReduceDtype::Bf16 => burnscale_collective::DType::Bf16,
+            ReduceDtype::F16 => burnscale_collective::DType::F16,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
@@ -71,9 +73,18 @@ pub struct TrainArgs {
     /// In-process ranks (under mpirun the world comes from MPI).
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
-    /// Numeric precision of weights and compute.
+    /// Numeric precision: 32-true; 16-mixed and bf16-mixed (f32 master weights, 16-bit
+    /// compute, f32 softmax/norm/loss; 16-mixed scales the loss); 16-true and bf16-true
+    /// (weights, activations and optimizer state in 16 bits).
     #[arg(long, value_enum, default_value = "32-true")]
     pub precision: Precision,
+    /// The dtype gradients are reduced in over the ranks.
+    #[arg(long, value_enum, default_value = "f32")]
+    pub grad_reduce_dtype: ReduceDtype,
+    /// Create the model's parameters directly in the precision's weight dtype, one at a
+    /// time, never as a full f32 model first (Fabric's init_module).
+    #[arg(long)]
+    pub init_on_device: bool,
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
     /// recomputed in backward (always so under zero3).
     #[arg(long)]
@@ -153,15 +164,9 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<(), TrainError> {
         let not_yet = |flag: &str, why: &str| {
             Err(TrainError::NotYetSupported(format!(
-                "{flag}: {why}; today only --precision 32-true without offload runs"
+                "{flag}: {why}; today every run is without offload"
             )))
         };
-        if self.precision != Precision::F32True {
-            return not_yet(
-                &format!("--precision {}", value_name(self.precision)),
-                "mixed and 16-bit precision arrive with the precision policies",
-            );
-        }
         if self.offload != Offload::None || self.offload_dir.is_some() {
             return not_yet(
                 "--offload/--offload-dir",
@@ -225,8 +230,7 @@ mod tests {
     #[test]
     fn unlanded_techniques_are_rejected_not_ignored() {
         for args in [
-            &["--precision", "bf16-mixed"][..],
-            &["--offload", "optimizer"],
+            &["--offload", "optimizer"][..],
             &["--optimizer", "adam8bit"],
         ] {
             let err = parse(args).unwrap().validate().unwrap_err().to_string();

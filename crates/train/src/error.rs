@@ -11,9 +11,16 @@ pub enum TrainError {
     #[error("invalid arguments: {0}")]
     InvalidArgs(String),
     #[error(
-        "loss became {loss} at step {step}; training stopped instead of continuing on NaN/inf (lower --lr, enable --grad-clip, or use a wider precision)"
+        "loss became {loss} at step {step} under --precision {precision}; training stopped instead of continuing on NaN/inf ({})",
+        non_finite_hint(precision)
     )]
-    NonFiniteLoss { step: usize, loss: f64 },
+    NonFiniteLoss {
+        step: usize,
+        loss: f64,
+        precision: &'static str,
+    },
+    #[error(transparent)]
+    Precision(#[from] burnscale_precision::PrecisionError),
     #[error(transparent)]
     Collective(#[from] CollectiveError),
     #[error(transparent)]
@@ -38,5 +45,13 @@ impl TrainError {
             collective,
             CollectiveError::PeerFailed { .. } | CollectiveError::Timeout { .. }
         )
+    }
+}
+
+fn non_finite_hint(precision: &str) -> &'static str {
+    if precision == "16-true" {
+        "f16 holds only magnitudes up to 65504 and flushes values below 6e-8 to zero: activations or optimizer updates overflowed; use bf16-true, or 16-mixed with its loss scaler"
+    } else {
+        "lower --lr, enable --grad-clip, or use a wider precision"
     }
 }

@@ -10,7 +10,8 @@ mod report;
 mod runner;
 pub mod speed;
 
-pub use cli::{Offload, OptimizerKind, Precision, Schedule, Strategy, TrainArgs, value_name};
+pub use burnscale_precision::Precision;
+pub use cli::{Offload, OptimizerKind, ReduceDtype, Schedule, Strategy, TrainArgs, value_name};
 pub use error::TrainError;
 pub use optim::{LrSchedule, ParamOptimizer};
 pub use report::{ModelStateBytes, RankMemory, RunSummary, Throughput};

@@ -4,7 +4,9 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::cli::{OptimizerKind, Precision, Strategy, TrainArgs, value_name};
+use burnscale_precision::Precision;
+
+use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
 use crate::{TrainError, memory};
 
@@ -21,27 +23,33 @@ impl ModelStateBytes {
         self.params + self.grads + self.optimizer
     }
 
-    /// The ZeRO paper's per-rank count for pure f32 training: 4 bytes of weights + 4 of
-    /// gradients + the optimizer's f32 state K per parameter (Adam/AdamW 8, SGD with momentum
-    /// 4, plain SGD 0), of which each strategy shards a part over `world` ranks: DDP none,
-    /// ZeRO-1 the optimizer state, ZeRO-2 also the gradients, ZeRO-3 everything.
-    pub fn predicted_f32(
+    /// The ZeRO paper's per-rank count, with the bytes this engine keeps between steps: W
+    /// bytes of weights (the precision's weight dtype: 4, or 2 for `*-true`; the mixed
+    /// policies' 16-bit copy lives only during a micro-step) + 4 of gradients (reduced in f32
+    /// on the host) + the optimizer's state K per parameter in the weight dtype (Adam/AdamW
+    /// 2 moments, SGD with momentum 1, plain SGD 0), of which each strategy shards a part over
+    /// `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the gradients, ZeRO-3
+    /// everything.
+    pub fn predicted(
         num_params: usize,
         optimizer: OptimizerKind,
         momentum: bool,
         strategy: Strategy,
+        precision: Precision,
         world: usize,
     ) -> usize {
-        let state = match optimizer {
-            OptimizerKind::Adamw | OptimizerKind::Adam => 8,
-            OptimizerKind::Sgd if momentum => 4,
-            _ => 0,
-        };
+        let weight = burn::tensor::DType::from(precision.param_dtype()).size();
+        let state = weight
+            * match optimizer {
+                OptimizerKind::Adamw | OptimizerKind::Adam => 2,
+                OptimizerKind::Sgd if momentum => 1,
+                _ => 0,
+            };
         let (replicated, sharded) = match strategy {
-            Strategy::Single | Strategy::Ddp => (4 + 4 + state, 0),
-            Strategy::Zero1 => (4 + 4, state),
-            Strategy::Zero2 => (4, 4 + state),
-            Strategy::Zero3 => (0, 4 + 4 + state),
+            Strategy::Single | Strategy::Ddp => (weight + 4 + state, 0),
+            Strategy::Zero1 => (weight + 4, state),
+            Strategy::Zero2 => (weight, 4 + state),
+            Strategy::Zero3 => (0, weight + 4 + state),
         };
         num_params * replicated + (num_params * sharded).div_ceil(world)
     }
@@ -91,6 +99,11 @@ pub struct RunSummary {
     pub tokens_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub samples_per_s: Option<f64>,
+    /// The loss scale at the end (`16-mixed`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    /// Optimizer steps the loss scaler skipped because gradients overflowed.
+    pub skipped_steps: usize,
     /// Measured f32 GEMM rate of the device, FLOP/s.
     pub peak_flops: f64,
     /// 6·P·tokens/s over `world_size · peak_flops` (token models only).
@@ -139,17 +152,20 @@ impl RunSummary {
             num_params,
             model_state_bytes_per_rank: model_state.total(),
             model_state,
-            model_state_convention: "ZeRO paper, pure f32: 4 B params + 4 B grads + optimizer f32 state per parameter, the strategy's part divided by the world size",
-            model_state_predicted_bytes: ModelStateBytes::predicted_f32(
+            model_state_convention: "ZeRO paper: weight-dtype params + 4 B f32 grads + optimizer state in the weight dtype per parameter, the strategy's part divided by the world size",
+            model_state_predicted_bytes: ModelStateBytes::predicted(
                 num_params,
                 args.optimizer,
                 args.momentum > 0.0,
                 args.strategy,
+                args.precision,
                 world_size,
             ),
             ranks,
             tokens_per_s,
             samples_per_s,
+            loss_scale: None,
+            skipped_steps: 0,
             peak_flops,
             mfu,
         }
@@ -196,6 +212,12 @@ impl RunSummary {
             ("final train loss", format!("{:.4}", self.final_loss)),
             ("validation loss", format!("{:.4}", self.val_loss)),
         ];
+        if let Some(scale) = self.loss_scale {
+            rows.push((
+                "loss scale",
+                format!("{scale} ({} steps skipped)", self.skipped_steps),
+            ));
+        }
         if let Some(acc) = self.accuracy {
             rows.push(("test accuracy", format!("{:.2}%", 100.0 * acc)));
         }

@@ -12,6 +12,7 @@ use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
 use burnscale_collective::{Buffer, Communicator, ReduceOp, run_ranks};
 use burnscale_nn::BlockModel;
+use burnscale_precision::ScalerConfig;
 use burnscale_shard::Sharded;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
@@ -72,6 +73,12 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
     args.validate()?;
+    args.precision.check_device(device)?;
+    let model = if args.init_on_device {
+        burnscale_precision::init_in(model, args.precision.param_dtype())
+    } else {
+        model
+    };
     burnscale_shard::host::materialize(&model);
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
@@ -143,7 +150,9 @@ pub fn train_on<T: TrainTask>(
     // Rank 0 draws the stream a single-device run with this seed draws.
     burnscale_nn::dropout::seed(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9_7F4A_7C15));
     let mut engine = Sharded::new(strategy, model, comm, device)?
-        .checkpoint_activations(args.checkpoint_activations);
+        .checkpoint_activations(args.checkpoint_activations)
+        .precision(args.precision, ScalerConfig::default())
+        .reduce_dtype(args.grad_reduce_dtype.dtype());
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;
@@ -169,14 +178,18 @@ pub fn train_on<T: TrainTask>(
                 engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
         }
         let step_loss = mean_over_ranks(comm, step_loss)?;
-        if !step_loss.is_finite() {
+        // With a loss scaler an overflow is a skipped step; without one, training on NaN
+        // would only waste the run.
+        if !step_loss.is_finite() && engine.loss_scale().is_none() {
             return Err(TrainError::NonFiniteLoss {
                 step,
                 loss: step_loss,
+                precision: args.precision.name(),
             });
         }
         let lr = schedule.next_lr();
-        let grad_norm = engine.step(args.grad_clip, |model, grads| optim.step(lr, model, grads))?;
+        let outcome = engine.step(args.grad_clip, |model, grads| optim.step(lr, model, grads))?;
+        let grad_norm = outcome.grad_norm;
         items += step_items;
 
         let step_s = step_start.elapsed().as_secs_f64();
@@ -239,7 +252,7 @@ pub fn train_on<T: TrainTask>(
     } else {
         Throughput::Samples(items_per_s)
     };
-    let summary = RunSummary::new(
+    let mut summary = RunSummary::new(
         args,
         world,
         last.step,
@@ -255,6 +268,10 @@ pub fn train_on<T: TrainTask>(
         throughput,
         peak_flops,
     );
+    if let Some((scale, skipped)) = engine.loss_scale() {
+        summary.loss_scale = Some(scale);
+        summary.skipped_steps = skipped;
+    }
     if let Some(path) = args.summary_json.as_ref().filter(|_| lead) {
         summary.write_json(path)?;
     }

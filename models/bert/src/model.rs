@@ -1,7 +1,8 @@
 use burn::module::Param;
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
-use burn::tensor::activation::{relu, softmax};
+use burn::tensor::activation::relu;
+use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
@@ -78,7 +79,7 @@ impl Embeddings {
             .equal_elem(0)
             .float()
             .reshape([b, 1, 1, t]);
-        (x, Some(padding * f32::MIN))
+        (x.clone(), Some(autocast::like(padding * f32::MIN, &x)))
     }
 
     pub fn forward(&self, input_ids: Tensor<2, Int>, token_type_ids: Tensor<2, Int>) -> Tensor<3> {
@@ -89,7 +90,8 @@ impl Embeddings {
         if let Some(types) = &self.token_type_embeddings {
             x = x + types.forward(token_type_ids);
         }
-        self.dropout.forward(self.layer_norm.forward(x))
+        self.dropout
+            .forward(autocast::layer_norm(&self.layer_norm, x))
     }
 }
 
@@ -181,12 +183,14 @@ impl Layer {
         let a = self
             .attention_output
             .forward(self.attention.forward(x.clone(), mask, kernel));
-        let x = self.attention_norm.forward(x + self.dropout.forward(a));
+        let x = autocast::layer_norm(&self.attention_norm, x + self.dropout.forward(a));
         let h = self
             .activation
             .forward(self.intermediate.forward(x.clone())); // [b, t, f]
-        self.output_norm
-            .forward(x + self.dropout.forward(self.output.forward(h)))
+        autocast::layer_norm(
+            &self.output_norm,
+            x + self.dropout.forward(self.output.forward(h)),
+        )
     }
 }
 
@@ -286,9 +290,10 @@ impl Bert {
         let x = hidden.reshape([b * t, d]);
         match &self.mlm {
             Some(head) => {
-                let h = head
-                    .layer_norm
-                    .forward(head.activation.forward(head.transform.forward(x)));
+                let h = autocast::layer_norm(
+                    &head.layer_norm,
+                    head.activation.forward(head.transform.forward(x)),
+                );
                 let words = self.embeddings.word_embeddings.weight.val(); // [vocab, d]
                 h.matmul(words.transpose()) + head.bias.val().unsqueeze() // [b·t, vocab]
             }

@@ -16,7 +16,7 @@
 //! 0, as HF's inference does.
 
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
+use burnscale_nn::autocast::{like, softmax};
 use burnscale_nn::{Dropout, Mask, dropout};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -46,17 +46,23 @@ pub fn block_sparse(
     // Padding to whole blocks: zero rows, masked as keys, cut from the output.
     let pad = |x: Tensor<4>| match tp - t {
         0 => x,
-        extra => Tensor::cat(vec![x, Tensor::zeros([b, h, extra, hd], &device)], 2),
+        extra => {
+            let zeros = like(Tensor::zeros([b, h, extra, hd], &device), &x);
+            Tensor::cat(vec![x, zeros], 2)
+        }
     };
     let (q, k, v) = (pad(q), pad(k), pad(v));
     let keys_bias = {
         let given = match mask {
             Some(m) => m.clone().reshape([b, t]),
-            None => Tensor::zeros([b, t], &device),
+            None => like(Tensor::zeros([b, t], &device), &q),
         };
         match tp - t {
             0 => given,
-            extra => Tensor::cat(vec![given, Tensor::full([b, extra], f32::MIN, &device)], 1),
+            extra => {
+                let masked = like(Tensor::full([b, extra], f32::MIN, &device), &q);
+                Tensor::cat(vec![given, masked], 1)
+            }
         }
     }; // [b, tp]
 
@@ -107,8 +113,11 @@ pub fn block_sparse(
         .expand([b, h, tp])
         .gather(2, index)
         .reshape([b, h, rows, 1, width])
-        + Tensor::<1>::from_data(TensorData::new(extra, [rows * width]), &device)
-            .reshape([1, 1, rows, 1, width]);
+        + like(
+            Tensor::<1>::from_data(TensorData::new(extra, [rows * width]), &device),
+            &q,
+        )
+        .reshape([1, 1, rows, 1, width]);
     let middle_q = q
         .narrow(2, block, rows * block)
         .reshape([b, h, rows, block, hd]);

@@ -1,7 +1,7 @@
 use burn::nn::{Embedding, EmbeddingConfig};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
-use burn::tensor::activation::softmax;
+use burnscale_nn::autocast::{layer_norm, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, gelu_tanh};
 
@@ -96,8 +96,8 @@ impl Block {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = x.clone() + self.attn.forward(self.ln_1.forward(x));
-        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+        let x = x.clone() + self.attn.forward(layer_norm(&self.ln_1, x));
+        x.clone() + self.mlp.forward(layer_norm(&self.ln_2, x))
     }
 }
 
@@ -169,7 +169,7 @@ impl Gpt {
 
     /// Logits from the last block's output.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
-        self.lm_head.forward(self.ln_f.forward(x)) // [b, t, vocab]
+        self.lm_head.forward(layer_norm(&self.ln_f, x)) // [b, t, vocab]
     }
 
     /// Logits and the mean cross-entropy against `targets` (`-1` marks ignored positions).

@@ -2,7 +2,8 @@ use burn::module::Param;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
-use burn::tensor::activation::{gelu, softmax};
+use burn::tensor::activation::gelu;
+use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
 
@@ -34,6 +35,7 @@ impl Embeddings {
     }
 
     pub fn forward(&self, pixels: Tensor<4>) -> Tensor<3> {
+        let pixels = autocast::like(pixels, &self.projection.weight.val());
         let patches = self.projection.forward(pixels); // [b, d, grid, grid]
         let [b, d, gh, gw] = patches.dims();
         let patches = patches.reshape([b, d, gh * gw]).swap_dims(1, 2); // [b, grid², d]
@@ -111,10 +113,13 @@ impl Layer {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = x.clone() + self.attention.forward(self.layernorm_before.forward(x));
+        let x = x.clone()
+            + self
+                .attention
+                .forward(autocast::layer_norm(&self.layernorm_before, x));
         let h = gelu(
             self.intermediate
-                .forward(self.layernorm_after.forward(x.clone())),
+                .forward(autocast::layer_norm(&self.layernorm_after, x.clone())),
         ); // [b, t, f]
         x + self.dropout.forward(self.output.forward(h))
     }
@@ -168,7 +173,7 @@ impl Vit {
 
     /// The last hidden state after the final layer norm (HF `ViTModel`'s `last_hidden_state`).
     pub fn features(&self, pixels: Tensor<4>) -> Tensor<3> {
-        self.layernorm.forward(self.encode(pixels)) // [b, 1 + grid², d]
+        autocast::layer_norm(&self.layernorm, self.encode(pixels)) // [b, 1 + grid², d]
     }
 
     /// Class logits.
@@ -195,7 +200,7 @@ impl Vit {
     /// Logits from the last layer's output: the class token after the final layer norm.
     pub fn head(&self, x: Tensor<3>) -> Tensor<2> {
         let [b, _, d] = x.dims();
-        let cls = self.layernorm.forward(x.narrow(1, 0, 1)).reshape([b, d]); // [b, d]
+        let cls = autocast::layer_norm(&self.layernorm, x.narrow(1, 0, 1)).reshape([b, d]); // [b, d]
         self.classifier.forward(cls) // [b, labels]
     }
 }

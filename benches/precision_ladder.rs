@@ -1,0 +1,157 @@
+//! The memory ladder of the Fabric article, measured: the same training steps under
+//! 32-true, bf16-mixed, bf16-true and bf16-true with per-block checkpointing (and 16-mixed),
+//! with the counting allocator's process peak, the model states and the median step time
+//! per rung, side by side in one run.
+//!
+//!     cargo bench --bench precision_ladder                        # minGPT, 8 blocks of 256
+//!     cargo bench --bench precision_ladder -- --model bert-large --steps 2
+//!
+//! Each rung runs in a child process of this binary, so one rung's peak cannot hide in
+//! another's. On Flex (the CPU backend) 16-bit types are stored in 16 bits but computed
+//! through f32, so the 16-bit rungs save memory, not time.
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use burn::prelude::*;
+use burnscale::bert::{Bert, BertConfig, BertHead};
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::tasks::{NextToken, TextClassification};
+use burnscale::train::memory::{CountingAllocator, human_bytes};
+use burnscale::train::{RunSummary, TrainArgs, train};
+use clap::Parser;
+use serde_json::{Value, json};
+
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+/// (label, runner flags) of each rung, in ladder order.
+const RUNGS: [(&str, &[&str]); 5] = [
+    ("32-true", &["--precision", "32-true"]),
+    ("16-mixed", &["--precision", "16-mixed"]),
+    ("bf16-mixed", &["--precision", "bf16-mixed"]),
+    (
+        "bf16-true",
+        &["--precision", "bf16-true", "--init-on-device"],
+    ),
+    (
+        "bf16-true + ckpt",
+        &[
+            "--precision",
+            "bf16-true",
+            "--init-on-device",
+            "--checkpoint-activations",
+        ],
+    ),
+];
+
+#[derive(Parser)]
+struct Cli {
+    /// mingpt (8 blocks, width 256, batch 8 x 256) or bert-large (BERT-large config,
+    /// sequence classification, batch 4 x 128).
+    #[arg(long, default_value = "mingpt")]
+    model: String,
+    #[arg(long, default_value_t = 3)]
+    steps: usize,
+    /// Worker mode (set by the driver): run one rung.
+    #[arg(long, hide = true)]
+    rung: Option<usize>,
+    // `cargo bench` passes `--bench` to every bench target.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+fn worker(cli: &Cli, rung: usize) -> Result<()> {
+    let device = Device::default().autodiff();
+    device.seed(1);
+    let steps = cli.steps.to_string();
+    let common = ["--max-steps", &steps, "--grad-clip", "0", "--lr", "1e-4"];
+    let summary: RunSummary = match cli.model.as_str() {
+        "mingpt" => {
+            let config = GptConfig::new(8, 8, 256, 65, 256).with_dropout(0.0);
+            let flags = [&common[..], &["--batch-size", "8"], RUNGS[rung].1].concat();
+            let args = TrainArgs::from_flags(&flags)?;
+            let tokens: Vec<i64> = (0..1 << 18).map(|i| (i * 31 % 65) as i64).collect();
+            let mut task = NextToken::new(tokens, 256, 8, 1)?;
+            train(Gpt::new(&config, &device)?, &mut task, &args, &device)?.1
+        }
+        "bert-large" => {
+            let config = BertConfig::bert_large()
+                .with_head(BertHead::SequenceClassification { num_labels: 2 })
+                .with_dropout(0.0);
+            let flags = [&common[..], &["--batch-size", "4"], RUNGS[rung].1].concat();
+            let args = TrainArgs::from_flags(&flags)?;
+            let rows = |n: usize| -> Vec<(Vec<i64>, i64)> {
+                (0..n)
+                    .map(|i| {
+                        let ids = (0..128).map(|j| ((i * 131 + j * 7) % 30000 + 1000) as i64);
+                        (ids.collect(), (i % 2) as i64)
+                    })
+                    .collect()
+            };
+            let mut task = TextClassification::<Bert>::new(rows(64), rows(2), 0, 4, 1)?;
+            train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1
+        }
+        other => bail!("--model must be mingpt or bert-large, got {other}"),
+    };
+    let out = json!({
+        "peak_bytes": summary.peak_mem_bytes,
+        "state_bytes": summary.model_state_bytes_per_rank,
+        "step_s": summary.step_s_median,
+        "params": summary.num_params,
+        "loss": summary.final_loss,
+    });
+    println!("{out}");
+    Ok(())
+}
+
+fn run_child(cli: &Cli, rung: usize) -> Result<Value> {
+    let out = Command::new(std::env::current_exe()?)
+        .args(["--rung", &rung.to_string(), "--model", &cli.model])
+        .args(["--steps", &cli.steps.to_string()])
+        .output()
+        .context("cannot start the worker")?;
+    if !out.status.success() {
+        bail!("worker failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Ok(serde_json::from_str(
+        stdout.lines().last().context("no output")?,
+    )?)
+}
+
+fn main() -> std::process::ExitCode {
+    burnscale::exit_code(run())
+}
+
+fn run() -> Result<()> {
+    let cli = Cli::parse();
+    if let Some(rung) = cli.rung {
+        return worker(&cli, rung);
+    }
+    println!(
+        "{} ladder, {} steps (median step time), process peak by the counting allocator",
+        cli.model, cli.steps
+    );
+    println!(
+        "  {:<18} {:>12} {:>7} {:>14} {:>14} {:>9} {:>7} {:>9}",
+        "rung", "peak", "ratio", "model states", "activations", "step s", "ratio", "loss"
+    );
+    let mut base: Option<(f64, f64)> = None;
+    for (rung, (label, _)) in RUNGS.iter().enumerate() {
+        let r = run_child(&cli, rung)?;
+        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        let (peak, step) = (f("peak_bytes"), f("step_s"));
+        let (p0, s0) = *base.get_or_insert((peak, step));
+        println!(
+            "  {label:<18} {:>12} {:>7.2} {:>14} {:>14} {step:>9.3} {:>7.2} {:>9.4}",
+            human_bytes(peak as usize),
+            peak / p0,
+            human_bytes(f("state_bytes") as usize),
+            human_bytes((peak - f("state_bytes")) as usize),
+            step / s0,
+            f("loss"),
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,91 @@
+//! Module-wide dtype changes that keep parameter ids, so gradients and optimizer state stay
+//! addressable by parameter.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+use burn::prelude::*;
+use burn::tensor::{DType, FloatDType};
+
+/// `module` with every float parameter in `dtype`, each a fresh leaf (no graph back to the
+/// original) on the same kind of device, requiring grad if the original did: the compute copy of mixed precision,
+/// whose gradients arrive under the same ids, or a model's storage for `*-true`.
+pub fn cast<M: Module>(module: M, dtype: FloatDType) -> M {
+    struct Cast(FloatDType);
+    impl ModuleMapper for Cast {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let (autodiff, require_grad) = (tensor.is_autodiff(), tensor.is_require_grad());
+            let plain = tensor.inner().cast(self.0);
+            let tensor = match (autodiff, require_grad) {
+                (false, _) => plain,
+                (true, false) => Tensor::from_inner(plain),
+                (true, true) => Tensor::from_inner(plain).require_grad(),
+            };
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Cast(dtype))
+}
+
+/// `module` whose not-yet-initialised parameters will be created in `dtype`: each is cast
+/// as its initialiser runs, one parameter at a time, so no full-precision copy of the model
+/// ever exists (the `init_module` of Fabric). Parameters already initialised are cast now.
+pub fn init_in<M: Module>(module: M, dtype: FloatDType) -> M {
+    struct InitIn(FloatDType);
+    impl ModuleMapper for InitIn {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let dtype = self.0;
+            param.init_mapper(move |t| t.cast(dtype))
+        }
+    }
+    module.map(&mut InitIn(dtype))
+}
+
+/// The distinct dtypes of `module`'s float parameters.
+pub fn param_dtypes<M: Module>(module: &M) -> Vec<DType> {
+    struct Dtypes(Vec<DType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dtype = param.val().dtype();
+            if !self.0.contains(&dtype) {
+                self.0.push(dtype);
+            }
+        }
+    }
+    let mut visit = Dtypes(Vec::new());
+    module.visit(&mut visit);
+    visit.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::{Linear, LinearConfig};
+
+    #[test]
+    fn cast_keeps_ids_and_gradients_arrive_in_the_new_dtype() {
+        let device = Device::default().autodiff();
+        let linear: Linear = LinearConfig::new(4, 3).init(&device);
+        let id = linear.weight.id;
+        let half = cast(linear, FloatDType::BF16);
+        assert_eq!(half.weight.id, id);
+        assert_eq!(param_dtypes(&half), vec![DType::BF16]);
+        let x = Tensor::<2>::ones([2, 4], &device).cast(FloatDType::BF16);
+        let grads = half.forward(x).sum().backward();
+        let grad = half
+            .weight
+            .val()
+            .grad(&grads)
+            .expect("a leaf that requires grad");
+        assert_eq!(grad.dtype(), DType::BF16);
+    }
+
+    #[test]
+    fn init_in_creates_parameters_in_the_dtype() {
+        let device = Device::default();
+        let linear: Linear = LinearConfig::new(4, 3).init(&device);
+        assert!(!linear.weight.is_initialized());
+        let linear = init_in(linear, FloatDType::F16);
+        assert!(!linear.weight.is_initialized(), "init_in must stay lazy");
+        assert_eq!(param_dtypes(&linear), vec![DType::F16]);
+    }
+}

@@ -1,0 +1,111 @@
+//! Precision policies, as Lightning Fabric names them, applied to a model from outside.
+//!
+//! | policy | weights the optimizer steps | compute (matmuls, convolutions) | softmax, layer norm, loss | optimizer state |
+//! |---|---|---|---|---|
+//! | `32-true` | f32 | f32 | f32 | f32 |
+//! | `16-mixed` | f32 master | f16 copy | f32 ([autocast]) | f32 |
+//! | `bf16-mixed` | f32 master | bf16 copy | f32 ([autocast]) | f32 |
+//! | `16-true` | f16 | f16 | f16 (loss f32) | f16 |
+//! | `bf16-true` | bf16 | bf16 | bf16 (loss f32) | bf16 |
+//!
+//! `16-mixed` scales the loss ([`LossScaler`]) so small f16 gradients do not flush to zero.
+//! The sharding engine applies the policy: it keeps the weights in [`Precision::param_dtype`],
+//! runs each forward on a [`cast`] copy in [`Precision::compute_dtype`] under an autocast
+//! scope, and steps the optimizer on the f32 masters.
+//!
+//! [autocast]: burnscale_nn::autocast
+
+mod cast;
+mod scaler;
+
+pub use cast::{cast, init_in, param_dtypes};
+pub use scaler::{LossScaler, ScalerConfig};
+
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use clap::ValueEnum;
+use serde::Serialize;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+pub enum Precision {
+    #[value(name = "32-true")]
+    #[serde(rename = "32-true")]
+    F32True,
+    #[value(name = "16-mixed")]
+    #[serde(rename = "16-mixed")]
+    F16Mixed,
+    #[value(name = "bf16-mixed")]
+    #[serde(rename = "bf16-mixed")]
+    Bf16Mixed,
+    #[value(name = "16-true")]
+    #[serde(rename = "16-true")]
+    F16True,
+    #[value(name = "bf16-true")]
+    #[serde(rename = "bf16-true")]
+    Bf16True,
+}
+
+impl Precision {
+    /// The dtype of the weights (and so of the optimizer state) between steps.
+    pub fn param_dtype(self) -> FloatDType {
+        match self {
+            Precision::F16True => FloatDType::F16,
+            Precision::Bf16True => FloatDType::BF16,
+            _ => FloatDType::F32,
+        }
+    }
+
+    /// The dtype forward and backward run in.
+    pub fn compute_dtype(self) -> FloatDType {
+        match self {
+            Precision::F16Mixed | Precision::F16True => FloatDType::F16,
+            Precision::Bf16Mixed | Precision::Bf16True => FloatDType::BF16,
+            Precision::F32True => FloatDType::F32,
+        }
+    }
+
+    /// Whether forward runs on a 16-bit copy of f32 master weights, with autocast.
+    pub fn is_mixed(self) -> bool {
+        matches!(self, Precision::F16Mixed | Precision::Bf16Mixed)
+    }
+
+    /// Whether the loss is scaled dynamically (f16's narrow range needs it; bf16's does not).
+    pub fn scales_loss(self) -> bool {
+        self == Precision::F16Mixed
+    }
+
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32True => "32-true",
+            Precision::F16Mixed => "16-mixed",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::F16True => "16-true",
+            Precision::Bf16True => "bf16-true",
+        }
+    }
+
+    /// Fails if `device` cannot hold or compute in the dtypes this policy needs.
+    pub fn check_device(self, device: &Device) -> Result<(), PrecisionError> {
+        let dtype = self.compute_dtype();
+        if device.supports_dtype(dtype) {
+            Ok(())
+        } else {
+            Err(PrecisionError::UnsupportedDtype {
+                precision: self.name(),
+                dtype: format!("{dtype:?}"),
+                device: format!("{device:?}"),
+            })
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PrecisionError {
+    #[error("--precision {precision} needs {dtype} tensors, which {device} does not support")]
+    UnsupportedDtype {
+        precision: &'static str,
+        dtype: String,
+        device: String,
+    },
+}

@@ -1,0 +1,244 @@
+//! Precision policies: mixed precision follows 32-true and keeps f32 master weights, the
+//! `*-true` policies store 16-bit weights, the loss scaler skips overflowing steps on every
+//! rank, `16-true` stops on its NaN loss where `16-mixed` trains, and every policy composes
+//! with every strategy (a sharded run equals the single-device one to the dtype's resolution).
+
+use std::path::Path;
+
+use burn::optim::SgdConfig;
+use burn::prelude::*;
+use burn::tensor::DType;
+use burnscale::collective::run_ranks;
+use burnscale::collective::threads::DEFAULT_TIMEOUT;
+use burnscale::equivalence::check;
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::precision::{Precision, ScalerConfig, param_dtypes};
+use burnscale::shard::{Sharded, Strategy};
+use burnscale::tasks::NextToken;
+use burnscale::train::{BatchPart, TrainArgs, TrainError, TrainTask, train};
+
+mod common;
+
+fn tokens() -> Vec<i64> {
+    (0..4000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect()
+}
+
+/// Trains minGPT-tiny for `steps` under `precision`; the per-step losses and the model.
+fn run(precision: &str, steps: usize, dir: &Path) -> Result<(Vec<f64>, Gpt), TrainError> {
+    let model = common::seeded_model(3, |device| {
+        Gpt::new(&GptConfig::tiny().with_dropout(0.0), device).unwrap()
+    });
+    let csv = dir.join(format!("{precision}.csv"));
+    let steps = steps.to_string();
+    let args = TrainArgs::from_flags(&[
+        "--precision",
+        precision,
+        "--max-steps",
+        &steps,
+        "--batch-size",
+        "8",
+        "--lr",
+        "3e-3",
+        "--metrics-csv",
+        csv.to_str().unwrap(),
+    ])
+    .unwrap();
+    let mut task = NextToken::new(tokens(), 8, 8, 3).unwrap();
+    let (model, _) = train(model, &mut task, &args, &Device::default().autodiff())?;
+    let losses = std::fs::read_to_string(&csv)
+        .unwrap()
+        .lines()
+        .skip(1)
+        .map(|line| line.split(',').nth(2).unwrap().parse().unwrap())
+        .collect();
+    Ok((losses, model))
+}
+
+#[test]
+fn mixed_precision_follows_32_true_with_f32_masters() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reference, model) = run("32-true", 50, dir.path()).unwrap();
+    assert_eq!(param_dtypes(&model), vec![DType::F32]);
+    assert!(reference[49] < 0.8 * reference[0], "{reference:?}");
+    // Stated tolerances: the largest per-step loss difference over 50 steps.
+    for (precision, tolerance) in [("bf16-mixed", 0.02), ("16-mixed", 0.005)] {
+        let (losses, model) = run(precision, 50, dir.path()).unwrap();
+        let worst = losses
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        eprintln!("{precision}: largest loss difference to 32-true over 50 steps {worst:.2e}");
+        assert!(worst <= tolerance, "{precision}: {worst} > {tolerance}");
+        assert!(
+            worst > 0.0,
+            "{precision} computed exactly as f32: a silent no-op"
+        );
+        assert_eq!(
+            param_dtypes(&model),
+            vec![DType::F32],
+            "{precision}: master weights must stay f32"
+        );
+    }
+}
+
+#[test]
+fn true_precisions_store_16_bit_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let (losses, model) = run("bf16-true", 30, dir.path()).unwrap();
+    assert_eq!(param_dtypes(&model), vec![DType::BF16]);
+    assert!(
+        losses[29] < 0.8 * losses[0],
+        "bf16-true must train: {losses:?}"
+    );
+}
+
+#[test]
+fn sixteen_true_stops_on_nan_where_sixteen_mixed_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    match run("16-true", 50, dir.path()) {
+        Err(e @ TrainError::NonFiniteLoss { .. }) => {
+            let message = e.to_string();
+            eprintln!("16-true: {message}");
+            assert!(
+                message.contains("16-true") && message.contains("65504"),
+                "{message}"
+            );
+        }
+        other => panic!(
+            "16-true must stop on its NaN loss, got {:?}",
+            other.map(|r| r.0)
+        ),
+    }
+    let (losses, _) = run("16-mixed", 50, dir.path()).unwrap();
+    assert!(losses.iter().all(|l| l.is_finite()));
+    assert!(
+        losses[49] < 0.8 * losses[0],
+        "16-mixed must train: {losses:?}"
+    );
+}
+
+/// One micro-step and optimizer step of `strategy` on each of `world` ranks with the
+/// scaler starting at `init_scale`: whether each rank skipped, its scale after, and whether
+/// the parameters changed.
+fn scaled_step(
+    strategy: Strategy,
+    world: usize,
+    config: ScalerConfig,
+    steps: usize,
+) -> Vec<(bool, f64, bool)> {
+    let model = common::seeded_model(5, |device| {
+        Gpt::new(&GptConfig::tiny().with_dropout(0.0), device).unwrap()
+    });
+    let device = Device::default().autodiff();
+    let task = NextToken::new(tokens(), 8, 4, 5).unwrap();
+    run_ranks(world, DEFAULT_TIMEOUT, |comm| {
+        let mut engine = Sharded::new(strategy, model.clone(), comm, &device)
+            .unwrap()
+            .precision(Precision::F16Mixed, config);
+        let before = burnscale::shard::host::values(&engine.full_model().unwrap());
+        let mut task = task.clone();
+        let mut skipped = false;
+        for _ in 0..steps {
+            let (input, target) = task.next_batch(
+                &device,
+                BatchPart {
+                    rank: comm.rank(),
+                    world,
+                },
+            );
+            engine.micro_step(input, target, 1, true).unwrap();
+            let mut optim = SgdConfig::new().init();
+            skipped = engine
+                .step(0.0, |model, grads| optim.step(0.1, model, grads))
+                .unwrap()
+                .skipped;
+        }
+        let after = burnscale::shard::host::values(&engine.full_model().unwrap());
+        let changed = before.iter().any(|(id, v)| after[id] != *v);
+        (skipped, engine.loss_scale().unwrap().0, changed)
+    })
+    .unwrap()
+    .into_iter()
+    .map(Result::unwrap)
+    .collect()
+}
+
+#[test]
+fn loss_scaler_skips_overflow_on_every_rank_and_grows_after_good_steps() {
+    // A scale of 2^60 turns the f16 gradients into inf: every rank skips and halves.
+    let huge = ScalerConfig {
+        init_scale: 2f64.powi(60),
+        ..ScalerConfig::default()
+    };
+    for (rank, outcome) in scaled_step(Strategy::Zero2, 2, huge, 1)
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(outcome, (true, 2f64.powi(59), false), "rank {rank}");
+    }
+    let growing = ScalerConfig {
+        growth_interval: 2,
+        ..ScalerConfig::default()
+    };
+    for (rank, outcome) in scaled_step(Strategy::Ddp, 2, growing, 2)
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(outcome, (false, 131072.0, true), "rank {rank}");
+    }
+}
+
+#[test]
+fn every_precision_composes_with_every_strategy() {
+    // SGD without momentum, so a gradient difference shows as a parameter difference instead
+    // of being normalised away as AdamW would.
+    for precision in ["bf16-mixed", "16-mixed", "bf16-true", "16-true"] {
+        for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+            for world in [2, 3] {
+                let extra = [
+                    "--precision",
+                    precision,
+                    "--optimizer",
+                    "sgd",
+                    "--momentum",
+                    "0",
+                    "--lr",
+                    "0.1",
+                    "--grad-clip",
+                    "0",
+                ];
+                let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| check(comm, strategy, &extra))
+                    .unwrap();
+                for (rank, outcome) in ranks.into_iter().enumerate() {
+                    let differences = outcome.unwrap().unwrap();
+                    assert!(
+                        differences.is_empty(),
+                        "{precision} {strategy} x{world} rank {rank}:\n{}",
+                        differences[..differences.len().min(10)].join("\n")
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn checkpointing_composes_with_mixed_precision() {
+    let extra = [
+        "--precision",
+        "bf16-mixed",
+        "--checkpoint-activations",
+        "--optimizer",
+        "sgd",
+        "--momentum",
+        "0",
+        "--lr",
+        "0.1",
+    ];
+    let ranks = run_ranks(2, DEFAULT_TIMEOUT, |comm| check(comm, "zero2", &extra)).unwrap();
+    for outcome in ranks {
+        let differences = outcome.unwrap().unwrap();
+        assert!(differences.is_empty(), "{}", differences.join("\n"));
+    }
+}
