@@ -136,3 +136,21 @@ fn bigbird() {
         task,
     );
 }
+
+#[test]
+fn burn_device_checkpointing_trains_through_the_runner() {
+    // Burn's own (per-operation) checkpointing is a property of the autodiff device; the
+    // runner must keep every tensor it re-wraps on that device's strategy.
+    let run = |device: Device| {
+        let model = seeded_model(9, |_| {
+            Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap()
+        });
+        let tokens: Vec<i64> = (0..2000).map(|i| (i * 5 % 11) as i64).collect();
+        let mut task = NextToken::new(tokens, 8, 4, 9).unwrap();
+        let args = TrainArgs::from_flags(&["--max-steps", "3", "--optimizer", "sgd"]).unwrap();
+        train(model, &mut task, &args, &device).unwrap().0
+    };
+    let plain = run(Device::default().autodiff());
+    let balanced = run(Device::default().autodiff().gradient_checkpointing());
+    common::assert_same(&plain, &balanced, "burn checkpointing");
+}

@@ -14,3 +14,16 @@ pub use activation::gelu_tanh;
 pub use blocks::{BlockModel, Mask};
 pub use dropout::{Dropout, DropoutConfig};
 pub use loss::cross_entropy;
+
+use burn::prelude::*;
+
+/// `inner` (a tensor without autodiff) on the autodiff device `device`, with its gradient
+/// checkpointing strategy: `Tensor::from_inner` alone takes the default strategy, and Burn
+/// refuses to mix strategies in one operation.
+pub fn autodiff_on<const D: usize>(inner: Tensor<D>, device: &Device) -> Tensor<D> {
+    let tensor = Tensor::from_inner(inner);
+    match device.gradient_checkpointing_strategy() {
+        Some(strategy) => tensor.with_gradient_checkpointing_strategy(strategy),
+        None => tensor,
+    }
+}

@@ -4,6 +4,7 @@
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
+use burnscale_nn::autodiff_on;
 
 /// `module` with every float parameter in `dtype`, each a fresh leaf (no graph back to the
 /// original) on the same kind of device, requiring grad if the original did: the compute copy of mixed precision,
@@ -14,11 +15,12 @@ pub fn cast<M: Module>(module: M, dtype: FloatDType) -> M {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let (id, tensor, mapper) = param.consume();
             let (autodiff, require_grad) = (tensor.is_autodiff(), tensor.is_require_grad());
+            let device = tensor.device();
             let plain = tensor.inner().cast(self.0);
             let tensor = match (autodiff, require_grad) {
                 (false, _) => plain,
-                (true, false) => Tensor::from_inner(plain),
-                (true, true) => Tensor::from_inner(plain).require_grad(),
+                (true, false) => autodiff_on(plain, &device),
+                (true, true) => autodiff_on(plain, &device).require_grad(),
             };
             Param::from_mapped_value(id, tensor, mapper)
         }

@@ -4,7 +4,7 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burnscale_collective::{Buffer, Communicator, DType, ReduceOp};
-use burnscale_nn::{BlockModel, autocast, dropout};
+use burnscale_nn::{BlockModel, autocast, autodiff_on, dropout};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::host::{self, HostValues};
@@ -447,7 +447,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             x = root.block_forward(&block, x, &inner_mask);
         }
         drop(training);
-        let x = Tensor::from_inner(x).require_grad();
+        let x = autodiff_on(x, &self.device).require_grad();
         let loss = root.head_loss(x.clone(), target);
         let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
         let loss = loss * self.loss_factor(accumulate);
@@ -466,9 +466,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let block = self.block(block, i, true)?;
             let (x, at) = saved.pop().expect("one saved input per block");
             dropout::rewind(at);
-            let x = Tensor::from_inner(x).require_grad();
+            let x = autodiff_on(x, &self.device).require_grad();
             let y = root.block_forward(&block, x.clone(), &mask);
-            let grads = (y * Tensor::from_inner(grad_x)).sum().backward();
+            let grads = (y * autodiff_on(grad_x, &self.device)).sum().backward();
             grad_x = x
                 .grad(&grads)
                 .expect("a block's output depends on its input");
@@ -484,7 +484,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         dropout::rewind(resume);
         if embedded.is_tracked() {
-            let grads = (embedded * Tensor::from_inner(grad_x)).sum().backward();
+            let grads = (embedded * autodiff_on(grad_x, &self.device))
+                .sum()
+                .backward();
             host::add_grads(
                 &root,
                 &mut GradientsParams::from_grads(grads, &root),

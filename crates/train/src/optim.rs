@@ -128,7 +128,7 @@ impl ModuleMapper for StepMapper<'_> {
         };
         let path = self.path.join(".");
         let (id, tensor, mapper) = param.consume();
-        let require_grad = tensor.is_require_grad();
+        let (require_grad, device) = (tensor.is_require_grad(), tensor.device());
         let optim = self.optim.for_rank(D).clone();
         let state = self.optim.states.remove(&path);
         let (updated, state) = optim.step_dyn(
@@ -141,7 +141,7 @@ impl ModuleMapper for StepMapper<'_> {
         if let Some(state) = state {
             self.optim.states.insert(path, state);
         }
-        let mut updated = Tensor::from_inner(Tensor::<D>::from_bridge(updated));
+        let mut updated = burnscale_nn::autodiff_on(Tensor::<D>::from_bridge(updated), &device);
         if require_grad {
             updated = updated.require_grad();
         }
