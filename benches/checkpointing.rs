@@ -10,9 +10,7 @@
 //! Each configuration runs in a child process of this binary, so one run's peak cannot
 //! hide in another's.
 
-use std::process::Command;
-
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
@@ -77,31 +75,22 @@ fn worker(cli: &Cli, mode: &str) -> Result<()> {
 }
 
 fn run_child(cli: &Cli, layers: usize, mode: &str) -> Result<Value> {
-    let exe = std::env::current_exe()?;
-    let out = Command::new(exe)
-        .args(["--worker", mode, "--layers", &layers.to_string()])
-        .args([
-            "--n-head",
-            &cli.n_head.to_string(),
-            "--n-embd",
-            &cli.n_embd.to_string(),
-        ])
-        .args(["--block-size", &cli.block_size.to_string()])
-        .args([
-            "--batch-size",
-            &cli.batch_size.to_string(),
-            "--steps",
-            &cli.steps.to_string(),
-        ])
-        .output()
-        .context("cannot start the worker")?;
-    if !out.status.success() {
-        bail!("worker failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    Ok(serde_json::from_str(
-        stdout.lines().last().context("no output")?,
-    )?)
+    burnscale::run_worker([
+        "--worker".to_string(),
+        mode.to_string(),
+        "--layers".into(),
+        layers.to_string(),
+        "--n-head".into(),
+        cli.n_head.to_string(),
+        "--n-embd".into(),
+        cli.n_embd.to_string(),
+        "--block-size".into(),
+        cli.block_size.to_string(),
+        "--batch-size".into(),
+        cli.batch_size.to_string(),
+        "--steps".into(),
+        cli.steps.to_string(),
+    ])
 }
 
 fn main() -> std::process::ExitCode {

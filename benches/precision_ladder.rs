@@ -10,9 +10,7 @@
 //! another's. On Flex (the CPU backend) 16-bit types are stored in 16 bits but computed
 //! through f32, so the 16-bit rungs save memory, not time.
 
-use std::process::Command;
-
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::mingpt::{Gpt, GptConfig};
@@ -106,18 +104,8 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
 }
 
 fn run_child(cli: &Cli, rung: usize) -> Result<Value> {
-    let out = Command::new(std::env::current_exe()?)
-        .args(["--rung", &rung.to_string(), "--model", &cli.model])
-        .args(["--steps", &cli.steps.to_string()])
-        .output()
-        .context("cannot start the worker")?;
-    if !out.status.success() {
-        bail!("worker failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    Ok(serde_json::from_str(
-        stdout.lines().last().context("no output")?,
-    )?)
+    let (rung, steps) = (rung.to_string(), cli.steps.to_string());
+    burnscale::run_worker(["--rung", &rung, "--model", &cli.model, "--steps", &steps])
 }
 
 fn main() -> std::process::ExitCode {

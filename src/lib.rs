@@ -74,6 +74,28 @@ fn error_line(err: &anyhow::Error) -> String {
     line
 }
 
+/// Runs this binary again with `args` (a benchmark's worker mode, so that each measured
+/// configuration has a process, and a counting-allocator peak, of its own) and reads the
+/// JSON object the worker prints on its last line.
+pub fn run_worker<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+) -> anyhow::Result<serde_json::Value> {
+    use anyhow::Context;
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(args)
+        .output()
+        .context("cannot start the worker")?;
+    if !out.status.success() {
+        anyhow::bail!("worker failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let last = stdout
+        .lines()
+        .last()
+        .context("the worker printed nothing")?;
+    Ok(serde_json::from_str(last)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -189,35 +189,42 @@ fn loss_scaler_skips_overflow_on_every_rank_and_grows_after_good_steps() {
     }
 }
 
+/// SGD without momentum, so a gradient difference shows as a parameter difference instead
+/// of being normalised away as AdamW would.
+const SGD: [&str; 8] = [
+    "--optimizer",
+    "sgd",
+    "--momentum",
+    "0",
+    "--lr",
+    "0.1",
+    "--grad-clip",
+    "0",
+];
+
+/// Runs the sharded-vs-single check of `strategy` on `world` ranks with `extra` flags.
+fn assert_matches_single(strategy: &str, world: usize, extra: &[&str]) {
+    let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| check(comm, strategy, extra)).unwrap();
+    for (rank, outcome) in ranks.into_iter().enumerate() {
+        let differences = outcome.unwrap().unwrap();
+        assert!(
+            differences.is_empty(),
+            "{extra:?} {strategy} x{world} rank {rank}:\n{}",
+            differences[..differences.len().min(10)].join("\n")
+        );
+    }
+}
+
 #[test]
 fn every_precision_composes_with_every_strategy() {
-    // SGD without momentum, so a gradient difference shows as a parameter difference instead
-    // of being normalised away as AdamW would.
     for precision in ["bf16-mixed", "16-mixed", "bf16-true", "16-true"] {
         for strategy in ["ddp", "zero1", "zero2", "zero3"] {
             for world in [2, 3] {
-                let extra = [
-                    "--precision",
-                    precision,
-                    "--optimizer",
-                    "sgd",
-                    "--momentum",
-                    "0",
-                    "--lr",
-                    "0.1",
-                    "--grad-clip",
-                    "0",
-                ];
-                let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| check(comm, strategy, &extra))
-                    .unwrap();
-                for (rank, outcome) in ranks.into_iter().enumerate() {
-                    let differences = outcome.unwrap().unwrap();
-                    assert!(
-                        differences.is_empty(),
-                        "{precision} {strategy} x{world} rank {rank}:\n{}",
-                        differences[..differences.len().min(10)].join("\n")
-                    );
-                }
+                assert_matches_single(
+                    strategy,
+                    world,
+                    &[&["--precision", precision], &SGD[..]].concat(),
+                );
             }
         }
     }
@@ -226,19 +233,9 @@ fn every_precision_composes_with_every_strategy() {
 #[test]
 fn checkpointing_composes_with_mixed_precision() {
     let extra = [
-        "--precision",
-        "bf16-mixed",
-        "--checkpoint-activations",
-        "--optimizer",
-        "sgd",
-        "--momentum",
-        "0",
-        "--lr",
-        "0.1",
-    ];
-    let ranks = run_ranks(2, DEFAULT_TIMEOUT, |comm| check(comm, "zero2", &extra)).unwrap();
-    for outcome in ranks {
-        let differences = outcome.unwrap().unwrap();
-        assert!(differences.is_empty(), "{}", differences.join("\n"));
-    }
+        &["--precision", "bf16-mixed", "--checkpoint-activations"],
+        &SGD[..],
+    ]
+    .concat();
+    assert_matches_single("zero2", 2, &extra);
 }
