@@ -96,7 +96,7 @@ mod tests {
             .cast(FloatDType::F32)
             .sum_dim(1)
             .into_data()
-            .to_vec()
+            .try_to_vec()
             .unwrap();
         assert!(sums.iter().all(|v| (v - 1.0).abs() < 1e-2), "{sums:?}");
     }
