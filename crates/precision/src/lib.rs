@@ -74,17 +74,6 @@ impl Precision {
         self == Precision::F16Mixed
     }
 
-    /// The name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32True => "32-true",
-            Precision::F16Mixed => "16-mixed",
-            Precision::Bf16Mixed => "bf16-mixed",
-            Precision::F16True => "16-true",
-            Precision::Bf16True => "bf16-true",
-        }
-    }
-
     /// Fails if `device` cannot hold or compute in the dtypes this policy needs.
     pub fn check_device(self, device: &Device) -> Result<(), PrecisionError> {
         let dtype = self.compute_dtype();
@@ -92,10 +81,20 @@ impl Precision {
             Ok(())
         } else {
             Err(PrecisionError::UnsupportedDtype {
-                precision: self.name(),
+                precision: self,
                 dtype: format!("{dtype:?}"),
                 device: format!("{device:?}"),
             })
+        }
+    }
+}
+
+/// The name on the command line.
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.to_possible_value() {
+            Some(value) => f.write_str(value.get_name()),
+            None => write!(f, "{self:?}"),
         }
     }
 }
@@ -104,7 +103,7 @@ impl Precision {
 pub enum PrecisionError {
     #[error("--precision {precision} needs {dtype} tensors, which {device} does not support")]
     UnsupportedDtype {
-        precision: &'static str,
+        precision: Precision,
         dtype: String,
         device: String,
     },

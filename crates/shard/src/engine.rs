@@ -143,9 +143,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
     }
 
-    /// The factor backward starts from: the loss scale over the accumulation steps.
-    fn loss_factor(&self, accumulate: usize) -> f64 {
-        self.scaler.as_ref().map_or(1.0, LossScaler::scale) / accumulate as f64
+    /// The micro-step's share of the step loss (what it reports), and the loss backward
+    /// starts from: divided over the accumulation steps, times the loss scale.
+    fn scaled(&self, loss: Tensor<1>, accumulate: usize) -> (f64, Tensor<1>) {
+        let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
+        let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        (value, loss * (scale / accumulate as f64))
     }
 
     /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
@@ -166,8 +169,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let _autocast = autocast::scope(self.precision.is_mixed());
             model.loss(input, target)
         };
-        let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
-        let loss = loss * self.loss_factor(accumulate);
+        let (value, loss) = self.scaled(loss, accumulate);
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         host::add_grads(&model, &mut grads, &mut self.local);
         if last {
@@ -448,9 +450,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         drop(training);
         let x = autodiff_on(x, &self.device).require_grad();
-        let loss = root.head_loss(x.clone(), target);
-        let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
-        let loss = loss * self.loss_factor(accumulate);
+        let (value, loss) = self.scaled(root.head_loss(x.clone(), target), accumulate);
         let resume = dropout::position();
 
         let grads = loss.backward();

@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
 use burnscale_collective::CollectiveError;
+use burnscale_precision::Precision;
 use burnscale_shard::ShardError;
 
 /// Errors of the training runner.
@@ -17,7 +18,7 @@ pub enum TrainError {
     NonFiniteLoss {
         step: usize,
         loss: f64,
-        precision: &'static str,
+        precision: Precision,
     },
     #[error(transparent)]
     Precision(#[from] burnscale_precision::PrecisionError),
@@ -48,8 +49,8 @@ impl TrainError {
     }
 }
 
-fn non_finite_hint(precision: &str) -> &'static str {
-    if precision == "16-true" {
+fn non_finite_hint(precision: &Precision) -> &'static str {
+    if *precision == Precision::F16True {
         "f16 holds only magnitudes up to 65504 and flushes values below 6e-8 to zero: activations or optimizer updates overflowed; use bf16-true, or 16-mixed with its loss scaler"
     } else {
         "lower --lr, enable --grad-clip, or use a wider precision"

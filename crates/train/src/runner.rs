@@ -72,8 +72,7 @@ pub fn train<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
-    args.validate()?;
-    args.precision.check_device(device)?;
+    check_args(args, device)?;
     let model = if args.init_on_device {
         burnscale_precision::init_in(model, args.precision.param_dtype())
     } else {
@@ -122,7 +121,7 @@ pub fn train_on<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
-    args.validate()?;
+    check_args(args, device)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let strategy = match args.strategy {
         Strategy::Single if world > 1 => {
@@ -184,7 +183,7 @@ pub fn train_on<T: TrainTask>(
             return Err(TrainError::NonFiniteLoss {
                 step,
                 loss: step_loss,
-                precision: args.precision.name(),
+                precision: args.precision,
             });
         }
         let lr = schedule.next_lr();
@@ -276,6 +275,13 @@ pub fn train_on<T: TrainTask>(
         summary.write_json(path)?;
     }
     Ok((model, summary))
+}
+
+/// Flag values that cannot run, and a precision `device` cannot honour.
+fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
+    args.validate()?;
+    args.precision.check_device(device)?;
+    Ok(())
 }
 
 fn median(values: &mut [f64]) -> f64 {
