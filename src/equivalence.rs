@@ -46,6 +46,18 @@ pub fn check_with_dropout(
     dropout: f64,
     extra: &[&str],
 ) -> Result<Vec<String>, TrainError> {
+    check_against_plain(comm, strategy, dropout, extra, &[])
+}
+
+/// [`check_with_dropout`] where the sharded run also gets `sharded_only` (an offload, say)
+/// and the single-device run does not: the technique must not change a step.
+pub fn check_against_plain(
+    comm: &dyn Communicator,
+    strategy: &str,
+    dropout: f64,
+    extra: &[&str],
+    sharded_only: &[&str],
+) -> Result<Vec<String>, TrainError> {
     let world = comm.world_size();
     if !GLOBAL_BATCH.is_multiple_of(world) {
         return Err(TrainError::InvalidArgs(format!(
@@ -54,7 +66,14 @@ pub fn check_with_dropout(
     }
     let args = TrainArgs::from_flags(extra).map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
     let relative = relative_tolerance(args.precision);
-    let (_, sharded) = train_tiny(comm, strategy, GLOBAL_BATCH / world, dropout, extra)?;
+    let sharded_flags = [extra, sharded_only].concat();
+    let (_, sharded) = train_tiny(
+        comm,
+        strategy,
+        GLOBAL_BATCH / world,
+        dropout,
+        &sharded_flags,
+    )?;
     let solo = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
     let (initial, single) = train_tiny(&solo, "single", GLOBAL_BATCH, dropout, extra)?;
 

@@ -38,7 +38,10 @@ fn bad_flags_are_named() {
         &["--devices", "0"],
         "--devices must be at least 1 (got 16, 1, 2500, 0)",
     );
-    fails_with(&["--offload", "optimizer"], "not yet supported");
+    fails_with(
+        &["--offload", "params", "--strategy", "ddp"],
+        "--offload params keeps ZeRO-3's parameter shards",
+    );
     // f16 weights and AdamW state: the loss turns NaN within a few steps, and the run stops.
     fails_with(
         &[

@@ -38,6 +38,8 @@ pub struct Sharded<'c, M: BlockModel> {
     /// Per-block activation checkpointing (always on under ZeRO-3).
     checkpoint: bool,
     precision: Precision,
+    /// Where ZeRO-3's shards live between uses when offloaded (else the plain device).
+    home: Option<Device>,
     /// The dtype gradients travel in when reduced over the ranks.
     reduce_dtype: DType,
     scaler: Option<LossScaler>,
@@ -89,6 +91,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             grad_bytes: 0,
             checkpoint: strategy == Strategy::Zero3,
             precision: Precision::F32True,
+            home: None,
             reduce_dtype: DType::F32,
             scaler: None,
         };
@@ -120,6 +123,22 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             self.model = Some(burnscale_precision::cast(model, precision.param_dtype()));
         }
         self
+    }
+
+    /// Keeps this rank's parameter shards on `host` between uses (ZeRO-3's parameter
+    /// offload): each unit is gathered onto the device as it runs, and the shards are stepped
+    /// where they live.
+    pub fn offload_params(mut self, host: Device) -> Result<Self, ShardError> {
+        if self.strategy != Strategy::Zero3 {
+            return Err(ShardError::Offload(format!(
+                "parameter offload keeps ZeRO-3's shards on the host, but the strategy is {:?}",
+                self.strategy
+            )));
+        }
+        let model = self.model.take().expect(PRESENT);
+        self.model = Some(model.to_device(&host));
+        self.home = Some(host);
+        Ok(self)
     }
 
     /// Reduces gradients over the ranks in `dtype` (f32 by default; bf16 or f16 halve the
@@ -229,7 +248,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
 
         let model = self.model.take().expect(PRESENT);
-        let inner = self.inner_device();
+        let inner = self.home.clone().unwrap_or_else(|| self.inner_device());
         let (target, replica) = match self.strategy {
             Strategy::Ddp | Strategy::Zero3 => (model, None),
             Strategy::Zero1 | Strategy::Zero2 => {

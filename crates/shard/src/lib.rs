@@ -39,4 +39,6 @@ pub enum ShardError {
     Collective(#[from] CollectiveError),
     #[error("rank {rank}: the ranks' models differ: {detail}")]
     ModelMismatch { rank: usize, detail: String },
+    #[error("{0}")]
+    Offload(String),
 }

@@ -89,10 +89,13 @@ pub struct TrainArgs {
     /// recomputed in backward (always so under zero3).
     #[arg(long)]
     pub checkpoint_activations: bool,
-    /// Keep optimizer state (or parameters) in host memory.
+    /// Keep optimizer state (optimizer: every strategy) and also ZeRO-3's parameter shards
+    /// (params) in host memory, and step the optimizer there.
     #[arg(long, value_enum, default_value = "none")]
     pub offload: Offload,
-    /// Disk-backed offload directory (NVMe-style).
+    /// Keep the optimizer state in memory-mapped files under this directory between steps
+    /// (ZeRO-Infinity's disk offload; implies --offload optimizer). Each rank uses its own
+    /// rank<N> subdirectory, removed at the end.
     #[arg(long)]
     pub offload_dir: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "adamw")]
@@ -162,27 +165,22 @@ impl TrainArgs {
     /// Rejects flag values that cannot run, and those whose technique has not landed yet,
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
-        let not_yet = |flag: &str, why: &str| {
-            Err(TrainError::NotYetSupported(format!(
-                "{flag}: {why}; today every run is without offload"
-            )))
-        };
-        if self.offload != Offload::None || self.offload_dir.is_some() {
-            return not_yet(
-                "--offload/--offload-dir",
-                "offload arrives with the sharding engine",
-            );
-        }
         if matches!(
             self.optimizer,
             OptimizerKind::Adafactor | OptimizerKind::Adam8bit
         ) {
-            return not_yet(
-                &format!("--optimizer {}", value_name(self.optimizer)),
-                "lean optimizers are not built yet; use adamw, adam or sgd",
-            );
+            return Err(TrainError::NotYetSupported(format!(
+                "--optimizer {}: lean optimizers are not built yet; use adamw, adam or sgd",
+                value_name(self.optimizer)
+            )));
         }
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
+        if self.offload == Offload::Params && self.strategy != Strategy::Zero3 {
+            return invalid(format!(
+                "--offload params keeps ZeRO-3's parameter shards in host memory between uses, so it needs --strategy zero3 (got {}); --offload optimizer works with every strategy",
+                value_name(self.strategy)
+            ));
+        }
         if self.batch_size == 0 || self.accumulate == 0 || self.max_steps == 0 || self.devices == 0
         {
             return invalid(format!(
@@ -229,13 +227,26 @@ mod tests {
 
     #[test]
     fn unlanded_techniques_are_rejected_not_ignored() {
-        for args in [
-            &["--offload", "optimizer"][..],
-            &["--optimizer", "adam8bit"],
-        ] {
-            let err = parse(args).unwrap().validate().unwrap_err().to_string();
-            assert!(err.contains("not yet supported"), "{args:?}: {err}");
-        }
+        let err = parse(&["--optimizer", "adam8bit"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not yet supported"), "{err}");
+    }
+
+    #[test]
+    fn offloading_parameters_needs_zero3() {
+        let err = parse(&["--offload", "params", "--strategy", "zero2"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("needs --strategy zero3"), "{err}");
+        parse(&["--offload", "params", "--strategy", "fsdp"])
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 
     #[test]

@@ -28,6 +28,11 @@ pub enum TrainError {
     Shard(#[from] ShardError),
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
+    #[error("offload directory: {path}: {source}")]
+    Offload {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,

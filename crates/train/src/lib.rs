@@ -5,6 +5,7 @@ mod cli;
 pub mod data;
 mod error;
 pub mod memory;
+mod offload;
 mod optim;
 mod report;
 mod runner;

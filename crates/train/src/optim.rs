@@ -1,5 +1,5 @@
 //! Optimizers from burn-optim, stepped parameter by parameter with their state keyed by
-//! parameter path, so the state can later be sharded, offloaded and checkpointed by name.
+//! parameter path, so the state can be sharded, offloaded and checkpointed by name.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,18 +15,26 @@ use burn::optim::{
 use burn::prelude::*;
 
 use crate::TrainError;
-use crate::cli::{OptimizerKind, Schedule, TrainArgs, value_name};
+use crate::cli::{Offload, OptimizerKind, Schedule, TrainArgs, value_name};
+use crate::offload::DiskStates;
 
 /// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
 /// embeddings, rank >= 2) and one without decay (biases, norms), as nanoGPT configures AdamW.
+///
+/// Under `--offload` the state lives in host memory and each parameter is stepped there (on a
+/// CPU-only run the host is the device); under `--offload-dir` it lives on disk between steps.
 pub struct ParamOptimizer {
     decay: Arc<dyn DynOptimizer>,
     no_decay: Arc<dyn DynOptimizer>,
     states: HashMap<String, DynState>,
+    /// Where parameters are stepped and their state kept; `None`: on the parameter's device.
+    host: Option<Device>,
+    disk: Option<DiskStates>,
 }
 
 impl ParamOptimizer {
-    pub fn new(args: &TrainArgs) -> Result<Self, TrainError> {
+    /// The optimizer `args` name, for rank `rank` (whose `--offload-dir` files are its own).
+    pub fn new(args: &TrainArgs, rank: usize) -> Result<Self, TrainError> {
         let build = |weight_decay: f64| -> Result<Arc<dyn DynOptimizer>, TrainError> {
             let (b1, b2, wd) = (args.beta1 as f32, args.beta2 as f32, weight_decay as f32);
             Ok(match args.optimizer {
@@ -63,25 +71,41 @@ impl ParamOptimizer {
                 }
             })
         };
+        let disk = match &args.offload_dir {
+            Some(dir) => Some(DiskStates::create(dir, rank)?),
+            None => None,
+        };
+        let offload = args.offload != Offload::None || disk.is_some();
         Ok(Self {
             decay: build(args.weight_decay)?,
             no_decay: build(0.0)?,
             states: HashMap::new(),
+            host: offload.then(Device::flex),
+            disk,
         })
     }
 
-    /// Applies one update to every parameter that has a gradient.
-    pub fn step<M: Module>(&mut self, lr: f64, model: M, mut grads: GradientsParams) -> M {
+    /// Applies one update to every parameter that has a gradient. If offloaded state cannot
+    /// be read or written, the other parameters are still stepped, a state that could not be
+    /// written stays in memory, and the first error is returned with the model.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: f64,
+        model: M,
+        mut grads: GradientsParams,
+    ) -> (M, Result<(), TrainError>) {
         let mut mapper = StepMapper {
             path: Vec::new(),
             optim: self,
             grads: &mut grads,
             lr,
+            error: None,
         };
-        model.map(&mut mapper)
+        let model = model.map(&mut mapper);
+        (model, mapper.error.map_or(Ok(()), Err))
     }
 
-    /// Bytes of optimizer state held (moments, momentum buffers).
+    /// Bytes of optimizer state held in memory (moments, momentum buffers).
     pub fn state_bytes(&self) -> usize {
         self.states
             .iter()
@@ -97,12 +121,50 @@ impl ParamOptimizer {
             .sum()
     }
 
+    /// Bytes of optimizer state in `--offload-dir` files.
+    pub fn offloaded_bytes(&self) -> usize {
+        self.disk.as_ref().map_or(0, DiskStates::bytes)
+    }
+
     fn for_rank(&self, rank: usize) -> &Arc<dyn DynOptimizer> {
         if rank >= 2 {
             &self.decay
         } else {
             &self.no_decay
         }
+    }
+
+    /// The state of the `rank`-dimensional parameter at `path`, on `device`.
+    fn take_state(
+        &mut self,
+        rank: usize,
+        path: &str,
+        device: &Device,
+    ) -> Result<Option<DynState>, TrainError> {
+        if let Some(state) = self.states.remove(path) {
+            return Ok(Some(state));
+        }
+        match &self.disk {
+            Some(disk) => disk.load(self.for_rank(rank).as_ref(), rank, path, device),
+            None => Ok(None),
+        }
+    }
+
+    /// Keeps `state` of the parameter at `path`: on disk under `--offload-dir` (in memory if
+    /// that fails, so that nothing is lost), else in memory.
+    fn put_state(&mut self, rank: usize, path: String, state: DynState) -> Result<(), TrainError> {
+        let optim = self.for_rank(rank).clone();
+        let stored = match &mut self.disk {
+            Some(disk) => disk.store(optim.as_ref(), &path, &state),
+            None => {
+                self.states.insert(path, state);
+                return Ok(());
+            }
+        };
+        if stored.is_err() {
+            self.states.insert(path, state);
+        }
+        stored
     }
 }
 
@@ -111,6 +173,7 @@ struct StepMapper<'a> {
     optim: &'a mut ParamOptimizer,
     grads: &'a mut GradientsParams,
     lr: f64,
+    error: Option<TrainError>,
 }
 
 impl ModuleMapper for StepMapper<'_> {
@@ -129,19 +192,32 @@ impl ModuleMapper for StepMapper<'_> {
         let path = self.path.join(".");
         let (id, tensor, mapper) = param.consume();
         let (require_grad, device) = (tensor.is_require_grad(), tensor.device());
+        let home = match &self.optim.host {
+            Some(host) => host.clone(),
+            None => device.clone().inner(),
+        };
+        let state = match self.optim.take_state(D, &path, &home) {
+            Ok(state) => state,
+            Err(e) => {
+                self.error.get_or_insert(e);
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+        };
         let optim = self.optim.for_rank(D).clone();
-        let state = self.optim.states.remove(&path);
         let (updated, state) = optim.step_dyn(
             D,
             self.lr,
-            tensor.inner().into_bridge(),
-            grad.into_bridge(),
+            tensor.inner().to_device(&home).into_bridge(),
+            grad.to_device(&home).into_bridge(),
             state,
         );
-        if let Some(state) = state {
-            self.optim.states.insert(path, state);
+        if let Some(state) = state
+            && let Err(e) = self.optim.put_state(D, path, state)
+        {
+            self.error.get_or_insert(e);
         }
-        let mut updated = burnscale_nn::autodiff_on(Tensor::<D>::from_bridge(updated), &device);
+        let updated = Tensor::<D>::from_bridge(updated).to_device(&device.clone().inner());
+        let mut updated = burnscale_nn::autodiff_on(updated, &device);
         if require_grad {
             updated = updated.require_grad();
         }

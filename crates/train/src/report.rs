@@ -15,34 +15,34 @@ use crate::{TrainError, memory};
 pub struct ModelStateBytes {
     pub params: usize,
     pub grads: usize,
+    /// Optimizer state in memory.
     pub optimizer: usize,
+    /// Optimizer state in `--offload-dir` files (not in [`total`](Self::total)).
+    pub offloaded: usize,
 }
 
 impl ModelStateBytes {
+    /// Bytes in memory.
     pub fn total(&self) -> usize {
         self.params + self.grads + self.optimizer
     }
 
-    /// The ZeRO paper's per-rank count, with the bytes this engine keeps between steps: W
-    /// bytes of weights (the precision's weight dtype: 4, or 2 for `*-true`; the mixed
-    /// policies' 16-bit copy lives only during a micro-step) + 4 of gradients (reduced in f32
-    /// on the host) + the optimizer's state K per parameter in the weight dtype (Adam/AdamW
-    /// 2 moments, SGD with momentum 1, plain SGD 0), of which each strategy shards a part over
-    /// `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the gradients, ZeRO-3
-    /// everything.
-    pub fn predicted(
-        num_params: usize,
-        optimizer: OptimizerKind,
-        momentum: bool,
-        strategy: Strategy,
-        precision: Precision,
-        world: usize,
-    ) -> usize {
+    /// The ZeRO paper's per-rank count for a run of `args` on `world` ranks, with the bytes
+    /// this engine keeps in memory between steps: W bytes of weights (the precision's weight
+    /// dtype: 4, or 2 for `*-true`; the mixed policies' 16-bit copy lives only during a
+    /// micro-step) + 4 of gradients (reduced in f32 on the host) + the optimizer's state K per
+    /// parameter in the weight dtype (Adam/AdamW 2 moments, SGD with momentum 1, plain SGD 0;
+    /// none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
+    /// part over `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the
+    /// gradients, ZeRO-3 everything.
+    pub fn predicted(num_params: usize, args: &TrainArgs, world: usize) -> usize {
+        let (precision, strategy) = (args.precision, args.strategy);
         let weight = burn::tensor::DType::from(precision.param_dtype()).size();
         let state = weight
-            * match optimizer {
+            * match args.optimizer {
+                _ if args.offload_dir.is_some() => 0,
                 OptimizerKind::Adamw | OptimizerKind::Adam => 2,
-                OptimizerKind::Sgd if momentum => 1,
+                OptimizerKind::Sgd if args.momentum > 0.0 => 1,
                 _ => 0,
             };
         let (replicated, sharded) = match strategy {
@@ -152,15 +152,8 @@ impl RunSummary {
             num_params,
             model_state_bytes_per_rank: model_state.total(),
             model_state,
-            model_state_convention: "ZeRO paper: weight-dtype params + 4 B f32 grads + optimizer state in the weight dtype per parameter, the strategy's part divided by the world size",
-            model_state_predicted_bytes: ModelStateBytes::predicted(
-                num_params,
-                args.optimizer,
-                args.momentum > 0.0,
-                args.strategy,
-                args.precision,
-                world_size,
-            ),
+            model_state_convention: "ZeRO paper: weight-dtype params + 4 B f32 grads + optimizer state in the weight dtype (none under --offload-dir) per parameter, the strategy's part divided by the world size",
+            model_state_predicted_bytes: ModelStateBytes::predicted(num_params, args, world_size),
             ranks,
             tokens_per_s,
             samples_per_s,
@@ -212,6 +205,12 @@ impl RunSummary {
             ("final train loss", format!("{:.4}", self.final_loss)),
             ("validation loss", format!("{:.4}", self.val_loss)),
         ];
+        if self.model_state.offloaded > 0 {
+            rows.push((
+                "optimizer state on disk",
+                human_bytes(self.model_state.offloaded),
+            ));
+        }
         if let Some(scale) = self.loss_scale {
             rows.push((
                 "loss scale",

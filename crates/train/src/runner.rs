@@ -16,7 +16,7 @@ use burnscale_precision::ScalerConfig;
 use burnscale_shard::Sharded;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::cli::Strategy;
+use crate::cli::{Offload, Strategy};
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::report::{ModelStateBytes, RankMemory, RunSummary, Throughput};
 use crate::{TrainArgs, TrainError, memory, speed};
@@ -137,7 +137,7 @@ pub fn train_on<T: TrainTask>(
     let lead = rank == 0;
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
-    let mut optim = ParamOptimizer::new(args)?;
+    let mut optim = ParamOptimizer::new(args, rank)?;
     let mut schedule = LrSchedule::new(args)?;
     let mut csv = match &args.metrics_csv {
         Some(path) if lead => Some(MetricsCsv::create(path)?),
@@ -152,6 +152,9 @@ pub fn train_on<T: TrainTask>(
         .checkpoint_activations(args.checkpoint_activations)
         .precision(args.precision, ScalerConfig::default())
         .reduce_dtype(args.grad_reduce_dtype.dtype());
+    if args.offload == Offload::Params {
+        engine = engine.offload_params(Device::flex())?;
+    }
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;
@@ -187,7 +190,13 @@ pub fn train_on<T: TrainTask>(
             });
         }
         let lr = schedule.next_lr();
-        let outcome = engine.step(args.grad_clip, |model, grads| optim.step(lr, model, grads))?;
+        let mut offloaded = Ok(());
+        let outcome = engine.step(args.grad_clip, |model, grads| {
+            let (model, result) = optim.step(lr, model, grads);
+            offloaded = result;
+            model
+        })?;
+        offloaded?;
         let grad_norm = outcome.grad_norm;
         items += step_items;
 
@@ -243,6 +252,7 @@ pub fn train_on<T: TrainTask>(
         params: engine.param_bytes(),
         grads: engine.grad_bytes(),
         optimizer: optim.state_bytes(),
+        offloaded: optim.offloaded_bytes(),
     };
     let ranks = every_rank_memory(comm, model_state.total(), peak_mem)?;
     let items_per_s = items as f64 / train_s;

@@ -1,0 +1,246 @@
+//! Optimizer state on disk between steps (`--offload-dir`, the ZeRO-Infinity idea): each
+//! parameter's state lives in its own file; the step reads it in through a memory map, steps
+//! that one parameter and writes the new state back, so resident memory holds the state of
+//! one parameter at a time instead of all of it.
+
+use std::collections::HashMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use burn::optim::{DynOptimizer, DynState, StateSink, StateSource};
+use burn::prelude::*;
+use burn::store::burn_pack::Scalar;
+use burn::tensor::DType;
+use memmap2::{Mmap, MmapMut};
+
+use crate::TrainError;
+
+/// This rank's optimizer state files under `--offload-dir` (a `rank{N}` directory of its
+/// own, removed when training ends).
+pub struct DiskStates {
+    dir: PathBuf,
+    entries: HashMap<String, Entry>,
+}
+
+/// Where one parameter's state is: its file, the tensors in it, and the scalars (step
+/// counters), which stay in memory.
+struct Entry {
+    file: PathBuf,
+    tensors: Vec<Stored>,
+    scalars: Vec<(String, Scalar)>,
+}
+
+struct Stored {
+    name: String,
+    shape: Vec<usize>,
+    dtype: DType,
+    offset: usize,
+    len: usize,
+}
+
+impl DiskStates {
+    /// Creates `root/rank{rank}` and checks that it takes writes.
+    pub fn create(root: &Path, rank: usize) -> Result<Self, TrainError> {
+        let dir = root.join(format!("rank{rank}"));
+        let probe = dir.join(".probe");
+        fs::create_dir_all(&dir)
+            .and_then(|()| fs::write(&probe, [0u8; 4096]))
+            .and_then(|()| fs::remove_file(&probe))
+            .map_err(|source| TrainError::Offload {
+                path: dir.clone(),
+                source,
+            })?;
+        Ok(Self {
+            dir,
+            entries: HashMap::new(),
+        })
+    }
+
+    /// Writes `state` of the parameter at `path`. A file of the right size (every step after
+    /// the first) is written through a memory map; a new one with plain writes, so that a
+    /// full disk is an error here rather than a fault on a mapped page.
+    pub fn store(
+        &mut self,
+        optim: &dyn DynOptimizer,
+        path: &str,
+        state: &DynState,
+    ) -> Result<(), TrainError> {
+        let mut sink = StateSink::default();
+        optim.state_flatten(path, state, &mut sink);
+        let file = self.dir.join(format!("{}.bin", path.replace('/', "_")));
+        let mut offset = 0;
+        let tensors: Vec<Stored> = sink
+            .tensors
+            .iter()
+            .map(|(name, data)| {
+                let len = data.as_bytes().len();
+                offset += len;
+                Stored {
+                    name: name.clone(),
+                    shape: data.shape().iter().copied().collect(),
+                    dtype: data.dtype(),
+                    offset: offset - len,
+                    len,
+                }
+            })
+            .collect();
+        let io = |source| TrainError::Offload {
+            path: file.clone(),
+            source,
+        };
+        let same_size = self
+            .entries
+            .get(path)
+            .is_some_and(|e| e.tensors.last().map(|t| t.offset + t.len) == Some(offset));
+        if same_size {
+            let handle = OpenOptions::new().read(true).write(true).open(&file);
+            // SAFETY: the file is this rank's own and nothing else maps or truncates it.
+            let mut map = handle
+                .and_then(|f| unsafe { MmapMut::map_mut(&f) })
+                .map_err(io)?;
+            for ((_, data), stored) in sink.tensors.iter().zip(&tensors) {
+                map[stored.offset..stored.offset + stored.len].copy_from_slice(data.as_bytes());
+            }
+        } else {
+            let mut out = File::create(&file).map_err(io)?;
+            for (_, data) in &sink.tensors {
+                out.write_all(data.as_bytes()).map_err(io)?;
+            }
+            out.sync_data().map_err(io)?;
+        }
+        self.entries.insert(
+            path.to_string(),
+            Entry {
+                file,
+                tensors,
+                scalars: sink.scalars,
+            },
+        );
+        Ok(())
+    }
+
+    /// The state of the parameter at `path` (a `rank`-dimensional tensor) on `device`, read
+    /// through a memory map; `None` before its first step.
+    pub fn load(
+        &self,
+        optim: &dyn DynOptimizer,
+        rank: usize,
+        path: &str,
+        device: &Device,
+    ) -> Result<Option<DynState>, TrainError> {
+        let Some(entry) = self.entries.get(path) else {
+            return Ok(None);
+        };
+        let io = |source| TrainError::Offload {
+            path: entry.file.clone(),
+            source,
+        };
+        // SAFETY: as in `store`.
+        let map = File::open(&entry.file)
+            .and_then(|f| unsafe { Mmap::map(&f) })
+            .map_err(io)?;
+        let mut source = StateSource::new(entry.scalars.iter().cloned().collect());
+        for t in &entry.tensors {
+            let bytes = map.get(t.offset..t.offset + t.len).ok_or_else(|| {
+                io(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "truncated: {} bytes, the state needs {}",
+                        map.len(),
+                        t.offset + t.len
+                    ),
+                ))
+            })?;
+            let data = TensorData::from_bytes_vec(bytes.to_vec(), t.shape.clone(), t.dtype);
+            source.insert_tensor(t.name.clone(), data);
+        }
+        Ok(optim.state_unflatten(rank, path, &mut source, device))
+    }
+
+    /// Bytes of state on disk.
+    pub fn bytes(&self) -> usize {
+        self.entries
+            .values()
+            .flat_map(|e| &e.tensors)
+            .map(|t| t.len)
+            .sum()
+    }
+}
+
+impl Drop for DiskStates {
+    fn drop(&mut self) {
+        // Scratch space: the state is only needed while this optimizer lives.
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::optim::AdamWConfig;
+
+    use super::*;
+
+    /// AdamW's state for a 2x3 parameter after two steps.
+    fn stepped_state(optim: &dyn DynOptimizer, device: &Device) -> DynState {
+        let mut state = None;
+        for _ in 0..2 {
+            let param = Tensor::<2>::from_floats([[1.0, -2.0, 3.0], [0.5, 0.25, -1.0]], device);
+            let grad = Tensor::<2>::from_floats([[0.1, 0.2, -0.3], [1.0, -1.0, 0.0]], device);
+            state = optim
+                .step_dyn(2, 1e-2, param.into_bridge(), grad.into_bridge(), state)
+                .1;
+        }
+        state.expect("AdamW keeps state")
+    }
+
+    fn flat(optim: &dyn DynOptimizer, state: &DynState) -> Vec<(String, Vec<u8>)> {
+        let mut sink = StateSink::default();
+        optim.state_flatten("w", state, &mut sink);
+        let mut out: Vec<_> = sink
+            .tensors
+            .iter()
+            .map(|(name, data)| (name.clone(), data.as_bytes().to_vec()))
+            .collect();
+        out.extend(
+            sink.scalars
+                .iter()
+                .map(|(n, s)| (n.clone(), format!("{s:?}").into())),
+        );
+        out
+    }
+
+    #[test]
+    fn state_round_trips_and_a_truncated_file_is_an_error() {
+        let device = Device::flex();
+        let optim = AdamWConfig::new().build();
+        let root = std::env::temp_dir().join(format!("burnscale-offload-{}", std::process::id()));
+        let mut disk = DiskStates::create(&root, 0).unwrap();
+        assert!(disk.load(&optim, 2, "w", &device).unwrap().is_none());
+
+        let state = stepped_state(&optim, &device);
+        disk.store(&optim, "w", &state).unwrap();
+        assert_eq!(disk.bytes(), 2 * 6 * 4, "two f32 moments");
+        // The second store goes through the memory map of the existing file.
+        disk.store(&optim, "w", &state).unwrap();
+        let loaded = disk.load(&optim, 2, "w", &device).unwrap().unwrap();
+        assert_eq!(flat(&optim, &loaded), flat(&optim, &state));
+
+        let file = root.join("rank0").join("w.bin");
+        File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_len(10)
+            .unwrap();
+        let err = disk
+            .load(&optim, 2, "w", &device)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("truncated") && err.contains("w.bin"), "{err}");
+        drop(disk);
+        assert!(!root.join("rank0").exists());
+        let _ = fs::remove_dir(&root);
+    }
+}
