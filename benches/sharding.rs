@@ -2,7 +2,8 @@
 //! 56.7M parameters) trained for a few steps under every strategy at N = 1, 2 and 4 MPI
 //! processes; per strategy and N, every rank's measured model-state bytes against the ZeRO
 //! paper's formula, the process peak, and the median step time, each beside DDP's at the
-//! same N.
+//! same N; then DDP and ZeRO-3 again with the optimizer state on disk (`--offload-dir`),
+//! and how much that lowers the process peak.
 //!
 //!     cargo bench --features mpi --bench sharding
 //!     cargo bench --features mpi --bench sharding -- --worlds 2 --steps 3
@@ -26,7 +27,15 @@ use serde_json::Value;
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-const STRATEGIES: [&str; 4] = ["ddp", "zero1", "zero2", "zero3"];
+/// Per world size: a label, the strategy, and whether the optimizer state is on disk.
+const RUNS: [(&str, &str, bool); 6] = [
+    ("ddp", "ddp", false),
+    ("zero1", "zero1", false),
+    ("zero2", "zero2", false),
+    ("zero3", "zero3", false),
+    ("ddp+disk", "ddp", true),
+    ("zero3+disk", "zero3", true),
+];
 
 #[derive(Parser)]
 struct Cli {
@@ -47,7 +56,7 @@ struct Cli {
     /// World sizes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     worlds: Vec<usize>,
-    /// Worker mode (set by the driver): train under this strategy, as one MPI rank.
+    /// Worker mode (set by the driver): train this run of `RUNS`, as one MPI rank.
     #[arg(long, hide = true)]
     worker: Option<String>,
     #[arg(long, hide = true)]
@@ -67,7 +76,10 @@ impl Cli {
     }
 }
 
-fn worker(cli: &Cli, strategy: &str) -> Result<()> {
+fn worker(cli: &Cli, label: &str) -> Result<()> {
+    let Some(&(_, strategy, disk)) = RUNS.iter().find(|run| run.0 == label) else {
+        bail!("unknown run {label}");
+    };
     let (steps, batch) = (cli.steps.to_string(), cli.batch_size.to_string());
     let mut flags = vec![
         "--strategy",
@@ -77,6 +89,11 @@ fn worker(cli: &Cli, strategy: &str) -> Result<()> {
         "--batch-size",
         &batch,
     ];
+    let dir = std::env::temp_dir().join("burnscale-sharding-offload");
+    let dir = dir.display().to_string();
+    if disk {
+        flags.extend(["--offload-dir", &dir]);
+    }
     let summary = cli.summary_json.as_ref().map(|p| p.display().to_string());
     if let Some(path) = &summary {
         flags.extend(["--summary-json", path]);
@@ -94,8 +111,8 @@ fn worker(cli: &Cli, strategy: &str) -> Result<()> {
     Ok(())
 }
 
-fn run(cli: &Cli, strategy: &str, world: usize) -> Result<Measured> {
-    let json = std::env::temp_dir().join(format!("burnscale-sharding-{strategy}-{world}.json"));
+fn run(cli: &Cli, label: &str, world: usize) -> Result<Measured> {
+    let json = std::env::temp_dir().join(format!("burnscale-sharding-{label}-{world}.json"));
     let status = Command::new("mpirun")
         .args([
             "--allow-run-as-root",
@@ -104,7 +121,7 @@ fn run(cli: &Cli, strategy: &str, world: usize) -> Result<Measured> {
             &world.to_string(),
         ])
         .arg(std::env::current_exe()?)
-        .args(["--worker", strategy, "--summary-json"])
+        .args(["--worker", label, "--summary-json"])
         .arg(&json)
         .args(["--n-layer", &cli.n_layer.to_string()])
         .args(["--n-head", &cli.n_head.to_string()])
@@ -115,7 +132,7 @@ fn run(cli: &Cli, strategy: &str, world: usize) -> Result<Measured> {
         .status()
         .context("cannot start mpirun (apt-get install openmpi-bin libopenmpi-dev)")?;
     if !status.success() {
-        bail!("{strategy} on {world} ranks failed: {status}");
+        bail!("{label} on {world} ranks failed: {status}");
     }
     let text = std::fs::read_to_string(&json).with_context(|| format!("{}", json.display()))?;
     let summary: Value = serde_json::from_str(&text)?;
@@ -154,7 +171,7 @@ fn main() -> Result<()> {
     let config = cli.config();
     println!(
         "minGPT {} layers, width {}, {} parameters; micro-batch {} x {} tokens per rank; AdamW, f32; {} steps\n\
-         model states: ZeRO paper, pure f32 (4 B params + 4 B grads + 8 B AdamW per parameter, the strategy's part / N)\n",
+         model states: ZeRO paper, pure f32 (4 B params + 4 B grads + 8 B AdamW per parameter, the strategy's part / N; +disk: AdamW's 8 B in --offload-dir files)\n",
         config.n_layer,
         config.n_embd,
         config.num_params(),
@@ -163,24 +180,39 @@ fn main() -> Result<()> {
         cli.steps
     );
     println!(
-        "{:>2} {:<6} {:>14} {:>14} {:>7} {:>14} {:>9} {:>10} {:>9}",
+        "{:>2} {:<10} {:>14} {:>14} {:>7} {:>14} {:>9} {:>10} {:>9}",
         "N", "", "states/rank", "formula", "meas/f", "peak/rank", "vs ddp", "step s", "vs ddp"
     );
     for &world in &cli.worlds {
-        let mut ddp = None;
-        for strategy in STRATEGIES {
-            let m = run(&cli, strategy, world)?;
-            let base = *ddp.get_or_insert(m);
+        let mut measured: Vec<(&str, Measured)> = Vec::new();
+        for (label, _, _) in RUNS {
+            let m = run(&cli, label, world)?;
+            let ddp = measured.first().map_or(m, |&(_, ddp)| ddp);
             println!(
-                "{world:>2} {strategy:<6} {:>14} {:>14} {:>7.3} {:>14} {:>8.2}x {:>10.3} {:>8.2}x",
+                "{world:>2} {label:<10} {:>14} {:>14} {:>7.3} {:>14} {:>8.2}x {:>10.3} {:>8.2}x",
                 human_bytes(m.states as usize),
                 human_bytes(m.predicted as usize),
                 m.states / m.predicted,
                 human_bytes(m.peak as usize),
-                m.peak / base.peak,
+                m.peak / ddp.peak,
                 m.step_s,
-                m.step_s / base.step_s,
+                m.step_s / ddp.step_s,
             );
+            measured.push((label, m));
+        }
+        let find = |label: &str| measured.iter().find(|m| m.0 == label).map(|m| m.1);
+        for strategy in ["ddp", "zero3"] {
+            if let (Some(memory), Some(disk)) = (find(strategy), find(&format!("{strategy}+disk")))
+            {
+                println!(
+                    "   {strategy} --offload-dir: peak {} -> {} ({:.2}x, {} less), step {:.2}x",
+                    human_bytes(memory.peak as usize),
+                    human_bytes(disk.peak as usize),
+                    disk.peak / memory.peak,
+                    human_bytes((memory.peak - disk.peak).max(0.0) as usize),
+                    disk.step_s / memory.step_s,
+                );
+            }
         }
     }
     Ok(())
