@@ -5,7 +5,8 @@
 //!
 //! Bus bandwidth follows NCCL-tests: all_reduce 2(N-1)/N · bytes / time; all_gather and
 //! reduce_scatter (N-1)/N · bytes / time, with `bytes` the full buffer. The MPI columns come
-//! from re-running this binary under `mpirun -np N` (needs `--features mpi` and Open MPI).
+//! from re-running this binary under `mpirun -np N` (needs `--features mpi` and Open MPI); the
+//! NCCL rows (built with `--features cuda`) run one thread per GPU where N GPUs are present.
 
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
@@ -73,6 +74,30 @@ fn row(engine: &str, op: &str, world: usize, mb: usize, secs: f64) -> String {
         "{engine:<10} {op:<15} {world:>2} {mb:>5} MB {:>10.3} ms {busbw:>8.2} GB/s",
         secs * 1e3
     )
+}
+
+/// The NCCL engine on `world` GPUs (one thread each), if this machine has them.
+#[cfg(feature = "cuda")]
+fn nccl_rows(world: usize) {
+    use burnscale::collective::nccl::NcclComm;
+
+    match NcclComm::device_count() {
+        Ok(gpus) if gpus >= world => {}
+        Ok(gpus) => return println!("nccl, N={world}: not run ({gpus} GPUs)"),
+        Err(e) => return println!("nccl, N={world}: not run ({e})"),
+    }
+    let gpus: Vec<usize> = (0..world).collect();
+    for mb in SIZES_MB {
+        for op in OPS {
+            let secs = NcclComm::run(&gpus, Duration::from_secs(600), |comm| {
+                time_engine(comm, op, mb)
+            });
+            match secs.map(|ranks| ranks.into_iter().next()) {
+                Ok(Some(Ok(secs))) => println!("{}", row("nccl", op, world, mb, secs)),
+                other => println!("nccl {op} {world} {mb} MB failed: {other:?}"),
+            }
+        }
+    }
 }
 
 #[cfg(feature = "mpi")]
@@ -157,6 +182,8 @@ fn main() -> ExitCode {
                 }
             }
         }
+        #[cfg(feature = "cuda")]
+        nccl_rows(world);
         if cfg!(feature = "mpi") {
             match mpi_rows(world) {
                 Ok(rows) => rows.iter().for_each(|r| println!("{r}")),

@@ -5,7 +5,13 @@
 //!     mpirun --allow-run-as-root --oversubscribe -np 4 target/release/examples/collective_check
 //!
 //! Under mpirun (built with `--features mpi`) each process is one MPI rank; otherwise
-//! `--devices` ranks run as threads. Exits non-zero if any check fails on any rank.
+//! `--devices` ranks run as threads. With `--nccl` (built with `--features cuda`) the ranks
+//! are NCCL communicators, one per GPU: threads over `--devices` GPUs, or under mpirun (also
+//! `--features mpi`) one process per GPU with NCCL's id broadcast over MPI. Exits non-zero if
+//! any check fails on any rank.
+//!
+//!     cargo build --release --features cuda --example collective_check
+//!     target/release/examples/collective_check --nccl --devices 2
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -27,6 +33,10 @@ struct Cli {
     /// others stop with an error instead of hanging.
     #[arg(long)]
     panic_rank: Option<usize>,
+    /// Run the suite on the NCCL engine, one rank per GPU.
+    #[cfg(feature = "cuda")]
+    #[arg(long)]
+    nccl: bool,
 }
 
 /// Prints this rank's results; returns how many failed.
@@ -67,9 +77,60 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
     failed
 }
 
+/// The suite on NCCL communicators: one per GPU, as threads or (under mpirun) processes.
+#[cfg(feature = "cuda")]
+fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
+    use burnscale::collective::nccl::NcclComm;
+
+    let failed = if launched_by_mpirun() {
+        #[cfg(feature = "mpi")]
+        {
+            let gpu = |rank: usize| -> Result<usize, burnscale::collective::CollectiveError> {
+                let local = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK")
+                    .ok()
+                    .and_then(|r| r.parse().ok())
+                    .unwrap_or(rank);
+                Ok(local % NcclComm::device_count()?.max(1))
+            };
+            burnscale::collective::mpi::MpiComm::init(timeout)
+                .and_then(|mpi| {
+                    let nccl = NcclComm::over_mpi(&mpi, gpu(mpi.rank())?, timeout)?;
+                    Ok(report(&nccl, "nccl", cli.panic_rank))
+                })
+                .unwrap_or_else(|e| {
+                    eprintln!("error: {e}");
+                    1
+                })
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            eprintln!("error: --nccl under mpirun needs a build with --features cuda,mpi");
+            1
+        }
+    } else {
+        let gpus: Vec<usize> = (0..cli.devices.unwrap_or(2)).collect();
+        match NcclComm::run(&gpus, timeout, |comm| report(comm, "nccl", cli.panic_rank)) {
+            Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        }
+    };
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let timeout = Duration::from_secs(cli.timeout_s);
+    #[cfg(feature = "cuda")]
+    if cli.nccl {
+        return nccl_main(&cli, timeout);
+    }
     let engine = if launched_by_mpirun() {
         "mpi"
     } else {

@@ -21,6 +21,12 @@ pub enum CollectiveError {
     Mismatch { me: usize, detail: String },
     #[error("invalid collective call: {0}")]
     Invalid(String),
+    #[error("rank {me}: NCCL/CUDA error in {op}: {detail}")]
+    Device {
+        me: usize,
+        op: &'static str,
+        detail: String,
+    },
     #[error("rank {me}: MPI error in {op}: {detail}")]
     Mpi {
         me: usize,

@@ -3,15 +3,21 @@
 //! f32/f16/bf16 and over Burn tensors, with engines behind it:
 //!
 //! - [`threads`]: N ranks as threads of one process, sharing memory (the embedded default);
-//! - `mpi` (feature `mpi`): one rank per process under `mpirun`, across nodes by hostfile.
+//! - `mpi` (feature `mpi`): one rank per process under `mpirun`, across nodes by hostfile;
+//! - `nccl` (feature `nccl`, on with burnscale's `cuda`): one rank per GPU, as threads of one
+//!   process or as MPI processes.
 //!
 //! Sizes need not divide by the world size: any padding stays inside the engine.
 
 mod buffer;
 pub mod conformance;
 mod error;
+#[cfg(any(feature = "mpi", feature = "nccl"))]
+mod guard;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 mod tensor;
 pub mod threads;
 

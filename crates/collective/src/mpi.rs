@@ -10,8 +10,7 @@
 
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
@@ -19,6 +18,7 @@ use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 
+use crate::guard::{self, Watchdog};
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
 /// This process's rank in `MPI_COMM_WORLD`.
@@ -82,27 +82,11 @@ impl MpiComm {
         dtype: DType,
         len: Option<usize>,
     ) -> Result<(), CollectiveError> {
-        let code = |s: &str| {
-            s.bytes()
-                .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64))
-        };
-        let mine = [code(op), dtype as i64, len.map_or(-1, |l| l as i64)];
-        // max(x) and max(-x) = -min(x) in one call.
-        let send = [mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]];
+        let send = guard::call(op, dtype, len);
         let mut got = [0i64; 6];
         self.world
             .all_reduce_into(&send[..], &mut got[..], SystemOperation::max());
-        if got[0] != -got[3] || got[1] != -got[4] || got[2] != -got[5] {
-            return Err(CollectiveError::Mismatch {
-                me: self.rank,
-                detail: format!(
-                    "this rank called {op} on {dtype:?}{}, and not every rank made the same call",
-                    len.map(|l| format!(" with {l} elements"))
-                        .unwrap_or_default()
-                ),
-            });
-        }
-        Ok(())
+        guard::check(self.rank, &got, op, dtype, len)
     }
 }
 
@@ -243,59 +227,5 @@ fn system_op(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Max => SystemOperation::max(),
         ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
-    }
-}
-
-/// Ends the process when a collective runs past the timeout.
-struct Watchdog {
-    started: Instant,
-    timeout_ms: u64,
-    /// Milliseconds since `started` by which the current collective must end; 0 when idle.
-    deadline_ms: AtomicU64,
-    op: std::sync::Mutex<&'static str>,
-}
-
-impl Watchdog {
-    fn start(rank: usize, timeout: Duration) -> Arc<Self> {
-        let timeout_ms = timeout.as_millis() as u64;
-        let dog = Arc::new(Self {
-            started: Instant::now(),
-            timeout_ms,
-            deadline_ms: AtomicU64::new(0),
-            op: std::sync::Mutex::new(""),
-        });
-        let watched = Arc::downgrade(&dog);
-        std::thread::spawn(move || {
-            while let Some(dog) = watched.upgrade() {
-                let deadline = dog.deadline_ms.load(Ordering::Relaxed);
-                if deadline != 0 && dog.started.elapsed().as_millis() as u64 > deadline {
-                    let op = *dog.op.lock().unwrap_or_else(|p| p.into_inner());
-                    eprintln!(
-                        "rank {rank}: {op} did not complete within {:.1} s: a peer rank died or hangs; stopping this rank so mpirun stops the job",
-                        timeout_ms as f64 / 1e3
-                    );
-                    std::process::exit(75); // EX_TEMPFAIL
-                }
-                drop(dog);
-                std::thread::sleep(Duration::from_millis(100));
-            }
-        });
-        dog
-    }
-
-    fn watch(&self, op: &'static str) -> WatchGuard<'_> {
-        *self.op.lock().unwrap_or_else(|p| p.into_inner()) = op;
-        let now = self.started.elapsed().as_millis() as u64;
-        self.deadline_ms
-            .store(now + self.timeout_ms, Ordering::Relaxed);
-        WatchGuard(self)
-    }
-}
-
-struct WatchGuard<'a>(&'a Watchdog);
-
-impl Drop for WatchGuard<'_> {
-    fn drop(&mut self) {
-        self.0.deadline_ms.store(0, Ordering::Relaxed);
     }
 }

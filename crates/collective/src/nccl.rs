@@ -1,0 +1,395 @@
+//! One rank per GPU through NCCL (cudarc's `nccl`): ranks as threads of one process
+//! ([`NcclComm::run`], one communicator per GPU from `ncclCommInitAll`), or one per MPI
+//! process ([`NcclComm::over_mpi`]: rank 0 creates NCCL's unique id and broadcasts it over
+//! MPI).
+//!
+//! Buffers are copied to the rank's GPU, reduced there by NCCL in their own dtype (f16 and
+//! bf16 sums stay 16-bit on the wire, as `--grad-reduce-dtype` asks), and copied back; a mean
+//! is a sum divided once in f32 on the host. Before each collective the ranks agree on the
+//! call (as under MPI), and sizes that do not divide by the world size are padded on the GPU.
+//! NCCL cannot be interrupted: a watchdog ends the process when a collective outlasts the
+//! timeout (a dead peer), so the launcher stops every rank instead of letting them hang.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::nccl::{Comm, NcclType, ReduceOp as NcclOp};
+use half::{bf16, f16};
+
+use crate::guard::{self, Watchdog};
+use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
+
+/// This rank's NCCL communicator and the stream of its GPU.
+pub struct NcclComm {
+    comm: Comm,
+    stream: Arc<CudaStream>,
+    watchdog: Arc<Watchdog>,
+}
+
+// SAFETY: the communicator is used by one thread at a time (the trait takes `&self` from the
+// rank's own thread, and `NcclComm` is not `Sync`); NCCL allows a communicator to move
+// between threads.
+unsafe impl Send for NcclComm {}
+
+/// A value NCCL moves, and the [`Buffer`] variant that holds it.
+trait Element: DeviceRepr + ValidAsZeroBits + NcclType + Copy + Default {}
+impl Element for f32 {}
+impl Element for f16 {}
+impl Element for bf16 {}
+impl Element for u64 {}
+
+impl NcclComm {
+    /// GPUs this process sees.
+    pub fn device_count() -> Result<usize, CollectiveError> {
+        CudaContext::device_count()
+            .map(|n| n as usize)
+            .map_err(|e| CollectiveError::Device {
+                me: 0,
+                op: "init",
+                detail: format!("{e:?}"),
+            })
+    }
+
+    /// One communicator per GPU in `devices` (their CUDA ordinals), for ranks that are threads
+    /// of this process; rank i runs on `devices[i]`.
+    pub fn group(devices: &[usize], timeout: Duration) -> Result<Vec<Self>, CollectiveError> {
+        let failed = |detail: String| CollectiveError::Device {
+            me: 0,
+            op: "init",
+            detail,
+        };
+        let streams = devices
+            .iter()
+            .map(|&d| {
+                CudaContext::new(d)
+                    .map(|ctx| ctx.default_stream())
+                    .map_err(|e| failed(format!("GPU {d}: {e:?}")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let comms = Comm::from_devices(streams).map_err(|e| failed(format!("{e:?}")))?;
+        Ok(comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| Self {
+                stream: comm.stream(),
+                comm,
+                watchdog: Watchdog::start(rank, timeout),
+            })
+            .collect())
+    }
+
+    /// Runs `f` on one thread per GPU in `devices`, each with its rank's communicator; their
+    /// results in rank order (a rank that panicked gives its message).
+    pub fn run<T: Send>(
+        devices: &[usize],
+        timeout: Duration,
+        f: impl Fn(&dyn Communicator) -> T + Sync,
+    ) -> Result<Vec<Result<T, String>>, CollectiveError> {
+        let comms = Self::group(devices, timeout)?;
+        Ok(std::thread::scope(|scope| {
+            let handles: Vec<_> = comms
+                .into_iter()
+                .map(|comm| {
+                    let f = &f;
+                    scope.spawn(move || f(&comm))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|panic| crate::threads::panic_message(&*panic))
+                })
+                .collect()
+        }))
+    }
+
+    /// This process's rank of `mpi`'s world, on GPU `device`: NCCL's unique id comes from
+    /// rank 0 over MPI.
+    #[cfg(feature = "mpi")]
+    pub fn over_mpi(
+        mpi: &crate::mpi::MpiComm,
+        device: usize,
+        timeout: Duration,
+    ) -> Result<Self, CollectiveError> {
+        let me = mpi.rank();
+        let failed = |detail: String| CollectiveError::Device {
+            me,
+            op: "init",
+            detail,
+        };
+        // The id's 128 bytes travel as f32s (each exact), over the group's own broadcast.
+        let mut id = Buffer::F32(vec![0.0; 128]);
+        if me == 0 {
+            let created = cudarc::nccl::Id::new().map_err(|e| failed(format!("{e:?}")))?;
+            id = Buffer::F32(created.internal().iter().map(|&b| b as u8 as f32).collect());
+        }
+        mpi.broadcast(&mut id, 0)?;
+        let bytes: Vec<core::ffi::c_char> = id
+            .to_f32()
+            .iter()
+            .map(|&b| b as u8 as core::ffi::c_char)
+            .collect();
+        let internal: [core::ffi::c_char; 128] = bytes
+            .try_into()
+            .map_err(|_| failed("NCCL's unique id is 128 bytes".into()))?;
+        let stream = CudaContext::new(device)
+            .map(|ctx| ctx.default_stream())
+            .map_err(|e| failed(format!("GPU {device}: {e:?}")))?;
+        let comm = Comm::from_rank(
+            stream.clone(),
+            me,
+            mpi.world_size(),
+            cudarc::nccl::Id::uninit(internal),
+        )
+        .map_err(|e| failed(format!("{e:?}")))?;
+        Ok(Self {
+            comm,
+            stream,
+            watchdog: Watchdog::start(me, timeout),
+        })
+    }
+
+    fn error(&self, op: &'static str) -> impl Fn(String) -> CollectiveError {
+        let me = self.rank();
+        move |detail| CollectiveError::Device { me, op, detail }
+    }
+
+    /// All ranks must be making the same call: op, dtype, and length where it must match.
+    fn agree(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        len: Option<usize>,
+    ) -> Result<(), CollectiveError> {
+        let err = self.error(op);
+        let mut call = self
+            .stream
+            .clone_htod(&guard::call(op, dtype, len))
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.comm
+            .all_reduce_in_place(&mut call, &NcclOp::Max)
+            .map_err(|e| err(format!("{e:?}")))?;
+        let max: [i64; 6] = self
+            .stream
+            .clone_dtoh(&call)
+            .map_err(|e| err(format!("{e:?}")))?
+            .try_into()
+            .map_err(|_| err("the agreement lost elements".into()))?;
+        guard::check(self.rank(), &max, op, dtype, len)
+    }
+
+    /// Every rank's `values` reduced with `op` (a mean is summed here).
+    fn all_reduce_typed<T: Element>(
+        &self,
+        values: &[T],
+        op: ReduceOp,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let err = self.error("all_reduce");
+        if values.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut dev = self
+            .stream
+            .clone_htod(values)
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.comm
+            .all_reduce_in_place(&mut dev, &nccl_op(op))
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.stream
+            .clone_dtoh(&dev)
+            .map_err(|e| err(format!("{e:?}")))
+    }
+
+    /// Every rank's `values` (`counts[r]` elements from rank r) in rank order. NCCL gathers
+    /// equal blocks, so each is padded to the largest.
+    fn all_gather_typed<T: Element>(
+        &self,
+        values: &[T],
+        counts: &[usize],
+    ) -> Result<Vec<T>, CollectiveError> {
+        let err = self.error("all_gather");
+        let block = counts.iter().copied().max().unwrap_or(0);
+        if block == 0 {
+            return Ok(Vec::new());
+        }
+        let mut padded = values.to_vec();
+        padded.resize(block, T::default());
+        let send = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| err(format!("{e:?}")))?;
+        let mut recv = self
+            .stream
+            .alloc_zeros::<T>(block * counts.len())
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.comm
+            .all_gather(&send, &mut recv)
+            .map_err(|e| err(format!("{e:?}")))?;
+        let all = self
+            .stream
+            .clone_dtoh(&recv)
+            .map_err(|e| err(format!("{e:?}")))?;
+        Ok(counts
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &c)| all[r * block..r * block + c].iter().copied())
+            .collect())
+    }
+
+    /// This rank's chunk of the reduction of every rank's `values` (padded to equal blocks
+    /// of `ceil(n / world)`, the padding cut off again).
+    fn reduce_scatter_typed<T: Element>(
+        &self,
+        values: &[T],
+        op: ReduceOp,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let err = self.error("reduce_scatter");
+        let (n, world) = (values.len(), self.world_size());
+        let chunk = n.div_ceil(world);
+        if chunk == 0 {
+            return Ok(Vec::new());
+        }
+        let mut padded = values.to_vec();
+        padded.resize(chunk * world, T::default());
+        let send = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| err(format!("{e:?}")))?;
+        let mut recv = self
+            .stream
+            .alloc_zeros::<T>(chunk)
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.comm
+            .reduce_scatter(&send, &mut recv, &nccl_op(op))
+            .map_err(|e| err(format!("{e:?}")))?;
+        let mut mine = self
+            .stream
+            .clone_dtoh(&recv)
+            .map_err(|e| err(format!("{e:?}")))?;
+        mine.truncate(shard_range(n, world, self.rank()).len());
+        Ok(mine)
+    }
+
+    /// `root`'s `values` (of `len` elements) on every rank.
+    fn broadcast_typed<T: Element>(
+        &self,
+        values: &[T],
+        len: usize,
+        root: usize,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let err = self.error("broadcast");
+        if len == 0 {
+            return Ok(Vec::new());
+        }
+        let mut padded = values.to_vec();
+        padded.resize(len, T::default());
+        let mut dev = self
+            .stream
+            .clone_htod(&padded)
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.comm
+            .broadcast_in_place(&mut dev, root as i32)
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.stream
+            .clone_dtoh(&dev)
+            .map_err(|e| err(format!("{e:?}")))
+    }
+
+    /// Every rank's element count.
+    fn counts(&self, len: usize) -> Result<Vec<usize>, CollectiveError> {
+        let counts = self.all_gather_typed(&[len as u64], &vec![1; self.world_size()])?;
+        Ok(counts.into_iter().map(|c| c as usize).collect())
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
+        let _watch = self.watchdog.watch("all_reduce");
+        self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
+        *buf = match &*buf {
+            Buffer::F32(v) => Buffer::F32(self.all_reduce_typed(v, op)?),
+            Buffer::F16(v) => Buffer::F16(self.all_reduce_typed(v, op)?),
+            Buffer::Bf16(v) => Buffer::Bf16(self.all_reduce_typed(v, op)?),
+        };
+        if op == ReduceOp::Mean {
+            let n = self.world_size() as f32;
+            let mean = buf.to_f32().into_iter().map(|x| x / n).collect();
+            *buf = Buffer::from_f32(buf.dtype(), mean);
+        }
+        Ok(())
+    }
+
+    fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
+        let _watch = self.watchdog.watch("all_gather");
+        self.agree("all_gather", input.dtype(), None)?;
+        let counts = self.counts(input.len())?;
+        *output = match input {
+            Buffer::F32(v) => Buffer::F32(self.all_gather_typed(v, &counts)?),
+            Buffer::F16(v) => Buffer::F16(self.all_gather_typed(v, &counts)?),
+            Buffer::Bf16(v) => Buffer::Bf16(self.all_gather_typed(v, &counts)?),
+        };
+        Ok(())
+    }
+
+    fn reduce_scatter_into(
+        &self,
+        input: &Buffer,
+        output: &mut Buffer,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let _watch = self.watchdog.watch("reduce_scatter");
+        self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
+        *output = match input {
+            Buffer::F32(v) => Buffer::F32(self.reduce_scatter_typed(v, op)?),
+            Buffer::F16(v) => Buffer::F16(self.reduce_scatter_typed(v, op)?),
+            Buffer::Bf16(v) => Buffer::Bf16(self.reduce_scatter_typed(v, op)?),
+        };
+        if op == ReduceOp::Mean {
+            let n = self.world_size() as f32;
+            let mean = output.to_f32().into_iter().map(|x| x / n).collect();
+            *output = Buffer::from_f32(input.dtype(), mean);
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
+        if root >= self.world_size() {
+            return Err(CollectiveError::Invalid(format!(
+                "broadcast root {root} is not a rank of a world of {}",
+                self.world_size()
+            )));
+        }
+        let _watch = self.watchdog.watch("broadcast");
+        self.agree("broadcast", buf.dtype(), None)?;
+        let len = self.counts(buf.len())?[root];
+        *buf = match &*buf {
+            Buffer::F32(v) => Buffer::F32(self.broadcast_typed(v, len, root)?),
+            Buffer::F16(v) => Buffer::F16(self.broadcast_typed(v, len, root)?),
+            Buffer::Bf16(v) => Buffer::Bf16(self.broadcast_typed(v, len, root)?),
+        };
+        Ok(())
+    }
+
+    fn barrier(&self) -> Result<(), CollectiveError> {
+        let _watch = self.watchdog.watch("barrier");
+        self.agree("barrier", DType::F32, Some(0))
+    }
+}
+
+/// NCCL's operation for `op` (a mean is a sum, divided afterwards).
+fn nccl_op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Max => NcclOp::Max,
+        ReduceOp::Sum | ReduceOp::Mean => NcclOp::Sum,
+    }
+}
