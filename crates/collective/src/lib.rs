@@ -123,6 +123,16 @@ pub fn run_ranks<T: Send>(
     Ok(threads::ThreadComm::run(devices, timeout, |comm| f(&comm)))
 }
 
+/// A broadcast's `root` must be a rank of the world.
+pub(crate) fn check_root(root: usize, world: usize) -> Result<(), CollectiveError> {
+    if root >= world {
+        return Err(CollectiveError::Invalid(format!(
+            "broadcast root {root} is not a rank of a world of {world}"
+        )));
+    }
+    Ok(())
+}
+
 /// The elements of an `n`-element buffer that `rank` of `world` owns after a reduce-scatter:
 /// chunks of `ceil(n / world)` in rank order, the last ones shorter or empty (as
 /// `torch.chunk`, and as FSDP pads).

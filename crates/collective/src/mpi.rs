@@ -197,12 +197,7 @@ impl Communicator for MpiComm {
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
-        if root >= self.size {
-            return Err(CollectiveError::Invalid(format!(
-                "broadcast root {root} is not a rank of a world of {}",
-                self.size
-            )));
-        }
+        crate::check_root(root, self.size)?;
         let _watch = self.watchdog.watch("broadcast");
         self.agree("broadcast", buf.dtype(), None)?;
         let root_process = self.world.process_at_rank(root as i32);

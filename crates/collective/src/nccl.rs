@@ -32,7 +32,18 @@ pub struct NcclComm {
 // between threads.
 unsafe impl Send for NcclComm {}
 
-/// A value NCCL moves, and the [`Buffer`] variant that holds it.
+/// `$body` on the values of `$buf` (bound to `$v`), as a buffer of the same dtype.
+macro_rules! typed {
+    ($buf:expr, $v:ident => $body:expr) => {
+        match $buf {
+            Buffer::F32($v) => Buffer::F32($body?),
+            Buffer::F16($v) => Buffer::F16($body?),
+            Buffer::Bf16($v) => Buffer::Bf16($body?),
+        }
+    };
+}
+
+/// A value NCCL moves.
 trait Element: DeviceRepr + ValidAsZeroBits + NcclType + Copy + Default {}
 impl Element for f32 {}
 impl Element for f16 {}
@@ -297,6 +308,15 @@ impl NcclComm {
             .map_err(|e| err(format!("{e:?}")))
     }
 
+    /// A mean is reduced as a sum: divided here once, in f32.
+    fn finish_mean(&self, buf: &mut Buffer, op: ReduceOp) {
+        if op == ReduceOp::Mean {
+            let n = self.world_size() as f32;
+            let mean = buf.to_f32().into_iter().map(|x| x / n).collect();
+            *buf = Buffer::from_f32(buf.dtype(), mean);
+        }
+    }
+
     /// Every rank's element count.
     fn counts(&self, len: usize) -> Result<Vec<usize>, CollectiveError> {
         let counts = self.all_gather_typed(&[len as u64], &vec![1; self.world_size()])?;
@@ -316,16 +336,8 @@ impl Communicator for NcclComm {
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_reduce");
         self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
-        *buf = match &*buf {
-            Buffer::F32(v) => Buffer::F32(self.all_reduce_typed(v, op)?),
-            Buffer::F16(v) => Buffer::F16(self.all_reduce_typed(v, op)?),
-            Buffer::Bf16(v) => Buffer::Bf16(self.all_reduce_typed(v, op)?),
-        };
-        if op == ReduceOp::Mean {
-            let n = self.world_size() as f32;
-            let mean = buf.to_f32().into_iter().map(|x| x / n).collect();
-            *buf = Buffer::from_f32(buf.dtype(), mean);
-        }
+        *buf = typed!(&*buf, v => self.all_reduce_typed(v, op));
+        self.finish_mean(buf, op);
         Ok(())
     }
 
@@ -333,11 +345,7 @@ impl Communicator for NcclComm {
         let _watch = self.watchdog.watch("all_gather");
         self.agree("all_gather", input.dtype(), None)?;
         let counts = self.counts(input.len())?;
-        *output = match input {
-            Buffer::F32(v) => Buffer::F32(self.all_gather_typed(v, &counts)?),
-            Buffer::F16(v) => Buffer::F16(self.all_gather_typed(v, &counts)?),
-            Buffer::Bf16(v) => Buffer::Bf16(self.all_gather_typed(v, &counts)?),
-        };
+        *output = typed!(input, v => self.all_gather_typed(v, &counts));
         Ok(())
     }
 
@@ -349,34 +357,17 @@ impl Communicator for NcclComm {
     ) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("reduce_scatter");
         self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
-        *output = match input {
-            Buffer::F32(v) => Buffer::F32(self.reduce_scatter_typed(v, op)?),
-            Buffer::F16(v) => Buffer::F16(self.reduce_scatter_typed(v, op)?),
-            Buffer::Bf16(v) => Buffer::Bf16(self.reduce_scatter_typed(v, op)?),
-        };
-        if op == ReduceOp::Mean {
-            let n = self.world_size() as f32;
-            let mean = output.to_f32().into_iter().map(|x| x / n).collect();
-            *output = Buffer::from_f32(input.dtype(), mean);
-        }
+        *output = typed!(input, v => self.reduce_scatter_typed(v, op));
+        self.finish_mean(output, op);
         Ok(())
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
-        if root >= self.world_size() {
-            return Err(CollectiveError::Invalid(format!(
-                "broadcast root {root} is not a rank of a world of {}",
-                self.world_size()
-            )));
-        }
+        crate::check_root(root, self.world_size())?;
         let _watch = self.watchdog.watch("broadcast");
         self.agree("broadcast", buf.dtype(), None)?;
         let len = self.counts(buf.len())?[root];
-        *buf = match &*buf {
-            Buffer::F32(v) => Buffer::F32(self.broadcast_typed(v, len, root)?),
-            Buffer::F16(v) => Buffer::F16(self.broadcast_typed(v, len, root)?),
-            Buffer::Bf16(v) => Buffer::Bf16(self.broadcast_typed(v, len, root)?),
-        };
+        *buf = typed!(&*buf, v => self.broadcast_typed(v, len, root));
         Ok(())
     }
 

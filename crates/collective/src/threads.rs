@@ -282,12 +282,7 @@ impl Communicator for ThreadComm {
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
-        if root >= self.group.world {
-            return Err(CollectiveError::Invalid(format!(
-                "broadcast root {root} is not a rank of a group of {}",
-                self.group.world
-            )));
-        }
+        crate::check_root(root, self.group.world)?;
         // Only the root's data travels; the others post an empty buffer of the same dtype.
         let mine = if self.rank == root {
             buf.clone()

@@ -136,11 +136,14 @@ impl DiskStates {
             path: entry.file.clone(),
             source,
         };
+        let mut source = StateSource::new(entry.scalars.iter().cloned().collect());
+        if entry.tensors.is_empty() {
+            return Ok(optim.state_unflatten(rank, path, &mut source, device));
+        }
         // SAFETY: as in `store`.
         let map = File::open(&entry.file)
             .and_then(|f| unsafe { Mmap::map(&f) })
             .map_err(io)?;
-        let mut source = StateSource::new(entry.scalars.iter().cloned().collect());
         for t in &entry.tensors {
             let bytes = map.get(t.offset..t.offset + t.len).ok_or_else(|| {
                 io(io::Error::new(
