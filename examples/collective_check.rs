@@ -82,7 +82,10 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
 fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
     use burnscale::collective::nccl::NcclComm;
 
-    let failed = if launched_by_mpirun() {
+    let failed = if launched_by_mpirun() && cli.devices.is_some() {
+        eprintln!("error: under mpirun each process is one rank on one GPU: drop --devices");
+        1
+    } else if launched_by_mpirun() {
         #[cfg(feature = "mpi")]
         {
             let gpu = |rank: usize| -> Result<usize, burnscale::collective::CollectiveError> {

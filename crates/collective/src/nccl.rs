@@ -3,17 +3,18 @@
 //! process ([`NcclComm::over_mpi`]: rank 0 creates NCCL's unique id and broadcasts it over
 //! MPI).
 //!
-//! Buffers are copied to the rank's GPU, reduced there by NCCL in their own dtype (f16 and
-//! bf16 sums stay 16-bit on the wire, as `--grad-reduce-dtype` asks), and copied back; a mean
-//! is a sum divided once in f32 on the host. Before each collective the ranks agree on the
-//! call (as under MPI), and sizes that do not divide by the world size are padded on the GPU.
+//! Buffers are copied to the rank's GPU, moved there by NCCL, and copied back. Reductions run
+//! in f32 (16-bit values widened, and rounded once at the end, as the other engines do, so
+//! every engine gives the same result); a mean is a sum divided once. Gathers and broadcasts
+//! move 16-bit values as they are. Before each collective the ranks agree on the call (as
+//! under MPI), and sizes that do not divide by the world size are padded before upload.
 //! NCCL cannot be interrupted: a watchdog ends the process when a collective outlasts the
 //! timeout (a dead peer), so the launcher stops every rank instead of letting them hang.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::{Comm, NcclType, ReduceOp as NcclOp};
 use half::{bf16, f16};
 
@@ -49,6 +50,7 @@ impl Element for f32 {}
 impl Element for f16 {}
 impl Element for bf16 {}
 impl Element for u64 {}
+impl Element for i64 {}
 
 impl NcclComm {
     /// GPUs this process sees.
@@ -167,6 +169,62 @@ impl NcclComm {
         move |detail| CollectiveError::Device { me, op, detail }
     }
 
+    /// `values` on this rank's GPU, followed by `pad` default values.
+    fn upload<T: Element>(
+        &self,
+        values: &[T],
+        pad: usize,
+        op: &'static str,
+    ) -> Result<CudaSlice<T>, CollectiveError> {
+        let result = if pad == 0 {
+            self.stream.clone_htod(values)
+        } else {
+            let mut padded = values.to_vec();
+            padded.resize(values.len() + pad, T::default());
+            self.stream.clone_htod(&padded)
+        };
+        result.map_err(|e| self.error(op)(format!("{e:?}")))
+    }
+
+    /// `len` zeros on this rank's GPU.
+    fn zeros<T: Element>(
+        &self,
+        len: usize,
+        op: &'static str,
+    ) -> Result<CudaSlice<T>, CollectiveError> {
+        self.stream
+            .alloc_zeros(len)
+            .map_err(|e| self.error(op)(format!("{e:?}")))
+    }
+
+    /// `dev` back on the host, once the stream has finished with it.
+    fn download<T: Element>(
+        &self,
+        dev: &CudaSlice<T>,
+        op: &'static str,
+    ) -> Result<Vec<T>, CollectiveError> {
+        let err = self.error(op);
+        let values = self
+            .stream
+            .clone_dtoh(dev)
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| err(format!("{e:?}")))?;
+        Ok(values)
+    }
+
+    /// An NCCL call's status as this engine's error.
+    fn nccl<S>(
+        &self,
+        op: &'static str,
+        status: Result<S, cudarc::nccl::result::NcclError>,
+    ) -> Result<(), CollectiveError> {
+        status
+            .map(|_| ())
+            .map_err(|e| self.error(op)(format!("{e:?}")))
+    }
+
     /// All ranks must be making the same call: op, dtype, and length where it must match.
     fn agree(
         &self,
@@ -174,43 +232,26 @@ impl NcclComm {
         dtype: DType,
         len: Option<usize>,
     ) -> Result<(), CollectiveError> {
-        let err = self.error(op);
-        let mut call = self
-            .stream
-            .clone_htod(&guard::call(op, dtype, len))
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.comm
-            .all_reduce_in_place(&mut call, &NcclOp::Max)
-            .map_err(|e| err(format!("{e:?}")))?;
+        let mut call = self.upload(&guard::call(op, dtype, len), 0, op)?;
+        self.nccl(op, self.comm.all_reduce_in_place(&mut call, &NcclOp::Max))?;
         let max: [i64; 6] = self
-            .stream
-            .clone_dtoh(&call)
-            .map_err(|e| err(format!("{e:?}")))?
+            .download(&call, op)?
             .try_into()
-            .map_err(|_| err("the agreement lost elements".into()))?;
+            .map_err(|_| self.error(op)("the agreement lost elements".into()))?;
         guard::check(self.rank(), &max, op, dtype, len)
     }
 
-    /// Every rank's `values` reduced with `op` (a mean is summed here).
-    fn all_reduce_typed<T: Element>(
-        &self,
-        values: &[T],
-        op: ReduceOp,
-    ) -> Result<Vec<T>, CollectiveError> {
-        let err = self.error("all_reduce");
+    /// Every rank's `values` summed (a mean too: divided by the caller) or maxed.
+    fn all_reduce_f32(&self, values: &[f32], op: ReduceOp) -> Result<Vec<f32>, CollectiveError> {
         if values.is_empty() {
             return Ok(Vec::new());
         }
-        let mut dev = self
-            .stream
-            .clone_htod(values)
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.comm
-            .all_reduce_in_place(&mut dev, &nccl_op(op))
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.stream
-            .clone_dtoh(&dev)
-            .map_err(|e| err(format!("{e:?}")))
+        let mut dev = self.upload(values, 0, "all_reduce")?;
+        self.nccl(
+            "all_reduce",
+            self.comm.all_reduce_in_place(&mut dev, &nccl_op(op)),
+        )?;
+        self.download(&dev, "all_reduce")
     }
 
     /// Every rank's `values` (`counts[r]` elements from rank r) in rank order. NCCL gathers
@@ -220,28 +261,14 @@ impl NcclComm {
         values: &[T],
         counts: &[usize],
     ) -> Result<Vec<T>, CollectiveError> {
-        let err = self.error("all_gather");
         let block = counts.iter().copied().max().unwrap_or(0);
         if block == 0 {
             return Ok(Vec::new());
         }
-        let mut padded = values.to_vec();
-        padded.resize(block, T::default());
-        let send = self
-            .stream
-            .clone_htod(&padded)
-            .map_err(|e| err(format!("{e:?}")))?;
-        let mut recv = self
-            .stream
-            .alloc_zeros::<T>(block * counts.len())
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.comm
-            .all_gather(&send, &mut recv)
-            .map_err(|e| err(format!("{e:?}")))?;
-        let all = self
-            .stream
-            .clone_dtoh(&recv)
-            .map_err(|e| err(format!("{e:?}")))?;
+        let send = self.upload(values, block - values.len(), "all_gather")?;
+        let mut recv = self.zeros(block * counts.len(), "all_gather")?;
+        self.nccl("all_gather", self.comm.all_gather(&send, &mut recv))?;
+        let all = self.download(&recv, "all_gather")?;
         Ok(counts
             .iter()
             .enumerate()
@@ -251,34 +278,23 @@ impl NcclComm {
 
     /// This rank's chunk of the reduction of every rank's `values` (padded to equal blocks
     /// of `ceil(n / world)`, the padding cut off again).
-    fn reduce_scatter_typed<T: Element>(
+    fn reduce_scatter_f32(
         &self,
-        values: &[T],
+        values: &[f32],
         op: ReduceOp,
-    ) -> Result<Vec<T>, CollectiveError> {
-        let err = self.error("reduce_scatter");
+    ) -> Result<Vec<f32>, CollectiveError> {
         let (n, world) = (values.len(), self.world_size());
         let chunk = n.div_ceil(world);
         if chunk == 0 {
             return Ok(Vec::new());
         }
-        let mut padded = values.to_vec();
-        padded.resize(chunk * world, T::default());
-        let send = self
-            .stream
-            .clone_htod(&padded)
-            .map_err(|e| err(format!("{e:?}")))?;
-        let mut recv = self
-            .stream
-            .alloc_zeros::<T>(chunk)
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.comm
-            .reduce_scatter(&send, &mut recv, &nccl_op(op))
-            .map_err(|e| err(format!("{e:?}")))?;
-        let mut mine = self
-            .stream
-            .clone_dtoh(&recv)
-            .map_err(|e| err(format!("{e:?}")))?;
+        let send = self.upload(values, chunk * world - n, "reduce_scatter")?;
+        let mut recv = self.zeros(chunk, "reduce_scatter")?;
+        self.nccl(
+            "reduce_scatter",
+            self.comm.reduce_scatter(&send, &mut recv, &nccl_op(op)),
+        )?;
+        let mut mine = self.download(&recv, "reduce_scatter")?;
         mine.truncate(shard_range(n, world, self.rank()).len());
         Ok(mine)
     }
@@ -290,31 +306,29 @@ impl NcclComm {
         len: usize,
         root: usize,
     ) -> Result<Vec<T>, CollectiveError> {
-        let err = self.error("broadcast");
         if len == 0 {
             return Ok(Vec::new());
         }
-        let mut padded = values.to_vec();
-        padded.resize(len, T::default());
-        let mut dev = self
-            .stream
-            .clone_htod(&padded)
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.comm
-            .broadcast_in_place(&mut dev, root as i32)
-            .map_err(|e| err(format!("{e:?}")))?;
-        self.stream
-            .clone_dtoh(&dev)
-            .map_err(|e| err(format!("{e:?}")))
+        let mut dev = if self.rank() == root {
+            self.upload(values, 0, "broadcast")?
+        } else {
+            self.zeros(len, "broadcast")?
+        };
+        self.nccl(
+            "broadcast",
+            self.comm.broadcast_in_place(&mut dev, root as i32),
+        )?;
+        self.download(&dev, "broadcast")
     }
 
-    /// A mean is reduced as a sum: divided here once, in f32.
-    fn finish_mean(&self, buf: &mut Buffer, op: ReduceOp) {
+    /// 16-bit values are reduced widened to f32 and rounded once, as every engine does; a
+    /// mean is a sum divided here.
+    fn finish(&self, dtype: DType, mut values: Vec<f32>, op: ReduceOp) -> Buffer {
         if op == ReduceOp::Mean {
             let n = self.world_size() as f32;
-            let mean = buf.to_f32().into_iter().map(|x| x / n).collect();
-            *buf = Buffer::from_f32(buf.dtype(), mean);
+            values.iter_mut().for_each(|x| *x /= n);
         }
+        Buffer::from_f32(dtype, values)
     }
 
     /// Every rank's element count.
@@ -336,8 +350,8 @@ impl Communicator for NcclComm {
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_reduce");
         self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
-        *buf = typed!(&*buf, v => self.all_reduce_typed(v, op));
-        self.finish_mean(buf, op);
+        let reduced = self.all_reduce_f32(&buf.to_f32(), op)?;
+        *buf = self.finish(buf.dtype(), reduced, op);
         Ok(())
     }
 
@@ -357,8 +371,8 @@ impl Communicator for NcclComm {
     ) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("reduce_scatter");
         self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
-        *output = typed!(input, v => self.reduce_scatter_typed(v, op));
-        self.finish_mean(output, op);
+        let mine = self.reduce_scatter_f32(&input.to_f32(), op)?;
+        *output = self.finish(input.dtype(), mine, op);
         Ok(())
     }
 

@@ -1,7 +1,8 @@
 //! Optimizer state on disk between steps (`--offload-dir`, the ZeRO-Infinity idea): each
 //! parameter's state lives in its own file; the step reads it in through a memory map, steps
-//! that one parameter and writes the new state back, so resident memory holds the state of
-//! one parameter at a time instead of all of it.
+//! that one parameter and writes the new state back, so the process holds the state of one
+//! parameter at a time instead of all of it (the kernel's page cache keeps recently used
+//! file pages, which it reclaims under pressure).
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
@@ -13,13 +14,14 @@ use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::DType;
 use memmap2::{Mmap, MmapMut};
+use tempfile::TempDir;
 
 use crate::TrainError;
 
-/// This rank's optimizer state files under `--offload-dir` (a `rank{N}` directory of its
-/// own, removed when training ends).
+/// This rank's optimizer state files under `--offload-dir`: a fresh `rank{N}-XXXXXX`
+/// directory of this run's own, removed when training ends.
 pub struct DiskStates {
-    dir: PathBuf,
+    dir: TempDir,
     entries: HashMap<String, Entry>,
 }
 
@@ -40,15 +42,23 @@ struct Stored {
 }
 
 impl DiskStates {
-    /// Creates `root/rank{rank}` and checks that it takes writes.
+    /// Creates a directory of this run's own under `root` (and `root` if needed), and
+    /// checks that it takes writes.
     pub fn create(root: &Path, rank: usize) -> Result<Self, TrainError> {
-        let dir = root.join(format!("rank{rank}"));
-        let probe = dir.join(".probe");
-        fs::create_dir_all(&dir)
-            .and_then(|()| fs::write(&probe, [0u8; 4096]))
+        let io = |source| TrainError::Offload {
+            path: root.to_path_buf(),
+            source,
+        };
+        fs::create_dir_all(root).map_err(io)?;
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("rank{rank}-"))
+            .tempdir_in(root)
+            .map_err(io)?;
+        let probe = dir.path().join(".probe");
+        fs::write(&probe, [0u8; 4096])
             .and_then(|()| fs::remove_file(&probe))
             .map_err(|source| TrainError::Offload {
-                path: dir.clone(),
+                path: dir.path().to_path_buf(),
                 source,
             })?;
         Ok(Self {
@@ -68,7 +78,10 @@ impl DiskStates {
     ) -> Result<(), TrainError> {
         let mut sink = StateSink::default();
         optim.state_flatten(path, state, &mut sink);
-        let file = self.dir.join(format!("{}.bin", path.replace('/', "_")));
+        let file = self
+            .dir
+            .path()
+            .join(format!("{}.bin", path.replace('/', "_")));
         let mut offset = 0;
         let tensors: Vec<Stored> = sink
             .tensors
@@ -89,13 +102,12 @@ impl DiskStates {
             path: file.clone(),
             source,
         };
-        let same_size = self
-            .entries
-            .get(path)
-            .is_some_and(|e| e.tensors.last().map(|t| t.offset + t.len) == Some(offset));
-        if same_size {
+        let in_place = offset > 0
+            && self.entries.contains_key(path)
+            && fs::metadata(&file).is_ok_and(|m| m.len() == offset as u64);
+        if in_place {
             let handle = OpenOptions::new().read(true).write(true).open(&file);
-            // SAFETY: the file is this rank's own and nothing else maps or truncates it.
+            // SAFETY: the file is in this run's own directory and has the size written.
             let mut map = handle
                 .and_then(|f| unsafe { MmapMut::map_mut(&f) })
                 .map_err(io)?;
@@ -137,10 +149,7 @@ impl DiskStates {
             source,
         };
         let mut source = StateSource::new(entry.scalars.iter().cloned().collect());
-        if entry.tensors.is_empty() {
-            return Ok(optim.state_unflatten(rank, path, &mut source, device));
-        }
-        // SAFETY: as in `store`.
+        // SAFETY: as in `store`; a truncated file is caught below.
         let map = File::open(&entry.file)
             .and_then(|f| unsafe { Mmap::map(&f) })
             .map_err(io)?;
@@ -158,7 +167,15 @@ impl DiskStates {
             let data = TensorData::from_bytes_vec(bytes.to_vec(), t.shape.clone(), t.dtype);
             source.insert_tensor(t.name.clone(), data);
         }
-        Ok(optim.state_unflatten(rank, path, &mut source, device))
+        optim
+            .state_unflatten(rank, path, &mut source, device)
+            .map(Some)
+            .ok_or_else(|| {
+                io(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "the stored state does not fit this optimizer",
+                ))
+            })
     }
 
     /// Bytes of state on disk.
@@ -168,13 +185,6 @@ impl DiskStates {
             .flat_map(|e| &e.tensors)
             .map(|t| t.len)
             .sum()
-    }
-}
-
-impl Drop for DiskStates {
-    fn drop(&mut self) {
-        // Scratch space: the state is only needed while this optimizer lives.
-        let _ = fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -229,7 +239,7 @@ mod tests {
         let loaded = disk.load(&optim, 2, "w", &device).unwrap().unwrap();
         assert_eq!(flat(&optim, &loaded), flat(&optim, &state));
 
-        let file = root.join("rank0").join("w.bin");
+        let file = disk.dir.path().join("w.bin");
         File::options()
             .write(true)
             .open(&file)
@@ -243,7 +253,6 @@ mod tests {
             .to_string();
         assert!(err.contains("truncated") && err.contains("w.bin"), "{err}");
         drop(disk);
-        assert!(!root.join("rank0").exists());
-        let _ = fs::remove_dir(&root);
+        fs::remove_dir(&root).expect("the rank's directory is gone, and nothing else was there");
     }
 }

@@ -86,8 +86,8 @@ impl ParamOptimizer {
     }
 
     /// Applies one update to every parameter that has a gradient. If offloaded state cannot
-    /// be read or written, the other parameters are still stepped, a state that could not be
-    /// written stays in memory, and the first error is returned with the model.
+    /// be read or written, the other parameters are still stepped (a state that could not be
+    /// written stays in memory), and the first error is returned with the model.
     pub fn step<M: Module>(
         &mut self,
         lr: f64,
