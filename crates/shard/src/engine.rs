@@ -95,12 +95,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             reduce_dtype: DType::F32,
             scaler: None,
         };
-        let model = this.broadcast_from_rank0(model)?;
         this.model = Some(if strategy == Strategy::Zero3 {
-            let shards = this.own_shards(&model);
-            host::set_values(model, shards, &this.inner_device(), false)
+            this.shard_from_rank0(model)?
         } else {
-            model
+            this.broadcast_from_rank0(model)?
         });
         Ok(this)
     }
@@ -333,6 +331,45 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
             model = host::set_values(model, bucket_values, &self.device, true);
+        }
+        Ok(model)
+    }
+
+    /// Rank 0's parameter values, each rank keeping only its shards: one parameter at a time,
+    /// in visit order, so a lazy model is initialised one parameter at a time on rank 0 only
+    /// (in the order a single device would draw them) and no rank ever holds the whole model.
+    fn shard_from_rank0(&self, mut model: M) -> Result<M, ShardError> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        for slot in &self.slots {
+            let full = if rank == 0 {
+                host::values_of(&model, &[slot.id])
+                    .remove(&slot.id)
+                    .expect("the slot is a parameter of the model")
+            } else {
+                Vec::new()
+            };
+            let full = if world == 1 {
+                full
+            } else {
+                let mut buf = Buffer::F32(full);
+                self.comm.broadcast(&mut buf, 0)?;
+                f32s(buf)
+            };
+            if full.len() != slot.numel() {
+                return Err(ShardError::ModelMismatch {
+                    rank,
+                    detail: format!(
+                        "rank 0 sent {} values for {}, this rank's has {}",
+                        full.len(),
+                        slot.path,
+                        slot.numel()
+                    ),
+                });
+            }
+            let shard = (slot.shard_of(&full, rank), slot.shard_dims());
+            drop(full);
+            let shard = HashMap::from([(slot.id, shard)]);
+            model = host::replace_values(model, shard, &self.inner_device());
         }
         Ok(model)
     }

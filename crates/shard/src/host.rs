@@ -52,6 +52,52 @@ pub fn shards<M: Module>(module: &M, slots: &HashMap<ParamId, &Slot>, rank: usiz
     visit.out
 }
 
+/// The float parameters of `module` named in `ids`, on the host: only those are initialised
+/// if they were lazy.
+pub fn values_of<M: Module>(module: &M, ids: &[ParamId]) -> HostValues {
+    struct Values<'a>(&'a [ParamId], HostValues);
+    impl ModuleVisitor for Values<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.contains(&param.id) {
+                self.1.insert(param.id, to_vec(param.val()));
+            }
+        }
+    }
+    let mut visit = Values(ids, HashMap::new());
+    module.visit(&mut visit);
+    visit.1
+}
+
+/// `module` with the parameters named in `values` replaced by new ones of the given dims on
+/// `device` (not tracked), without running the initialiser of a lazy one it replaces; each
+/// keeps its dtype (f32 for a lazy one).
+pub fn replace_values<M: Module>(
+    module: M,
+    values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+    device: &Device,
+) -> M {
+    struct Replace<'a> {
+        values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
+        device: &'a Device,
+    }
+    impl ModuleMapper for Replace<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some((value, dims)) = self.values.remove(&param.id) else {
+                return param;
+            };
+            let dtype = if param.is_initialized() {
+                FloatDType::from(param.val().dtype())
+            } else {
+                FloatDType::F32
+            };
+            let tensor =
+                Tensor::<D>::from_data(TensorData::new(value, dims), self.device).cast(dtype);
+            Param::initialized(param.id, tensor)
+        }
+    }
+    module.map(&mut Replace { values, device })
+}
+
 /// Every float parameter of `module`, on the host.
 pub fn values<M: Module>(module: &M) -> HostValues {
     struct Values(HostValues);

@@ -69,7 +69,8 @@ pub fn slots<M: Module>(module: &M, world: usize) -> Vec<Slot> {
             self.path.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let dims = param.shape().dims::<D>().to_vec();
+            // Without running a lazy parameter's initialiser (ZeRO-3 shards before it).
+            let dims = param.lazy_shape().dims::<D>().to_vec();
             self.slots.push(Slot {
                 id: param.id,
                 path: self.path.join("."),

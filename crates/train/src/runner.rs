@@ -78,7 +78,12 @@ pub fn train<T: TrainTask>(
     } else {
         model
     };
-    burnscale_shard::host::materialize(&model);
+    // Under zero3 rank 0 initialises a lazy model one parameter at a time as it shards it
+    // (and no rank holds it whole); otherwise ranks on threads would race for the backend's
+    // one random generator, so the parameters are initialised here, in visit order.
+    if args.strategy != Strategy::Zero3 {
+        burnscale_shard::host::materialize(&model);
+    }
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
     let results = run_ranks(args.devices, DEFAULT_TIMEOUT, |comm| {
