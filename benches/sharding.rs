@@ -201,9 +201,8 @@ fn main() -> Result<()> {
             measured.push((label, m));
         }
         let find = |label: &str| measured.iter().find(|m| m.0 == label).map(|m| m.1);
-        for strategy in ["ddp", "zero3"] {
-            if let (Some(memory), Some(disk)) = (find(strategy), find(&format!("{strategy}+disk")))
-            {
+        for (label, strategy, _) in RUNS.iter().filter(|run| run.2) {
+            if let (Some(memory), Some(disk)) = (find(strategy), find(label)) {
                 println!(
                     "   {strategy} --offload-dir: peak {} -> {} ({:.2}x, {} less), step {:.2}x",
                     human_bytes(memory.peak as usize),

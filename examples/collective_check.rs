@@ -80,51 +80,36 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
 /// The suite on NCCL communicators: one per GPU, as threads or (under mpirun) processes.
 #[cfg(feature = "cuda")]
 fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
+    use burnscale::collective::CollectiveError;
     use burnscale::collective::nccl::NcclComm;
 
-    let failed = if launched_by_mpirun() && cli.devices.is_some() {
-        eprintln!("error: under mpirun each process is one rank on one GPU: drop --devices");
-        1
+    let invalid = |why: &str| Err(CollectiveError::Invalid(why.into()));
+    let ranks = if launched_by_mpirun() && cli.devices.is_some() {
+        invalid("under mpirun each process is one rank on one GPU: drop --devices")
     } else if launched_by_mpirun() {
         #[cfg(feature = "mpi")]
         {
-            let gpu = |rank: usize| -> Result<usize, burnscale::collective::CollectiveError> {
+            let gpu = |rank: usize| -> Result<usize, CollectiveError> {
                 let local = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK")
                     .ok()
                     .and_then(|r| r.parse().ok())
                     .unwrap_or(rank);
                 Ok(local % NcclComm::device_count()?.max(1))
             };
-            burnscale::collective::mpi::MpiComm::init(timeout)
-                .and_then(|mpi| {
-                    let nccl = NcclComm::over_mpi(&mpi, gpu(mpi.rank())?, timeout)?;
-                    Ok(report(&nccl, "nccl", cli.panic_rank))
-                })
-                .unwrap_or_else(|e| {
-                    eprintln!("error: {e}");
-                    1
-                })
+            burnscale::collective::mpi::MpiComm::init(timeout).and_then(|mpi| {
+                let nccl = NcclComm::over_mpi(&mpi, gpu(mpi.rank())?, timeout)?;
+                Ok(vec![Ok(report(&nccl, "nccl", cli.panic_rank))])
+            })
         }
         #[cfg(not(feature = "mpi"))]
         {
-            eprintln!("error: --nccl under mpirun needs a build with --features cuda,mpi");
-            1
+            invalid("--nccl under mpirun needs a build with --features cuda,mpi")
         }
     } else {
         let gpus: Vec<usize> = (0..cli.devices.unwrap_or(2)).collect();
-        match NcclComm::run(&gpus, timeout, |comm| report(comm, "nccl", cli.panic_rank)) {
-            Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
-            Err(e) => {
-                eprintln!("error: {e}");
-                1
-            }
-        }
+        NcclComm::run(&gpus, timeout, |comm| report(comm, "nccl", cli.panic_rank))
     };
-    if failed == 0 {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    burnscale::exit_for_failures(ranks)
 }
 
 fn main() -> ExitCode {

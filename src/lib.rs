@@ -33,7 +33,15 @@ pub fn check_ranks(
     } else {
         2
     });
-    let failed: usize = match collective::run_ranks(devices, timeout, report) {
+    exit_for_failures(collective::run_ranks(devices, timeout, report))
+}
+
+/// A self-check's exit: success only if every rank started, ran to the end and reported no
+/// failure (a rank that panicked counts as one).
+pub fn exit_for_failures(
+    ranks: Result<Vec<Result<usize, String>>, collective::CollectiveError>,
+) -> std::process::ExitCode {
+    let failed: usize = match ranks {
         Ok(ranks) => ranks.into_iter().map(|r| r.unwrap_or(1)).sum(),
         Err(e) => {
             eprintln!("error: {e}");

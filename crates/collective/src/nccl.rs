@@ -100,22 +100,7 @@ impl NcclComm {
         f: impl Fn(&dyn Communicator) -> T + Sync,
     ) -> Result<Vec<Result<T, String>>, CollectiveError> {
         let comms = Self::group(devices, timeout)?;
-        Ok(std::thread::scope(|scope| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .map(|comm| {
-                    let f = &f;
-                    scope.spawn(move || f(&comm))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .map_err(|panic| crate::threads::panic_message(&*panic))
-                })
-                .collect()
-        }))
+        Ok(crate::threads::on_threads(comms, |comm| f(&comm)))
     }
 
     /// This process's rank of `mpi`'s world, on GPU `device`: NCCL's unique id comes from

@@ -86,23 +86,7 @@ impl ThreadComm {
         timeout: Duration,
         f: impl Fn(ThreadComm) -> T + Sync,
     ) -> Vec<Result<T, String>> {
-        let comms = ThreadComm::group(world, timeout);
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = comms
-                .into_iter()
-                .map(|comm| {
-                    let f = &f;
-                    std::thread::Builder::new()
-                        .name(format!("rank-{}", comm.rank))
-                        .spawn_scoped(scope, move || f(comm))
-                        .map_err(|e| e.to_string())
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h?.join().map_err(|panic| panic_message(&*panic)))
-                .collect()
-        })
+        on_threads(ThreadComm::group(world, timeout), f)
     }
 
     /// Posts `data` for `op` and returns every rank's post, in rank order.
@@ -319,7 +303,32 @@ impl Drop for ThreadComm {
     }
 }
 
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+/// Runs `f` with each of `comms` (rank order) on a thread of its own, and returns their
+/// results in rank order; a rank that panics yields `Err` with its panic message.
+pub(crate) fn on_threads<C: Send, T: Send>(
+    comms: Vec<C>,
+    f: impl Fn(C) -> T + Sync,
+) -> Vec<Result<T, String>> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| {
+                let f = &f;
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    .spawn_scoped(scope, move || f(comm))
+                    .map_err(|e| e.to_string())
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h?.join().map_err(|panic| panic_message(&*panic)))
+            .collect()
+    })
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| s.to_string())

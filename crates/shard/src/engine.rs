@@ -369,7 +369,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let shard = (slot.shard_of(&full, rank), slot.shard_dims());
             drop(full);
             let shard = HashMap::from([(slot.id, shard)]);
-            model = host::replace_values(model, shard, &self.inner_device());
+            model = host::set_values(model, shard, &self.inner_device(), false);
         }
         Ok(model)
     }

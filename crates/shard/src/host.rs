@@ -68,36 +68,6 @@ pub fn values_of<M: Module>(module: &M, ids: &[ParamId]) -> HostValues {
     visit.1
 }
 
-/// `module` with the parameters named in `values` replaced by new ones of the given dims on
-/// `device` (not tracked), without running the initialiser of a lazy one it replaces; each
-/// keeps its dtype (f32 for a lazy one).
-pub fn replace_values<M: Module>(
-    module: M,
-    values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
-    device: &Device,
-) -> M {
-    struct Replace<'a> {
-        values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
-        device: &'a Device,
-    }
-    impl ModuleMapper for Replace<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let Some((value, dims)) = self.values.remove(&param.id) else {
-                return param;
-            };
-            let dtype = if param.is_initialized() {
-                FloatDType::from(param.val().dtype())
-            } else {
-                FloatDType::F32
-            };
-            let tensor =
-                Tensor::<D>::from_data(TensorData::new(value, dims), self.device).cast(dtype);
-            Param::initialized(param.id, tensor)
-        }
-    }
-    module.map(&mut Replace { values, device })
-}
-
 /// Every float parameter of `module`, on the host.
 pub fn values<M: Module>(module: &M) -> HostValues {
     struct Values(HostValues);
@@ -136,7 +106,8 @@ pub fn add_grads<M: Module>(module: &M, grads: &mut GradientsParams, sums: &mut 
 
 /// `module` with the parameters named in `values` replaced by tensors of the given dims on
 /// `device`, each in its parameter's dtype (tracked for gradients if `require_grad`); the
-/// others untouched.
+/// others untouched. A lazy parameter is replaced without running its initialiser (its
+/// value arrives in f32).
 pub fn set_values<M: Module>(
     module: M,
     values: HashMap<ParamId, (Vec<f32>, Vec<usize>)>,
@@ -153,15 +124,21 @@ pub fn set_values<M: Module>(
             let Some((value, dims)) = self.values.remove(&param.id) else {
                 return param;
             };
-            let (id, old, mapper) = param.consume();
-            let dtype = FloatDType::from(old.dtype());
-            drop(old);
+            let (id, dtype, mapper) = if param.is_initialized() {
+                let (id, old, mapper) = param.consume();
+                (id, FloatDType::from(old.dtype()), Some(mapper))
+            } else {
+                (param.id, FloatDType::F32, None)
+            };
             let mut tensor =
                 Tensor::<D>::from_data(TensorData::new(value, dims), self.device).cast(dtype);
             if self.require_grad {
                 tensor = tensor.require_grad();
             }
-            Param::from_mapped_value(id, tensor, mapper)
+            match mapper {
+                Some(mapper) => Param::from_mapped_value(id, tensor, mapper),
+                None => Param::initialized(id, tensor),
+            }
         }
     }
     module.map(&mut Set {

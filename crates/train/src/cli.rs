@@ -94,8 +94,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "none")]
     pub offload: Offload,
     /// Keep the optimizer state in memory-mapped files under this directory between steps
-    /// (ZeRO-Infinity's disk offload; implies --offload optimizer). Each rank uses its own
-    /// rank<N> subdirectory, removed at the end.
+    /// (ZeRO-Infinity's disk offload; implies --offload optimizer). Each rank of each run
+    /// uses a fresh rank<N>-XXXXXX subdirectory, removed at the end.
     #[arg(long)]
     pub offload_dir: Option<PathBuf>,
     #[arg(long, value_enum, default_value = "adamw")]
