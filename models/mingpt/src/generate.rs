@@ -30,7 +30,12 @@ impl Gpt {
             let t = context.len();
             let idx = Tensor::<2, Int>::from_data(TensorData::new(context, [1, t]), device);
             let logits = self.forward(idx).slice([0..1, t - 1..t]).flatten::<1>(0, 2);
-            let logits: Vec<f32> = logits.into_data().try_into_vec().unwrap_or_default();
+            // In the model's dtype (bf16 or f16 for the `*-true` precisions), read as f32.
+            let logits: Vec<f32> = logits
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec()
+                .expect("converted to f32");
             tokens.push(choose(&logits, sampling, rng));
         }
         tokens

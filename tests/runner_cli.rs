@@ -1,5 +1,5 @@
-//! Bad input to a runner binary: a clear message naming the problem, a non-zero exit,
-//! and no panic.
+//! The `mingpt_char` runner binary end to end: its 16-bit paths train, sample and exit 0;
+//! bad input gets a clear message naming the problem, a non-zero exit, and no panic.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -12,6 +12,48 @@ fn mingpt_char() -> PathBuf {
         .and_then(|deps| deps.parent())
         .expect("target dir");
     profile_dir.join("examples").join("mingpt_char")
+}
+
+#[test]
+fn sixteen_bit_runs_train_sample_and_exit_cleanly() {
+    for (precision, optimizer) in [
+        ("bf16-true", "adamw"),
+        ("16-true", "sgd"),
+        ("16-mixed", "adamw"),
+    ] {
+        let out = Command::new(mingpt_char())
+            .args([
+                "--precision",
+                precision,
+                "--optimizer",
+                optimizer,
+                "--max-steps",
+                "5",
+                "--batch-size",
+                "4",
+                "--eval-batches",
+                "1",
+                "--sample-len",
+                "40",
+            ])
+            .output()
+            .expect("mingpt_char runs");
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(out.status.success(), "{precision}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{precision}: {stderr}");
+        let sample = stdout
+            .split("--- sample ---\n")
+            .nth(1)
+            .and_then(|rest| rest.split("\n-----").next())
+            .unwrap_or_default();
+        assert!(
+            sample.chars().count() > "O God, O God!".len() + 20,
+            "{precision}: no sample in\n{stdout}"
+        );
+    }
 }
 
 fn fails_with(args: &[&str], needle: &str) {
