@@ -19,7 +19,7 @@ mod cast;
 mod scaler;
 
 pub use cast::{cast, init_in, param_dtypes};
-pub use scaler::{LossScaler, ScalerConfig};
+pub use scaler::{LossScaler, MAX_CONSECUTIVE_SKIPS, ScalerConfig};
 
 use burn::prelude::*;
 use burn::tensor::FloatDType;
@@ -106,5 +106,13 @@ pub enum PrecisionError {
         precision: Precision,
         dtype: String,
         device: String,
+    },
+    #[error(
+        "--precision {precision}: the gradients overflowed on {steps} consecutive steps, so none was taken (loss scale now {scale:e}): the loss or its gradients are inf/NaN at any scale. Lower --lr, keep --grad-clip on, check the data, or train in bf16-mixed (no loss scale needed); --max-consecutive-skips N allows more skips"
+    )]
+    Overflowing {
+        precision: Precision,
+        steps: usize,
+        scale: f64,
     },
 }

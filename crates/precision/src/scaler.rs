@@ -1,7 +1,11 @@
 //! The dynamic loss scaler of f16 mixed precision (PyTorch's `GradScaler` defaults): the loss
 //! is multiplied by the scale before backward so small gradients survive f16; gradients are
 //! divided by it before the optimizer. A step whose gradients hold an inf or NaN is skipped
-//! and the scale backs off; after `growth_interval` good steps in a row it grows.
+//! and the scale backs off; after `growth_interval` good steps in a row it grows. A run whose
+//! gradients overflow step after step trains nothing while its scale falls without bound, so
+//! after `max_consecutive_skips` skips in a row it stops with [`PrecisionError::Overflowing`].
+
+use crate::{Precision, PrecisionError};
 
 /// The scaler's settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -10,7 +14,14 @@ pub struct ScalerConfig {
     pub growth_factor: f64,
     pub backoff_factor: f64,
     pub growth_interval: usize,
+    /// Consecutive skipped steps after which training stops.
+    pub max_consecutive_skips: usize,
 }
+
+/// The default of [`ScalerConfig::max_consecutive_skips`]: from the initial scale 2^16, 17
+/// halvings take the scale below 1, where DeepSpeed's dynamic loss scaler stops a run (its
+/// `min_loss_scale`).
+pub const MAX_CONSECUTIVE_SKIPS: usize = 17;
 
 impl Default for ScalerConfig {
     fn default() -> Self {
@@ -19,6 +30,7 @@ impl Default for ScalerConfig {
             growth_factor: 2.0,
             backoff_factor: 0.5,
             growth_interval: 2000,
+            max_consecutive_skips: MAX_CONSECUTIVE_SKIPS,
         }
     }
 }
@@ -29,6 +41,7 @@ pub struct LossScaler {
     scale: f64,
     good_steps: usize,
     skipped: usize,
+    consecutive_skips: usize,
 }
 
 impl LossScaler {
@@ -38,6 +51,7 @@ impl LossScaler {
             config,
             good_steps: 0,
             skipped: 0,
+            consecutive_skips: 0,
         }
     }
 
@@ -52,20 +66,30 @@ impl LossScaler {
     }
 
     /// Records one optimizer step: `found_inf` (agreed by every rank) means its gradients
-    /// overflowed and it must be skipped. Returns whether to apply the step.
-    pub fn update(&mut self, found_inf: bool) -> bool {
+    /// overflowed and it must be skipped. Returns whether to apply the step, or an error
+    /// once `max_consecutive_skips` steps in a row were skipped.
+    pub fn update(&mut self, found_inf: bool) -> Result<bool, PrecisionError> {
         if found_inf {
             self.scale *= self.config.backoff_factor;
             self.good_steps = 0;
             self.skipped += 1;
-            return false;
+            self.consecutive_skips += 1;
+            if self.consecutive_skips >= self.config.max_consecutive_skips {
+                return Err(PrecisionError::Overflowing {
+                    precision: Precision::F16Mixed,
+                    steps: self.consecutive_skips,
+                    scale: self.scale,
+                });
+            }
+            return Ok(false);
         }
+        self.consecutive_skips = 0;
         self.good_steps += 1;
         if self.good_steps == self.config.growth_interval {
             self.scale *= self.config.growth_factor;
             self.good_steps = 0;
         }
-        true
+        Ok(true)
     }
 }
 
@@ -79,19 +103,57 @@ mod tests {
             growth_interval: 3,
             ..ScalerConfig::default()
         });
-        assert_eq!(s.scale(), 65536.0);
-        assert!(!s.update(true));
-        assert_eq!((s.scale(), s.skipped()), (32768.0, 1));
-        assert!(s.update(false) && s.update(false));
-        assert_eq!(s.scale(), 32768.0);
-        assert!(s.update(false));
-        assert_eq!(s.scale(), 65536.0, "grows after growth_interval good steps");
-        assert!(s.update(false) && s.update(false));
-        assert!(!s.update(true));
+        let mut update = |found_inf| s.update(found_inf).unwrap();
+        assert!(!update(true));
+        assert!(update(false) && update(false) && update(false));
+        assert!(update(false) && update(false));
+        assert!(!update(true));
+        assert_eq!(s.skipped(), 2);
         assert_eq!(
             s.scale(),
             32768.0,
-            "an overflow resets the run of good steps"
+            "halved, grown after 3 good steps, halved again (the run of good steps reset)"
+        );
+        let mut t = LossScaler::new(ScalerConfig {
+            growth_interval: 3,
+            ..ScalerConfig::default()
+        });
+        for _ in 0..3 {
+            t.update(false).unwrap();
+        }
+        assert_eq!(
+            t.scale(),
+            131072.0,
+            "grows after growth_interval good steps"
+        );
+    }
+
+    #[test]
+    fn consecutive_overflows_stop_with_an_error_a_good_step_resets_the_count() {
+        let mut s = LossScaler::new(ScalerConfig {
+            max_consecutive_skips: 3,
+            ..ScalerConfig::default()
+        });
+        assert_eq!(s.update(true).ok(), Some(false));
+        assert_eq!(s.update(true).ok(), Some(false));
+        assert_eq!(
+            s.update(false).ok(),
+            Some(true),
+            "a good step resets the count"
+        );
+        assert_eq!(s.update(true).ok(), Some(false));
+        assert_eq!(s.update(true).ok(), Some(false));
+        let err = s.update(true).unwrap_err().to_string();
+        assert!(
+            err.contains("16-mixed")
+                && err.contains("3 consecutive steps")
+                && err.contains("bf16-mixed"),
+            "{err}"
+        );
+        let default = ScalerConfig::default();
+        assert!(
+            default.init_scale * default.backoff_factor.powi(MAX_CONSECUTIVE_SKIPS as i32) < 1.0,
+            "the default stops once the scale falls below 1"
         );
     }
 }

@@ -1,4 +1,4 @@
-//! The one CLI every training example shares (see DESIGN.md, "One CLI").
+//! The one CLI every training example shares: techniques switch with flags, never with code.
 
 use std::path::PathBuf;
 
@@ -81,6 +81,13 @@ pub struct TrainArgs {
     /// The dtype gradients are reduced in over the ranks.
     #[arg(long, value_enum, default_value = "f32")]
     pub grad_reduce_dtype: ReduceDtype,
+    /// 16-mixed: the loss scale to start from [default: 65536, PyTorch's GradScaler].
+    #[arg(long)]
+    pub initial_loss_scale: Option<f64>,
+    /// 16-mixed: stop after this many consecutive steps skipped for overflowing gradients
+    /// [default: 17, when the loss scale has fallen from 65536 below 1].
+    #[arg(long)]
+    pub max_consecutive_skips: Option<usize>,
     /// Create the model's parameters directly in the precision's weight dtype, one at a
     /// time, never as a full f32 model first (Fabric's init_module).
     #[arg(long)]
@@ -197,6 +204,31 @@ impl TrainArgs {
                 self.min_lr_ratio
             ));
         }
+        for (flag, given) in [
+            ("--initial-loss-scale", self.initial_loss_scale.is_some()),
+            (
+                "--max-consecutive-skips",
+                self.max_consecutive_skips.is_some(),
+            ),
+        ] {
+            if given && self.precision != Precision::F16Mixed {
+                return invalid(format!(
+                    "{flag} applies to the loss scaler of --precision 16-mixed, not {}",
+                    self.precision
+                ));
+            }
+        }
+        if self.max_consecutive_skips == Some(0) {
+            return invalid("--max-consecutive-skips must be at least 1".into());
+        }
+        if let Some(scale) = self
+            .initial_loss_scale
+            .filter(|s| !(s.is_finite() && *s > 0.0))
+        {
+            return invalid(format!(
+                "--initial-loss-scale must be positive and finite, got {scale}"
+            ));
+        }
         if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
             return invalid("--grad-clip and --weight-decay must not be negative".into());
         }
@@ -247,6 +279,36 @@ mod tests {
             .unwrap()
             .validate()
             .unwrap();
+    }
+
+    #[test]
+    fn skip_limit_needs_the_loss_scaler() {
+        let err = parse(&["--max-consecutive-skips", "3"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("16-mixed"), "{err}");
+        let err = parse(&["--initial-loss-scale", "1024", "--precision", "bf16-mixed"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--initial-loss-scale") && err.contains("bf16-mixed"),
+            "{err}"
+        );
+        let scaled = ["--precision", "16-mixed", "--max-consecutive-skips", "3"];
+        parse(&[&scaled[..], &["--initial-loss-scale", "1024"]].concat())
+            .unwrap()
+            .validate()
+            .unwrap();
+        let err = parse(&[&scaled[..], &["--initial-loss-scale", "0"]].concat())
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("positive"), "{err}");
     }
 
     #[test]

@@ -153,9 +153,17 @@ pub fn train_on<T: TrainTask>(
 
     // Rank 0 draws the stream a single-device run with this seed draws.
     burnscale_nn::dropout::seed(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9_7F4A_7C15));
+    let defaults = ScalerConfig::default();
+    let scaler = ScalerConfig {
+        init_scale: args.initial_loss_scale.unwrap_or(defaults.init_scale),
+        max_consecutive_skips: args
+            .max_consecutive_skips
+            .unwrap_or(burnscale_precision::MAX_CONSECUTIVE_SKIPS),
+        ..defaults
+    };
     let mut engine = Sharded::new(strategy, model, comm, device)?
         .checkpoint_activations(args.checkpoint_activations)
-        .precision(args.precision, ScalerConfig::default())
+        .precision(args.precision, scaler)
         .reduce_dtype(args.grad_reduce_dtype.dtype());
     if args.offload == Offload::Params {
         engine = engine.offload_params(Device::flex())?;
@@ -166,6 +174,7 @@ pub fn train_on<T: TrainTask>(
     // Time in training steps, without evaluations: what throughput divides by.
     let mut train_s = 0.0;
     let mut step_times = Vec::with_capacity(args.max_steps);
+    let mut history = Vec::with_capacity(args.max_steps);
     let mut last = StepMetrics {
         step: 0,
         lr: 0.0,
@@ -219,6 +228,7 @@ pub fn train_on<T: TrainTask>(
         if let Some(csv) = csv.as_mut() {
             csv.write(&last)?;
         }
+        history.push(last);
         progress.set_position(step as u64);
         progress.set_message(format!(
             "loss {:.4}  {:.0} {}/s",
@@ -282,6 +292,7 @@ pub fn train_on<T: TrainTask>(
         throughput,
         peak_flops,
     );
+    summary.history = history;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
