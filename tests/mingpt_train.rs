@@ -85,6 +85,43 @@ fn model_states_match_the_16_bytes_per_param_formula() {
     assert_eq!(sgd.model_state.optimizer, 4 * p, "momentum buffer");
 }
 
+#[test]
+fn measured_model_states_are_the_engines_tensors_not_the_formula() {
+    // ZeRO-2's formula shards the gradients (4 B/param over 2 ranks), but this engine holds
+    // each rank's full f32 gradient sums until the reduce-scatter after backward: the
+    // measurement, taken from the engine's own buffers, shows it.
+    let p = GptConfig::tiny().num_params();
+    let (_, zero2) = run(&["--max-steps", "2", "--strategy", "zero2", "--devices", "2"]);
+    let states = zero2.model_state;
+    assert_eq!(states.params, 4 * p, "a full f32 replica");
+    assert_eq!(
+        states.grads,
+        4 * p,
+        "full local sums before the reduce-scatter"
+    );
+    // AdamW's moments, sharded: half of them, plus the zero rows that pad an odd first
+    // dimension (the 11-token vocabulary) to two equal shards.
+    let half = 8 * p / 2;
+    assert!(
+        states.optimizer > half && states.optimizer < half + 8 * 64,
+        "{} bytes of optimizer state",
+        states.optimizer
+    );
+    assert_eq!(
+        zero2.model_state_predicted_bytes,
+        4 * p + (12 * p).div_ceil(2),
+        "formula: replica + sharded grads and moments"
+    );
+    // ZeRO-3 with blocks recomputed one by one: a block's full gradients live only until
+    // its reduce-scatter, the root unit's (embeddings and head) for the whole micro-step.
+    let (_, zero3) = run(&["--max-steps", "2", "--strategy", "zero3", "--devices", "2"]);
+    let grads = zero3.model_state.grads;
+    assert!(
+        grads > 2 * p && grads < 4 * p,
+        "{grads} bytes of gradients, {p} params"
+    );
+}
+
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)

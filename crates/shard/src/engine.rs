@@ -34,6 +34,9 @@ pub struct Sharded<'c, M: BlockModel> {
     local: HostValues,
     /// Gradients after the collective: full (ddp, zero1) or this rank's shards.
     reduced: HostValues,
+    /// The most gradient bytes (`local` and `reduced` together) held during this step, and
+    /// during the last finished one.
+    grad_peak: usize,
     grad_bytes: usize,
     /// Per-block activation checkpointing (always on under ZeRO-3).
     checkpoint: bool,
@@ -64,8 +67,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         device: &Device,
     ) -> Result<Self, ShardError> {
         let slots = layout::slots(&model, comm.world_size());
-        let index: HashMap<ParamId, usize> =
-            slots.iter().enumerate().map(|(i, s)| (s.id, i)).collect();
+        let mut index: HashMap<ParamId, usize> = HashMap::new();
+        for (i, slot) in slots.iter().enumerate() {
+            if let Some(first) = index.insert(slot.id, i) {
+                return Err(ShardError::SharedParameter {
+                    first: slots[first].path.clone(),
+                    second: slot.path.clone(),
+                });
+            }
+        }
         let buckets = if strategy == Strategy::Zero3 {
             let mut root = model.clone();
             let blocks = root.take_blocks();
@@ -88,6 +98,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             model: None,
             local: HashMap::new(),
             reduced: HashMap::new(),
+            grad_peak: 0,
             grad_bytes: 0,
             checkpoint: strategy == Strategy::Zero3,
             precision: Precision::F32True,
@@ -189,6 +200,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let (value, loss) = self.scaled(loss, accumulate);
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         host::add_grads(&model, &mut grads, &mut self.local);
+        self.note_grads();
         if last {
             for bucket in 0..self.buckets.len() {
                 self.reduce_bucket(bucket)?;
@@ -208,7 +220,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     ) -> Result<StepOutcome, ShardError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let mut grads = std::mem::take(&mut self.reduced);
-        self.grad_bytes = grads.values().map(|g| 4 * g.len()).sum();
+        self.grad_bytes = std::mem::take(&mut self.grad_peak);
         if self.strategy == Strategy::Zero1 {
             for slot in &self.slots {
                 if let Some(grad) = grads.get_mut(&slot.id) {
@@ -226,7 +238,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
             let found_inf = f32s(flag)[0] > 0.0;
             let scaler = self.scaler.as_mut().expect("checked above");
-            if !scaler.update(found_inf) {
+            if !scaler.update(found_inf)? {
                 return Ok(StepOutcome {
                     grad_norm: f64::INFINITY,
                     skipped: true,
@@ -289,9 +301,22 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         host::param_bytes(self.model.as_ref().expect(PRESENT))
     }
 
-    /// Bytes of reduced gradients this rank held for the last step.
+    /// The most bytes of gradients this rank held at once during the last step: its own
+    /// f32 sums over the micro-steps and what the collectives handed it, as the engine keeps
+    /// them (not what a strategy's formula says it should keep).
     pub fn grad_bytes(&self) -> usize {
         self.grad_bytes
+    }
+
+    /// Records the gradient bytes held now in this step's peak.
+    fn note_grads(&mut self) {
+        let held: usize = self
+            .local
+            .values()
+            .chain(self.reduced.values())
+            .map(|g| 4 * g.len())
+            .sum();
+        self.grad_peak = self.grad_peak.max(held);
     }
 
     fn inner_device(&self) -> Device {
@@ -467,6 +492,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         for (slot, grad) in slots.iter().zip(reduced) {
             self.reduced.insert(slot.id, grad);
         }
+        self.note_grads();
         Ok(())
     }
 
@@ -533,6 +559,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 &mut GradientsParams::from_grads(grads, &block),
                 &mut self.local,
             );
+            self.note_grads();
             drop(block);
             if zero3 && last {
                 self.reduce_bucket(i + 1)?;
@@ -549,6 +576,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 &mut self.local,
             );
         }
+        self.note_grads();
         if last {
             let buckets = if zero3 { 0..1 } else { 0..self.buckets.len() };
             for bucket in buckets {

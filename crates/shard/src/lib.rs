@@ -41,4 +41,10 @@ pub enum ShardError {
     ModelMismatch { rank: usize, detail: String },
     #[error("{0}")]
     Offload(String),
+    #[error(transparent)]
+    Precision(#[from] burnscale_precision::PrecisionError),
+    #[error(
+        "`{second}` is the same parameter as `{first}` (tied weights): the engine shards, reduces and steps a parameter once for each place it appears, which would lose part of its gradient and untie it after one step; give each place a parameter of its own"
+    )]
+    SharedParameter { first: String, second: String },
 }

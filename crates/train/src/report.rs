@@ -8,6 +8,7 @@ use burnscale_precision::Precision;
 
 use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
+use crate::runner::StepMetrics;
 use crate::{TrainError, memory};
 
 /// What one rank holds of the model states, measured by the runner.
@@ -106,6 +107,9 @@ pub struct RunSummary {
     pub skipped_steps: usize,
     /// Measured f32 GEMM rate of the device, FLOP/s.
     pub peak_flops: f64,
+    /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
+    #[serde(skip)]
+    pub history: Vec<StepMetrics>,
     /// 6·P·tokens/s over `world_size · peak_flops` (token models only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
@@ -161,6 +165,7 @@ impl RunSummary {
             skipped_steps: 0,
             peak_flops,
             mfu,
+            history: Vec::new(),
         }
     }
 
