@@ -1,5 +1,5 @@
-//! Checks every sharding strategy against a single device on this process group and prints
-//! a pass line per strategy and setting (see `burnscale::equivalence`).
+//! Checks every sharding strategy against the plain Burn loop on this process group and
+//! prints a pass line per strategy and setting (see `burnscale::equivalence`).
 //!
 //!     cargo run --release --example shard_check -- --devices 3      # threads
 //!     cargo build --release --features mpi --example shard_check
@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use burnscale::check_ranks;
 use burnscale::collective::Communicator;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::check;
+use burnscale::equivalence::{ADAMW, SGD, check};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -22,9 +22,11 @@ struct Cli {
     devices: Option<usize>,
 }
 
-const SETTINGS: [&[&str]; 2] = [
-    &["--grad-clip", "0"],
-    &["--accumulate", "2", "--grad-clip", "0.05"],
+/// SGD (scale-sensitive) alone and with accumulation; AdamW with accumulation and clipping.
+const SETTINGS: [(&[&str], &[&str]); 3] = [
+    (SGD, &["--grad-clip", "0"]),
+    (SGD, &["--accumulate", "2", "--grad-clip", "0"]),
+    (ADAMW, &["--accumulate", "2", "--grad-clip", "0.05"]),
 ];
 
 /// Prints this rank's results; returns how many failed.
@@ -32,13 +34,16 @@ fn report(comm: &dyn Communicator) -> usize {
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut failed = 0;
     for strategy in ["ddp", "zero1", "zero2", "zero3"] {
-        for extra in SETTINGS {
-            let case = format!("[rank {rank}/{world}] {strategy} {}", extra.join(" "));
-            match check(comm, strategy, extra) {
-                Ok(differences) if differences.is_empty() => println!("PASS {case}"),
-                Ok(differences) => {
+        for (optimizer, extra) in SETTINGS {
+            let flags = [optimizer, extra].concat();
+            let case = format!("[rank {rank}/{world}] {strategy} {}", flags.join(" "));
+            match check(comm, strategy, &flags) {
+                Ok(found) if found.agrees() => {
+                    println!("PASS {case} (used {:.1e} of the tolerance)", found.worst)
+                }
+                Ok(found) => {
                     failed += 1;
-                    println!("FAIL {case}:\n  {}", differences.join("\n  "));
+                    println!("FAIL {case}:\n  {}", found.differences.join("\n  "));
                 }
                 Err(e) => {
                     failed += 1;

@@ -1,145 +1,90 @@
-//! Self-check of the sharding engine: a strategy on this rank's process group takes the same
-//! optimizer steps as one device with the same global batch. The tests run it on threads;
+//! Self-check of the engine against the plain reference ([`crate::reference`]): a strategy
+//! on this rank's process group, reading its slice of the same global batch, takes the steps
+//! a plain Burn loop takes on one device: the same loss and gradient norm at every step and
+//! the same parameters at the end, within [`tolerance`]. The tests run it on threads;
 //! `examples/shard_check.rs` runs it under mpirun.
 
+use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
-use burnscale_collective::Communicator;
-use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
+use burnscale_collective::{Communicator, DType};
 use burnscale_mingpt::{Gpt, GptConfig};
-use burnscale_train::{Precision, TrainArgs, TrainError, train_on};
+use burnscale_nn::weights::{self, Weight};
+use burnscale_train::{OptimizerKind, TrainArgs, TrainError, train_on};
 
+use crate::reference::PlainConfig;
 use crate::tasks::NextToken;
 
 /// Samples per optimizer step over all ranks; world sizes 1 to 4 divide it.
 pub const GLOBAL_BATCH: usize = 12;
-const STEPS: usize = 5;
-const LR: f32 = 1e-2;
+/// Tokens per sample.
+const BLOCK: usize = 8;
+pub const STEPS: usize = 5;
+const SEED: u64 = 11;
 
-/// Trains a dropout-free tiny minGPT for 5 steps under `strategy` on `comm` (this rank
-/// reading `GLOBAL_BATCH / world` samples per micro-step), and under `single` on this thread
-/// with the whole global batch; `extra` flags apply to both. Returns the parameters that
-/// differ, one line each (empty: the runs agree).
-///
-/// Every parameter must agree to 1e-5 relative to its largest value (under a 16-bit
-/// `--precision` in `extra`: in L2 norm, to [`relative_tolerance`] of the norm of its update
-/// in training, as rounding differences scale with the updates), except the attention key bias (elements [d, 2d) of `c_attn.bias`): softmax is shift-invariant per query, so its
-/// exact gradient is zero and backward computes float noise (~1e-10) that depends on
-/// summation order; AdamW normalises that noise into updates of up to the learning rate.
-/// Those elements must stay within `lr · steps` of each other.
+/// SGD without momentum: its update is the gradient times the learning rate, so a gradient
+/// of the wrong scale (a sum instead of a mean, a missing `1/accumulate` or unscale) moves
+/// every parameter by the wrong amount.
+pub const SGD: &[&str] = &["--optimizer", "sgd", "--momentum", "0", "--lr", "0.1"];
+/// AdamW with weight decay on the matrices: blind to a uniform gradient scale (except in
+/// the gradient norm), it checks the optimizer state's path through the engine.
+pub const ADAMW: &[&str] = &[
+    "--optimizer",
+    "adamw",
+    "--lr",
+    "1e-2",
+    "--weight-decay",
+    "0.1",
+];
+
+/// What a check found.
+#[derive(Debug, Clone)]
+pub struct Comparison {
+    /// What differs beyond the tolerance, one line each (empty: the runs agree).
+    pub differences: Vec<String>,
+    /// The largest difference seen as a fraction of what [`Tolerance`] allowed for it (at
+    /// most 1 when the runs agree): how much of the margin the run used.
+    pub worst: f64,
+}
+
+impl Comparison {
+    pub fn agrees(&self) -> bool {
+        self.differences.is_empty()
+    }
+}
+
+/// Trains a dropout-free tiny minGPT for [`STEPS`] steps under `strategy` on `comm` (this
+/// rank reading `GLOBAL_BATCH / world` samples per micro-step) and the plain reference on
+/// this thread with the whole global batch; `flags` (an optimizer, precision, clipping,
+/// accumulation, offload, checkpointing) go to both, the reference reading only what it
+/// models.
 pub fn check(
     comm: &dyn Communicator,
     strategy: &str,
-    extra: &[&str],
-) -> Result<Vec<String>, TrainError> {
-    check_with_dropout(comm, strategy, 0.0, extra)
+    flags: &[&str],
+) -> Result<Comparison, TrainError> {
+    check_with_dropout(comm, strategy, 0.0, flags)
 }
 
-/// [`check`] with dropout in the model. Only a world of one draws the single-device masks
-/// (every rank has its own stream), so only there is the comparison meaningful.
+/// [`check`] with dropout in the model. Only rank 0 of a world of one draws the masks the
+/// plain loop draws (every rank has its own stream), so only there is this meaningful.
 pub fn check_with_dropout(
     comm: &dyn Communicator,
     strategy: &str,
     dropout: f64,
-    extra: &[&str],
-) -> Result<Vec<String>, TrainError> {
-    check_against_plain(comm, strategy, dropout, extra, &[])
-}
-
-/// [`check_with_dropout`] where the sharded run also gets `sharded_only` (an offload, say)
-/// and the single-device run does not: the technique must not change a step.
-pub fn check_against_plain(
-    comm: &dyn Communicator,
-    strategy: &str,
-    dropout: f64,
-    extra: &[&str],
-    sharded_only: &[&str],
-) -> Result<Vec<String>, TrainError> {
+    flags: &[&str],
+) -> Result<Comparison, TrainError> {
     let world = comm.world_size();
     if !GLOBAL_BATCH.is_multiple_of(world) {
         return Err(TrainError::InvalidArgs(format!(
             "the check splits a global batch of {GLOBAL_BATCH}, which {world} ranks do not divide"
         )));
     }
-    let args = TrainArgs::from_flags(extra).map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
-    let relative = relative_tolerance(args.precision);
-    let sharded_flags = [extra, sharded_only].concat();
-    let (_, sharded) = train_tiny(
-        comm,
-        strategy,
-        GLOBAL_BATCH / world,
-        dropout,
-        &sharded_flags,
-    )?;
-    let solo = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
-    let (initial, single) = train_tiny(&solo, "single", GLOBAL_BATCH, dropout, extra)?;
-
-    let d = GptConfig::tiny().n_embd;
-    let mut differences = Vec::new();
-    for (((path, got), (_, want)), (_, init)) in sharded.iter().zip(&single).zip(&initial) {
-        if args.precision != Precision::F32True {
-            let norm = |v: &mut dyn Iterator<Item = f32>| v.map(|x| x * x).sum::<f32>().sqrt();
-            let error = norm(&mut got.iter().zip(want).map(|(x, y)| x - y));
-            let update = norm(&mut want.iter().zip(init).map(|(y, i)| y - i));
-            if error > relative * update {
-                differences.push(format!(
-                    "{path}: differs from single-device by {error:e}, {:.1}% of its update",
-                    100.0 * error / update
-                ));
-            }
-            continue;
-        }
-        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
-        for (i, (x, y)) in got.iter().zip(want).enumerate() {
-            let key_bias = path.ends_with("c_attn.bias") && (d..2 * d).contains(&i);
-            let tolerance = if key_bias {
-                LR * STEPS as f32
-            } else {
-                relative * scale
-            };
-            if (x - y).abs() > tolerance {
-                differences.push(format!(
-                    "{path}[{i}] is {x}, single-device {y} (scale {scale:e})"
-                ));
-            }
-        }
-    }
-    Ok(differences)
-}
-
-/// How far a sharded run may drift from a single-device one under `precision` (see
-/// [`check`]). The ranks' partial batches round their 16-bit activations and gradients at
-/// other places than one device's whole batch does: measured on minGPT-tiny, bf16 updates
-/// differ by up to 7% (biases; weights 2.5%), f16 ones by up to 1%. A lost or mis-scaled
-/// gradient differs by 50% or more.
-pub fn relative_tolerance(precision: Precision) -> f32 {
-    match precision.compute_dtype() {
-        FloatDType::F16 => 3e-2,
-        FloatDType::BF16 => 0.1,
-        _ => 1e-5,
-    }
-}
-
-/// Every parameter by path before and after training (in f32, whatever the precision).
-fn train_tiny(
-    comm: &dyn Communicator,
-    strategy: &str,
-    batch: usize,
-    dropout: f64,
-    extra: &[&str],
-) -> Result<(Parameters, Parameters), TrainError> {
-    let device = Device::default().autodiff();
-    let config = GptConfig::tiny().with_dropout(dropout);
-    config
-        .validate()
-        .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
-    let model = seeded_model(11, |device| {
-        Gpt::new(&config, device).expect("a validated config builds")
-    });
-    let (batch, steps, lr) = (batch.to_string(), STEPS.to_string(), LR.to_string());
+    let batch = (GLOBAL_BATCH / world).to_string();
+    let (steps, seed) = (STEPS.to_string(), SEED.to_string());
     let base = [
         "--strategy",
         strategy,
@@ -147,18 +92,177 @@ fn train_tiny(
         &batch,
         "--max-steps",
         &steps,
-        "--lr",
-        &lr,
         "--seed",
-        "11",
+        &seed,
+        "--schedule",
+        "constant",
     ];
-    let args = TrainArgs::from_flags(&[&base[..], extra].concat())
+    let args = TrainArgs::from_flags(&[&base[..], flags].concat())
         .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
-    let tokens: Vec<i64> = (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect();
-    let mut task = NextToken::new(tokens, 8, args.batch_size, 11)?;
-    let initial = by_path(&model);
-    let (model, _) = train_on(comm, model, &mut task, &args, &device)?;
-    Ok((initial, by_path(&model)))
+    let plain = PlainConfig::from_args(&args).map_err(TrainError::InvalidArgs)?;
+
+    let config = GptConfig::tiny().with_dropout(dropout);
+    config
+        .validate()
+        .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
+    let model = || seeded_model(SEED, |device| Gpt::new(&config, device).expect("validated"));
+    let task = |batch| NextToken::new(tokens(), BLOCK, batch, SEED);
+    let device = Device::default().autodiff();
+    let initial = weights::collect(&model());
+    let (engine, summary) = train_on(comm, model(), &mut task(args.batch_size)?, &args, &device)?;
+    // The dropout stream rank 0 of a run with this seed draws.
+    burnscale_nn::dropout::seed(SEED);
+    let (expected, plain) = plain.train(model(), &mut task(GLOBAL_BATCH)?, &device);
+
+    let tolerance = Tolerance::of(&args);
+    let mut differences = Vec::new();
+    let mut worst = 0f64;
+    let steps = summary
+        .history
+        .iter()
+        .zip(expected.losses.iter().zip(&expected.grad_norms));
+    for (got, (&loss, &grad_norm)) in steps {
+        let step = got.step;
+        for (what, got, want) in [
+            ("loss", got.loss, loss),
+            ("gradient norm", got.grad_norm, grad_norm),
+        ] {
+            let (difference, allowed) = ((got - want).abs(), tolerance.relative * want.abs());
+            worst = worst.max(difference / allowed);
+            if difference.is_nan() || difference > allowed {
+                differences.push(format!(
+                    "step {step}: {what} {got}, plain {want} (relative {:.1e} > {:.1e})",
+                    (got - want).abs() / want.abs(),
+                    tolerance.relative
+                ));
+            }
+        }
+    }
+    if summary.history.len() != STEPS {
+        differences.push(format!(
+            "{} steps recorded, not {STEPS}",
+            summary.history.len()
+        ));
+    }
+    let (params, params_worst) = parameter_differences(
+        &initial,
+        &weights::collect(&engine),
+        &weights::collect(&plain),
+        &tolerance,
+        args.lr as f32 * STEPS as f32,
+        config.n_embd,
+    );
+    differences.extend(params);
+    Ok(Comparison {
+        differences,
+        worst: worst.max(params_worst),
+    })
+}
+
+/// How far the engine may drift from the plain loop, derived from the dtypes and the
+/// optimizer (the checks run [`STEPS`] steps of minGPT-tiny, 96 tokens a step).
+///
+/// Both runs compute the same sums in another order (the engine splits the batch over ranks
+/// and micro-steps and reduces in its own order; under 16 bits its ranks round their partial
+/// batches separately), so they differ by rounding: a multiple of the unit roundoff `u` of
+/// the coarsest dtype the step computes in (f32 2^-24, f16 2^-11, bf16 2^-8: the compute
+/// dtype, or the gradient-reduction dtype if coarser).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tolerance {
+    /// Of a loss or a gradient norm, and of a parameter's update over the run (L2 norm):
+    /// - SGD `2^10 u` (f32: 6.1e-5). Its update is `lr · g`, so a relative gradient error
+    ///   maps one to one onto the update; sqrt(96 tokens · 5 steps) ≈ 22 for sums in random
+    ///   order, times ~45 for the depth of the network and other kernels' summation orders
+    ///   (measured on minGPT-tiny: at most 2.6e-6 = 44 u).
+    /// - AdamW `2^12 u` (f32: 2.4e-4). It divides each gradient by its own running RMS, so an
+    ///   element whose gradient is near zero turns a rounding difference into an update
+    ///   difference of up to the learning rate; few elements are so, and a tensor's L2 error
+    ///   grows by the root of their share (measured: at most 1.7e-6).
+    ///
+    /// Capped at 0.25 (bf16's `2^10 u` would allow anything): a gradient of the wrong scale
+    /// (2x, the least a sum-for-mean or a missing `1/accumulate` gives) must still fail.
+    pub relative: f64,
+    /// Of a parameter, besides: one rounding of the stored weight per step in either run,
+    /// `2 u_w · steps · ‖θ‖` with `u_w` the weight dtype's unit roundoff (a weight near 1 whose
+    /// update is 1e-2 moves by whole ulps of 1).
+    pub storage: f64,
+}
+
+impl Tolerance {
+    pub fn of(args: &TrainArgs) -> Self {
+        let roundoff = |dtype: FloatDType| match dtype {
+            FloatDType::F16 => 2f64.powi(-11),
+            FloatDType::BF16 => 2f64.powi(-8),
+            _ => 2f64.powi(-24),
+        };
+        let reduce = match args.grad_reduce_dtype.dtype() {
+            DType::F16 => FloatDType::F16,
+            DType::Bf16 => FloatDType::BF16,
+            DType::F32 => FloatDType::F32,
+        };
+        let u = roundoff(args.precision.compute_dtype()).max(roundoff(reduce));
+        let multiple = match args.optimizer {
+            OptimizerKind::Sgd => 2f64.powi(10),
+            _ => 2f64.powi(12),
+        };
+        Self {
+            relative: (multiple * u).min(0.25),
+            storage: 2.0 * roundoff(args.precision.param_dtype()) * STEPS as f64,
+        }
+    }
+}
+
+/// Parameters (by path) whose L2 difference from the plain run exceeds `tolerance`. The
+/// attention key bias (elements `[d, 2d)` of `c_attn.bias`) is checked apart: softmax is
+/// shift-invariant per query, so its exact gradient is zero and both runs move it by float
+/// noise, which AdamW normalises into steps of up to the learning rate: those elements must
+/// stay within `drift` (`lr · steps`) of each other. Also returns the largest difference as
+/// a fraction of what was allowed.
+fn parameter_differences(
+    initial: &BTreeMap<String, Weight>,
+    got: &BTreeMap<String, Weight>,
+    want: &BTreeMap<String, Weight>,
+    tolerance: &Tolerance,
+    drift: f32,
+    d: usize,
+) -> (Vec<String>, f64) {
+    let mut differences = Vec::new();
+    let mut worst = 0f64;
+    for (path, init) in initial {
+        let (Some(got), Some(want)) = (got.get(path), want.get(path)) else {
+            differences.push(format!("{path}: missing from a trained model"));
+            continue;
+        };
+        let key_bias = |i: usize| path.ends_with("c_attn.bias") && (d..2 * d).contains(&i);
+        let (mut error, mut update, mut norm) = (0f64, 0f64, 0f64);
+        let values = got.values.iter().zip(&want.values).zip(&init.values);
+        for (i, ((&x, &y), &x0)) in values.enumerate() {
+            if key_bias(i) {
+                if (x - y).abs() > drift {
+                    differences.push(format!("{path}[{i}] (key bias) is {x}, plain {y}"));
+                }
+                continue;
+            }
+            error += ((x - y) as f64).powi(2);
+            update += ((y - x0) as f64).powi(2);
+            norm += (y as f64).powi(2);
+        }
+        let (error, update) = (error.sqrt(), update.sqrt());
+        let allowed = tolerance.relative * update + tolerance.storage * norm.sqrt();
+        worst = worst.max(error / allowed);
+        if error.is_nan() || error > allowed {
+            differences.push(format!(
+                "{path}: differs from the plain run by {error:.3e}, {:.2e} of its update {update:.3e} (allowed {allowed:.3e})",
+                error / update
+            ));
+        }
+    }
+    (differences, worst)
+}
+
+/// The token stream the checks train on: a periodic pattern the model can learn.
+fn tokens() -> Vec<i64> {
+    (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect()
 }
 
 /// Builds a model on the autodiff device with the generator seeded. Flex seeds one
@@ -172,14 +276,4 @@ pub fn seeded_model<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M
     let model = build(&device);
     burnscale_shard::host::materialize(&model);
     model
-}
-
-type Parameters = Vec<(String, Vec<f32>)>;
-
-fn by_path(model: &Gpt) -> Parameters {
-    let values = burnscale_shard::host::values(model);
-    burnscale_shard::layout::slots(model, 1)
-        .into_iter()
-        .map(|slot| (slot.path, values[&slot.id].clone()))
-        .collect()
 }

@@ -2,7 +2,9 @@
 //!
 //! The crates, re-exported: [`train`] (the runner, its CLI and reports), [`shard`] (DDP and
 //! ZeRO-1/2/3), [`collective`] (process groups), [`nn`] (shared layers and the block-list
-//! view of a model) and the models ([`mingpt`], [`vit`], [`bert`], [`bigbird`]). See README.md for what works today.
+//! view of a model) and the models ([`mingpt`], [`vit`], [`bert`], [`bigbird`]); [`reference`]
+//! is the plain Burn loop the engine is checked against ([`equivalence`]). See README.md for
+//! what works today.
 
 pub use burnscale_bert as bert;
 pub use burnscale_bigbird as bigbird;
@@ -18,6 +20,7 @@ pub mod equivalence;
 pub mod images;
 pub mod pretrained;
 pub mod pypi;
+pub mod reference;
 pub mod tasks;
 
 /// Ends a self-check program: runs `report` (which returns its failure count) once per rank,

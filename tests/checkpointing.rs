@@ -1,5 +1,5 @@
 //! Per-block activation checkpointing (`--checkpoint-activations`) gives the gradients of the
-//! plain step, for every model that exposes its block list, alone and with each strategy.
+//! plain Burn step, for every model that exposes its block list, alone and with strategies.
 //!
 //! One SGD step with learning rate 1 and nothing else (no momentum, decay or clipping) moves
 //! each parameter by exactly its gradient, so comparing parameters after it compares
@@ -7,17 +7,21 @@
 
 mod common;
 
+use std::collections::BTreeMap;
+
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::bigbird::{BigBird, BigBirdConfig};
 use burnscale::images::{self, Preprocess};
 use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::nn::weights::{self, Weight};
+use burnscale::reference::PlainConfig;
 use burnscale::tasks::{ImageClassification, NextToken, TextClassification};
 use burnscale::train::{TrainArgs, TrainTask, train};
 use burnscale::vit::{Vit, VitConfig};
 use common::seeded_model;
 
-const ONE_GRADIENT_STEP: [&str; 12] = [
+const ONE_GRADIENT_STEP: [&str; 14] = [
     "--optimizer",
     "sgd",
     "--lr",
@@ -30,22 +34,17 @@ const ONE_GRADIENT_STEP: [&str; 12] = [
     "0",
     "--max-steps",
     "1",
+    "--schedule",
+    "constant",
 ];
 
-/// Max |plain - checkpointed| over all parameters, as a fraction of the largest gradient.
-fn gradient_difference<T: TrainTask>(model: impl Fn() -> T::Model, task: T, extra: &[&str]) -> f32 {
-    let device = Device::default().autodiff();
-    let run = |flags: &[&str]| {
-        let args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
-        train(model(), &mut task.clone(), &args, &device).unwrap().0
-    };
-    let start = burnscale::nn::weights::collect(&model());
-    let plain = burnscale::nn::weights::collect(&run(extra));
-    let checkpointed =
-        burnscale::nn::weights::collect(&run(&[extra, &["--checkpoint-activations"]].concat()));
+type Parameters = BTreeMap<String, Weight>;
+
+/// Max |a - b| over all parameters, as a fraction of the largest step `a` took from `start`.
+fn difference(start: &Parameters, a: &Parameters, b: &Parameters) -> f32 {
     let (mut worst, mut largest) = (0f32, 0f32);
-    for (path, p0) in &start {
-        let (a, b) = (&plain[path].values, &checkpointed[path].values);
+    for (path, p0) in start {
+        let (a, b) = (&a[path].values, &b[path].values);
         for ((x0, x), y) in p0.values.iter().zip(a).zip(b) {
             largest = largest.max((x0 - x).abs());
             worst = worst.max((x - y).abs());
@@ -55,19 +54,47 @@ fn gradient_difference<T: TrainTask>(model: impl Fn() -> T::Model, task: T, extr
     worst / largest
 }
 
+/// Checkpointed gradients equal plain ones: one step of the plain Burn loop
+/// (`burnscale::reference`) against the runner's with and without `--checkpoint-activations`
+/// on one rank (alone and as ddp), and on two ranks (zero2, each rank drawing its own dropout
+/// masks) the checkpointed run against the same strategy without checkpointing.
 fn check<T: TrainTask>(name: &str, model: impl Fn() -> T::Model, task: T) {
-    for extra in [
-        &[][..],
-        &["--strategy", "ddp"],
-        &["--strategy", "zero2", "--devices", "2"],
-    ] {
-        let diff = gradient_difference(&model, task.clone(), extra);
-        eprintln!(
-            "{name} {extra:?}: checkpointed vs plain gradients differ by {diff:.1e} (relative)"
-        );
+    let device = Device::default().autodiff();
+    let run = |flags: &[&str]| {
+        let args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
+        weights::collect(&train(model(), &mut task.clone(), &args, &device).unwrap().0)
+    };
+    let start = weights::collect(&model());
+    let args = TrainArgs::from_flags(&ONE_GRADIENT_STEP).unwrap();
+    // The dropout stream rank 0 of a run with this seed draws.
+    burnscale::nn::dropout::seed(args.seed);
+    let plain = PlainConfig::from_args(&args)
+        .unwrap()
+        .train(model(), &mut task.clone(), &device)
+        .1;
+    let plain = weights::collect(&plain);
+    let two_ranks = ["--strategy", "zero2", "--devices", "2"];
+    let mut cases = Vec::new();
+    for extra in [&[][..], &["--strategy", "ddp"]] {
+        for checkpoint in [&[][..], &["--checkpoint-activations"]] {
+            let flags = [extra, checkpoint].concat();
+            cases.push((
+                format!("{flags:?} vs plain"),
+                difference(&start, &plain, &run(&flags)),
+            ));
+        }
+    }
+    let unchecked = run(&two_ranks);
+    let checkpointed = run(&[&two_ranks[..], &["--checkpoint-activations"]].concat());
+    cases.push((
+        "zero2 x2 checkpointed vs not".into(),
+        difference(&start, &unchecked, &checkpointed),
+    ));
+    for (case, diff) in cases {
+        eprintln!("{name} {case}: gradients differ by {diff:.1e} (relative)");
         assert!(
             diff < 1e-6,
-            "{name} {extra:?}: gradients differ by {diff:e} of the largest"
+            "{name} {case}: gradients differ by {diff:e} of the largest"
         );
     }
 }

@@ -1,30 +1,20 @@
 //! Offload (`--offload optimizer|params`, `--offload-dir`) changes where the model states
-//! live, never a step: every strategy with its state offloaded takes the same optimizer steps
-//! as a plain single-device run, and state on disk is not held in memory.
+//! live, never a step: every strategy with its state offloaded takes the steps of the plain
+//! Burn loop, and state on disk is not held in memory.
 
 use burn::prelude::*;
-use burnscale::collective::run_ranks;
 use burnscale::collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
-use burnscale::equivalence::check_against_plain;
+use burnscale::equivalence::ADAMW;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
 use burnscale::train::{TrainArgs, TrainError, train_on};
 
 mod common;
 
+/// AdamW, whose two moments per parameter are the state that offload moves.
 fn matches_plain(strategy: &str, world: usize, offload: &[&str]) {
-    let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
-        check_against_plain(comm, strategy, 0.0, &["--grad-clip", "0.05"], offload)
-    })
-    .unwrap();
-    for (rank, outcome) in ranks.into_iter().enumerate() {
-        let differences = outcome.unwrap().unwrap();
-        assert!(
-            differences.is_empty(),
-            "{strategy} x{world} {offload:?} rank {rank}:\n{}",
-            differences.join("\n")
-        );
-    }
+    let flags = [ADAMW, &["--grad-clip", "0.05"], offload].concat();
+    common::assert_matches_plain(strategy, world, &flags);
 }
 
 #[test]

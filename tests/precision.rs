@@ -1,7 +1,8 @@
 //! Precision policies: mixed precision follows 32-true and keeps f32 master weights, the
 //! `*-true` policies store 16-bit weights, the loss scaler skips overflowing steps on every
 //! rank, `16-true` stops on its NaN loss where `16-mixed` trains, and every policy composes
-//! with every strategy (a sharded run equals the single-device one to the dtype's resolution).
+//! with every strategy (a sharded run takes the plain Burn loop's steps to the dtype's
+//! resolution: mixed policies against the f32 loop, `*-true` against the loop in 16 bits).
 
 use std::path::Path;
 
@@ -10,7 +11,7 @@ use burn::prelude::*;
 use burn::tensor::DType;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::check;
+use burnscale::equivalence::SGD;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::precision::{Precision, ScalerConfig, param_dtypes};
 use burnscale::shard::{Sharded, Strategy};
@@ -18,6 +19,7 @@ use burnscale::tasks::NextToken;
 use burnscale::train::{BatchPart, TrainArgs, TrainError, TrainTask, train};
 
 mod common;
+use common::assert_matches_plain;
 
 fn tokens() -> Vec<i64> {
     (0..4000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect()
@@ -189,42 +191,18 @@ fn loss_scaler_skips_overflow_on_every_rank_and_grows_after_good_steps() {
     }
 }
 
-/// SGD without momentum, so a gradient difference shows as a parameter difference instead
-/// of being normalised away as AdamW would.
-const SGD: [&str; 8] = [
-    "--optimizer",
-    "sgd",
-    "--momentum",
-    "0",
-    "--lr",
-    "0.1",
-    "--grad-clip",
-    "0",
-];
-
-/// Runs the sharded-vs-single check of `strategy` on `world` ranks with `extra` flags.
-fn assert_matches_single(strategy: &str, world: usize, extra: &[&str]) {
-    let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| check(comm, strategy, extra)).unwrap();
-    for (rank, outcome) in ranks.into_iter().enumerate() {
-        let differences = outcome.unwrap().unwrap();
-        assert!(
-            differences.is_empty(),
-            "{extra:?} {strategy} x{world} rank {rank}:\n{}",
-            differences[..differences.len().min(10)].join("\n")
-        );
-    }
-}
-
 #[test]
 fn every_precision_composes_with_every_strategy() {
     for precision in ["bf16-mixed", "16-mixed", "bf16-true", "16-true"] {
         for strategy in ["ddp", "zero1", "zero2", "zero3"] {
             for world in [2, 3] {
-                assert_matches_single(
-                    strategy,
-                    world,
-                    &[&["--precision", precision], &SGD[..]].concat(),
-                );
+                let mut flags = [&["--precision", precision, "--grad-clip", "0"], SGD].concat();
+                if precision == "16-mixed" {
+                    // Scaled by 2^16, tiny-minGPT's gradients (up to ~3) overflow f16 by step
+                    // 5, a skipped step the f32 plain loop does not take; 2^10 still scales.
+                    flags.extend(["--initial-loss-scale", "1024"]);
+                }
+                assert_matches_plain(strategy, world, &flags);
             }
         }
     }
@@ -232,10 +210,58 @@ fn every_precision_composes_with_every_strategy() {
 
 #[test]
 fn checkpointing_composes_with_mixed_precision() {
-    let extra = [
-        &["--precision", "bf16-mixed", "--checkpoint-activations"],
-        &SGD[..],
+    let flags = [
+        &[
+            "--precision",
+            "bf16-mixed",
+            "--checkpoint-activations",
+            "--grad-clip",
+            "0",
+        ],
+        SGD,
     ]
     .concat();
-    assert_matches_single("zero2", 2, &extra);
+    assert_matches_plain("zero2", 2, &flags);
+}
+
+#[test]
+fn sixteen_mixed_stops_after_consecutive_overflows() {
+    let mut model = common::seeded_model(3, |device| {
+        Gpt::new(&GptConfig::tiny().with_dropout(0.0), device).unwrap()
+    });
+    // A head beyond f16's range: every f16 forward overflows, whatever the loss scale.
+    model.lm_head.weight = model.lm_head.weight.map(|w| w * 1e8);
+    let device = Device::default().autodiff();
+    for (limit, flags) in [
+        (5, &["--max-consecutive-skips", "5"][..]),
+        (burnscale::precision::MAX_CONSECUTIVE_SKIPS, &[][..]),
+    ] {
+        let args = TrainArgs::from_flags(
+            &[
+                &[
+                    "--precision",
+                    "16-mixed",
+                    "--max-steps",
+                    "40",
+                    "--batch-size",
+                    "4",
+                ],
+                flags,
+            ]
+            .concat(),
+        )
+        .unwrap();
+        let mut task = NextToken::new(tokens(), 8, 4, 3).unwrap();
+        let err = train(model.clone(), &mut task, &args, &device)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        eprintln!("{err}");
+        assert!(
+            err.contains("--precision 16-mixed")
+                && err.contains(&format!("overflowed on {limit} consecutive steps"))
+                && err.contains("bf16-mixed"),
+            "{err}"
+        );
+    }
 }

@@ -1,53 +1,85 @@
-//! Every strategy on N in-process ranks takes the same optimizer steps as `--strategy single`
-//! with the same global batch (N = 3 gives uneven shards), with and without gradient
-//! accumulation and clipping. `examples/shard_check.rs` runs the same check under mpirun.
+//! Every strategy on N in-process ranks takes the steps of the plain Burn loop
+//! (`burnscale::reference`) with the same global batch (N = 3 gives uneven shards): the same
+//! loss and gradient norm at every step and the same parameters at the end, under SGD
+//! (scale-sensitive) and AdamW, with and without gradient accumulation and clipping.
+//! `examples/shard_check.rs` runs the same check under mpirun.
 
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{check, check_with_dropout};
+use burnscale::equivalence::{ADAMW, SGD, check_with_dropout};
 
-fn check_all_strategies(extra: &[&str]) {
+mod common;
+use common::assert_matches_plain;
+
+fn every_strategy(optimizer: &[&str], extra: &[&str]) {
+    let flags = [optimizer, extra].concat();
+    assert_matches_plain("single", 1, &flags);
     for strategy in ["ddp", "zero1", "zero2", "zero3"] {
         for world in 1..=4 {
-            let ranks =
-                run_ranks(world, DEFAULT_TIMEOUT, |comm| check(comm, strategy, extra)).unwrap();
-            for (rank, outcome) in ranks.into_iter().enumerate() {
-                let differences = outcome.unwrap().unwrap();
-                assert!(
-                    differences.is_empty(),
-                    "{strategy} x{world} {extra:?} rank {rank}:\n{}",
-                    differences.join("\n")
-                );
-            }
+            assert_matches_plain(strategy, world, &flags);
         }
     }
 }
 
 #[test]
-fn every_strategy_matches_single() {
-    check_all_strategies(&["--grad-clip", "0"]);
+fn every_strategy_takes_the_plain_sgd_steps() {
+    every_strategy(SGD, &["--grad-clip", "0"]);
 }
 
 #[test]
-fn every_strategy_matches_single_with_accumulation_and_clipping() {
+fn every_strategy_takes_the_plain_adamw_steps() {
+    every_strategy(ADAMW, &["--grad-clip", "0"]);
+}
+
+#[test]
+fn accumulation_averages_micro_batches() {
+    every_strategy(SGD, &["--accumulate", "2", "--grad-clip", "0"]);
+    every_strategy(ADAMW, &["--accumulate", "2", "--grad-clip", "0"]);
+}
+
+#[test]
+fn clipping_uses_the_global_norm_across_shards() {
     // A clip far below the tiny model's gradient norm (~1), so every step is clipped.
-    check_all_strategies(&["--accumulate", "2", "--grad-clip", "0.05"]);
+    every_strategy(SGD, &["--accumulate", "2", "--grad-clip", "0.05"]);
+    every_strategy(ADAMW, &["--grad-clip", "0.05"]);
 }
 
 #[test]
-fn zero3_recomputation_drops_what_its_forward_dropped() {
-    // ZeRO-3 runs blocks forward outside autodiff and recomputes them in backward: both must
-    // apply the same dropout masks as a plain single-device step.
-    for strategy in ["zero3", "ddp"] {
-        let ranks = run_ranks(1, DEFAULT_TIMEOUT, |comm| {
-            check_with_dropout(comm, strategy, 0.1, &["--grad-clip", "0"])
-        })
-        .unwrap();
-        let differences = ranks.into_iter().next().unwrap().unwrap().unwrap();
-        assert!(
-            differences.is_empty(),
-            "{strategy}:\n{}",
-            differences.join("\n")
-        );
+fn checkpointed_blocks_take_the_plain_steps() {
+    for strategy in ["ddp", "zero1", "zero2"] {
+        for world in [1, 3] {
+            let flags = [SGD, &["--grad-clip", "0", "--checkpoint-activations"]].concat();
+            assert_matches_plain(strategy, world, &flags);
+        }
+    }
+}
+
+#[test]
+fn recomputed_blocks_drop_what_their_forward_dropped() {
+    // ZeRO-3 and --checkpoint-activations run blocks forward outside autodiff and recompute
+    // them in backward: both must apply the masks of a plain step (one rank, whose dropout
+    // stream is the plain loop's).
+    for optimizer in [SGD, ADAMW] {
+        for (strategy, extra) in [
+            ("zero3", &[][..]),
+            ("ddp", &["--checkpoint-activations"][..]),
+            ("single", &[][..]),
+        ] {
+            let flags = [optimizer, &["--grad-clip", "0"], extra].concat();
+            let ranks = run_ranks(1, DEFAULT_TIMEOUT, |comm| {
+                check_with_dropout(comm, strategy, 0.1, &flags)
+            })
+            .unwrap();
+            let found = ranks.into_iter().next().unwrap().unwrap().unwrap();
+            eprintln!(
+                "{strategy} {flags:?} with dropout: used {:.1e} of the tolerance",
+                found.worst
+            );
+            assert!(
+                found.agrees(),
+                "{strategy} {flags:?}:\n{}",
+                found.differences.join("\n")
+            );
+        }
     }
 }

@@ -37,6 +37,30 @@ pub fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 
 #[allow(unused_imports)]
 pub use burnscale::equivalence::seeded_model;
 
+/// Runs [`burnscale::equivalence::check`] of `strategy` on `world` thread ranks with
+/// `flags`; panics with every rank's differences from the plain reference.
+pub fn assert_matches_plain(strategy: &str, world: usize, flags: &[&str]) {
+    use burnscale::collective::{run_ranks, threads::DEFAULT_TIMEOUT};
+    let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
+        burnscale::equivalence::check(comm, strategy, flags)
+    })
+    .unwrap();
+    for (rank, outcome) in ranks.into_iter().enumerate() {
+        let found = outcome.unwrap().unwrap();
+        if rank == 0 {
+            eprintln!(
+                "{strategy} x{world} {flags:?}: used {:.1e} of the tolerance",
+                found.worst
+            );
+        }
+        assert!(
+            found.agrees(),
+            "{strategy} x{world} {flags:?} rank {rank}:\n{}",
+            found.differences[..found.differences.len().min(12)].join("\n")
+        );
+    }
+}
+
 /// Panics naming the first parameter where `a` and `b` differ by more than 1e-5 of its
 /// largest value (plus a floor for the attention key bias, which stays at float noise).
 pub fn assert_same<M: Module>(a: &M, b: &M, what: &str) {

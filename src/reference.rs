@@ -1,0 +1,198 @@
+//! The plain training loop the engine is checked against, written with Burn alone: the
+//! model's loss on the whole global batch, `backward`, Burn's gradient accumulator and a
+//! burn-optim optimizer. It shares no code with `crates/shard` or the runner (no host
+//! vectors, buckets, collectives, loss scaler or per-parameter optimizer glue), so a bug
+//! there cannot hide by appearing on both sides of a comparison.
+
+use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+use burnscale_nn::BlockModel;
+use burnscale_train::{BatchPart, OptimizerKind, Schedule, TrainArgs, TrainTask};
+
+/// What the plain loop can run: the optimizer settings of `TrainArgs` that a check uses.
+#[derive(Debug, Clone)]
+pub struct PlainConfig {
+    pub optimizer: PlainOptimizer,
+    pub lr: f64,
+    /// Decoupled weight decay on rank >= 2 parameters only (as the runner's nanoGPT split).
+    pub weight_decay: f64,
+    /// Global L2 norm over all gradients (0: no clipping).
+    pub grad_clip: f64,
+    pub accumulate: usize,
+    pub steps: usize,
+    /// The dtype the weights are stored and trained in.
+    pub dtype: FloatDType,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PlainOptimizer {
+    /// Without momentum: an update proportional to the gradient, so any error in its scale
+    /// shows.
+    Sgd,
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+    },
+}
+
+/// What a run did at every step, and where it ended.
+#[derive(Debug, Clone)]
+pub struct Trajectory {
+    /// The mean loss over the global batch (all micro-batches of the step).
+    pub losses: Vec<f64>,
+    /// The global L2 norm of the averaged gradients, before clipping.
+    pub grad_norms: Vec<f64>,
+}
+
+impl PlainConfig {
+    /// The plain counterpart of `args`. Fails naming what the plain loop does not model
+    /// (SGD momentum, a learning-rate schedule, the other optimizers): a check must not
+    /// compare against a reference that silently trains differently.
+    pub fn from_args(args: &TrainArgs) -> Result<Self, String> {
+        let optimizer = match args.optimizer {
+            OptimizerKind::Sgd if args.momentum == 0.0 => PlainOptimizer::Sgd,
+            OptimizerKind::Adamw => PlainOptimizer::AdamW {
+                beta1: args.beta1,
+                beta2: args.beta2,
+            },
+            other => {
+                return Err(format!(
+                    "the plain reference runs sgd without momentum and adamw, not {other:?} (momentum {})",
+                    args.momentum
+                ));
+            }
+        };
+        if args.schedule != Schedule::Constant || args.warmup_steps > 0 {
+            return Err("the plain reference runs a constant learning rate: pass --schedule constant and no warm-up".into());
+        }
+        Ok(Self {
+            optimizer,
+            lr: args.lr,
+            weight_decay: args.weight_decay,
+            grad_clip: args.grad_clip,
+            accumulate: args.accumulate,
+            steps: args.max_steps,
+            dtype: args.precision.param_dtype(),
+        })
+    }
+
+    /// Trains `model` on the whole global batches of `task` (each rank's slices together)
+    /// on `device` (an autodiff device); returns the trajectory and the trained model.
+    pub fn train<T: TrainTask>(
+        &self,
+        model: T::Model,
+        task: &mut T,
+        device: &Device,
+    ) -> (Trajectory, T::Model) {
+        let mut model = if self.dtype == FloatDType::F32 {
+            model
+        } else {
+            burnscale_precision::cast(model, self.dtype)
+        };
+        let mut optim = self.optimizer(&model);
+        let mut trajectory = Trajectory {
+            losses: Vec::with_capacity(self.steps),
+            grad_norms: Vec::with_capacity(self.steps),
+        };
+        for _ in 0..self.steps {
+            let mut accumulator = GradientsAccumulator::new();
+            let mut loss_sum = 0.0;
+            for _ in 0..self.accumulate {
+                let (input, target) = task.next_batch(device, BatchPart::WHOLE);
+                let loss = model.loss(input, target) / self.accumulate as f64;
+                loss_sum += loss.clone().into_scalar::<f32>() as f64;
+                accumulator
+                    .accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+            }
+            let mut grads = accumulator.grads();
+            let norm = global_norm(&model, &grads);
+            if self.grad_clip > 0.0 && norm > self.grad_clip {
+                grads = scaled(&model, grads, self.grad_clip / (norm + 1e-6));
+            }
+            trajectory.losses.push(loss_sum);
+            trajectory.grad_norms.push(norm);
+            model = optim.step(self.lr, model, grads);
+        }
+        (trajectory, model)
+    }
+
+    /// One optimizer for the parameters without decay, one with decay for matrices and
+    /// embeddings (Burn's parameter groups).
+    fn optimizer<M: Module>(&self, model: &M) -> ModuleOptimizer {
+        let decay =
+            (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay as f32));
+        let decayed = ParamGroup::from_ids(matrix_ids(model));
+        match self.optimizer {
+            PlainOptimizer::Sgd => SgdConfig::new().init().with_group(
+                decayed,
+                SgdConfig::new().with_weight_decay(decay).build(),
+                None,
+            ),
+            PlainOptimizer::AdamW { beta1, beta2 } => {
+                let adamw = || {
+                    AdamWConfig::new()
+                        .with_beta_1(beta1 as f32)
+                        .with_beta_2(beta2 as f32)
+                        .with_epsilon(1e-8)
+                };
+                adamw().with_weight_decay(0.0).init().with_group(
+                    decayed,
+                    adamw().with_weight_decay(self.weight_decay as f32).build(),
+                    None,
+                )
+            }
+        }
+    }
+}
+
+/// The ids of `model`'s parameters of rank >= 2.
+fn matrix_ids<M: Module>(model: &M) -> Vec<ParamId> {
+    struct Matrices(Vec<ParamId>);
+    impl ModuleVisitor for Matrices {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if D >= 2 {
+                self.0.push(param.id);
+            }
+        }
+    }
+    let mut visit = Matrices(Vec::new());
+    model.visit(&mut visit);
+    visit.0
+}
+
+/// The L2 norm of all of `grads` together, summed in f64.
+fn global_norm<M: Module>(model: &M, grads: &GradientsParams) -> f64 {
+    struct SumSquares<'a>(&'a GradientsParams, f64);
+    impl ModuleVisitor for SumSquares<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.get::<D>(param.id) {
+                let values: Vec<f32> = grad
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec()
+                    .expect("converted to f32");
+                self.1 += values.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+            }
+        }
+    }
+    let mut visit = SumSquares(grads, 0.0);
+    model.visit(&mut visit);
+    visit.1.sqrt()
+}
+
+/// `grads` times `factor`.
+fn scaled<M: Module>(model: &M, mut grads: GradientsParams, factor: f64) -> GradientsParams {
+    struct Scale<'a>(&'a mut GradientsParams, f64);
+    impl ModuleVisitor for Scale<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.0.remove::<D>(param.id) {
+                self.0.register(param.id, grad * self.1);
+            }
+        }
+    }
+    model.visit(&mut Scale(&mut grads, factor));
+    grads
+}
