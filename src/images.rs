@@ -226,13 +226,40 @@ pub fn load(
 ) -> Result<(ImageSet, ImageSet), ImageDataError> {
     match source.split_once(':') {
         None if source == "digits" => Ok(ImageSet::digits()?.split(test_fraction, seed)),
-        Some(("cifar10", dir)) => ImageSet::cifar10(Path::new(dir)),
+        Some(("cifar10", dir)) => ImageSet::cifar10(&expand_home(dir)),
         _ => Err(ImageDataError::UnknownSource(source.to_string())),
+    }
+}
+
+/// `dir` with a leading `~` read as `$HOME`: the shell does not expand it after `cifar10:`.
+fn expand_home(dir: &str) -> PathBuf {
+    match (dir.strip_prefix('~'), std::env::var_os("HOME")) {
+        (Some(rest), Some(home)) if rest.is_empty() || rest.starts_with('/') => {
+            PathBuf::from(home).join(rest.trim_start_matches('/'))
+        }
+        _ => PathBuf::from(dir),
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_leading_tilde_is_home() {
+        let home = std::env::var("HOME").unwrap();
+        assert_eq!(
+            super::expand_home("~/cifar"),
+            std::path::PathBuf::from(format!("{home}/cifar"))
+        );
+        assert_eq!(
+            super::expand_home("/data/~x"),
+            std::path::PathBuf::from("/data/~x")
+        );
+        assert_eq!(
+            super::expand_home("~user/x"),
+            std::path::PathBuf::from("~user/x")
+        );
+    }
+
     use super::*;
 
     #[test]

