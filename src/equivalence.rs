@@ -1,7 +1,7 @@
 //! Self-check of the engine against the plain reference ([`crate::reference`]): a strategy
 //! on this rank's process group, reading its slice of the same global batch, takes the steps
 //! a plain Burn loop takes on one device: the same loss and gradient norm at every step and
-//! the same parameters at the end, within [`tolerance`]. The tests run it on threads;
+//! the same parameters at the end, within a [`Tolerance`]. The tests run it on threads;
 //! `examples/shard_check.rs` runs it under mpirun.
 
 use std::collections::BTreeMap;
@@ -173,7 +173,7 @@ pub struct Tolerance {
     /// - SGD `2^10 u` (f32: 6.1e-5). Its update is `lr · g`, so a relative gradient error
     ///   maps one to one onto the update; sqrt(96 tokens · 5 steps) ≈ 22 for sums in random
     ///   order, times ~45 for the depth of the network and other kernels' summation orders
-    ///   (measured on minGPT-tiny: at most 2.6e-6 = 44 u).
+    ///   (measured on minGPT-tiny: at most 2.6e-6 = 44 u, besides whole ulps of storage).
     /// - AdamW `2^12 u` (f32: 2.4e-4). It divides each gradient by its own running RMS, so an
     ///   element whose gradient is near zero turns a rounding difference into an update
     ///   difference of up to the learning rate; few elements are so, and a tensor's L2 error

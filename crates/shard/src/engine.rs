@@ -34,8 +34,8 @@ pub struct Sharded<'c, M: BlockModel> {
     local: HostValues,
     /// Gradients after the collective: full (ddp, zero1) or this rank's shards.
     reduced: HostValues,
-    /// The most gradient bytes (`local` and `reduced` together) held during this step, and
-    /// during the last finished one.
+    /// The most gradient bytes (`local` and `reduced` together) held at once so far in this
+    /// step, and in the last finished one.
     grad_peak: usize,
     grad_bytes: usize,
     /// Per-block activation checkpointing (always on under ZeRO-3).

@@ -120,8 +120,7 @@ impl RunSummary {
     pub(crate) fn new(
         args: &TrainArgs,
         world_size: usize,
-        steps: usize,
-        final_loss: f64,
+        history: Vec<StepMetrics>,
         val_loss: f64,
         accuracy: Option<f64>,
         elapsed_s: f64,
@@ -146,8 +145,8 @@ impl RunSummary {
             precision: args.precision,
             world_size,
             optimizer: args.optimizer,
-            steps,
-            final_loss,
+            steps: history.last().map_or(0, |m| m.step),
+            final_loss: history.last().map_or(f64::NAN, |m| m.loss),
             val_loss,
             accuracy,
             elapsed_s,
@@ -165,7 +164,7 @@ impl RunSummary {
             skipped_steps: 0,
             peak_flops,
             mfu,
-            history: Vec::new(),
+            history,
         }
     }
 

@@ -175,14 +175,6 @@ pub fn train_on<T: TrainTask>(
     let mut train_s = 0.0;
     let mut step_times = Vec::with_capacity(args.max_steps);
     let mut history = Vec::with_capacity(args.max_steps);
-    let mut last = StepMetrics {
-        step: 0,
-        lr: 0.0,
-        loss: f64::NAN,
-        grad_norm: 0.0,
-        items_per_s: 0.0,
-        elapsed_s: 0.0,
-    };
     for step in 1..=args.max_steps {
         let step_start = Instant::now();
         let mut step_loss = 0.0;
@@ -217,7 +209,7 @@ pub fn train_on<T: TrainTask>(
         let step_s = step_start.elapsed().as_secs_f64();
         train_s += step_s;
         step_times.push(step_s);
-        last = StepMetrics {
+        let last = StepMetrics {
             step,
             lr,
             loss: step_loss,
@@ -279,8 +271,7 @@ pub fn train_on<T: TrainTask>(
     let mut summary = RunSummary::new(
         args,
         world,
-        last.step,
-        last.loss,
+        history,
         val_loss,
         accuracy,
         elapsed_s,
@@ -292,7 +283,6 @@ pub fn train_on<T: TrainTask>(
         throughput,
         peak_flops,
     );
-    summary.history = history;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
