@@ -25,8 +25,8 @@ pub struct Sharded<'c, M: BlockModel> {
     comm: &'c dyn Communicator,
     device: Device,
     slots: Vec<Slot>,
-    /// Slot indices moved by one collective: size-capped buckets, or ZeRO-3's units (the
-    /// root first, then each block).
+    /// Slot indices moved by one collective: size-capped buckets, or the units (the root
+    /// first, then each block) where gradients are reduced unit by unit.
     buckets: Vec<Vec<usize>>,
     /// The full replica (ddp, zero1, zero2) or this rank's shards (zero3).
     model: Option<M>,
@@ -76,19 +76,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 });
             }
         }
-        let buckets = if strategy == Strategy::Zero3 {
-            let mut root = model.clone();
-            let blocks = root.take_blocks();
-            std::iter::once(host::param_ids(&root))
-                .chain(blocks.iter().map(host::param_ids))
-                .map(|ids| ids.iter().map(|id| index[id]).collect())
-                .collect()
-        } else {
-            layout::buckets(&slots, BUCKET_ELEMS)
-                .into_iter()
-                .map(|range| range.collect())
-                .collect()
-        };
+        let buckets = groups(&model, &slots, &index, strategy == Strategy::Zero3);
         let mut this = Self {
             strategy,
             comm,
@@ -118,7 +106,22 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// recomputed in backward. ZeRO-3 always works this way (it must drop gathered weights).
     pub fn checkpoint_activations(mut self, on: bool) -> Self {
         self.checkpoint = on || self.strategy == Strategy::Zero3;
+        let model = self.model.as_ref().expect(PRESENT);
+        let index = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.id, i))
+            .collect();
+        self.buckets = groups(model, &self.slots, &index, self.per_unit());
         self
+    }
+
+    /// Whether gradients are reduce-scattered unit by unit as backward leaves each unit:
+    /// ZeRO-3, and ZeRO-2 with checkpointing (whose backward runs block by block; a plain
+    /// backward computes every gradient at once).
+    fn per_unit(&self) -> bool {
+        self.strategy == Strategy::Zero3 || (self.strategy == Strategy::Zero2 && self.checkpoint)
     }
 
     /// Trains under `precision`: the `*-true` policies keep the weights (and so the optimizer
@@ -499,10 +502,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// Per-block checkpointing, and ZeRO-3. Blocks run forward outside autodiff, keeping
     /// only their input; backward takes each block again, recomputes it under autodiff (with
     /// the same dropout masks) and back-propagates the incoming gradient through it. Under
-    /// ZeRO-3 a block's parameters are gathered just before it runs and dropped after, and its
-    /// gradients reduce-scattered as soon as backward leaves it; the root unit (embeddings and
-    /// head) stays gathered for the whole micro-step. Other strategies reduce their buckets
-    /// after the whole backward, as without checkpointing.
+    /// ZeRO-2 and ZeRO-3 a block's gradients are reduce-scattered as soon as backward leaves
+    /// it, so a rank holds one block's full gradients (and the root's) at a time; under ZeRO-3
+    /// its parameters are also gathered just before it runs and dropped after, and the root
+    /// unit (embeddings and head) stays gathered for the whole micro-step. DDP and ZeRO-1
+    /// reduce their buckets after the whole backward, as without checkpointing.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
@@ -511,6 +515,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         last: bool,
     ) -> Result<f64, ShardError> {
         let zero3 = self.strategy == Strategy::Zero3;
+        let per_unit = self.per_unit();
         let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
@@ -561,7 +566,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             );
             self.note_grads();
             drop(block);
-            if zero3 && last {
+            if per_unit && last {
                 self.reduce_bucket(i + 1)?;
             }
         }
@@ -578,7 +583,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         self.note_grads();
         if last {
-            let buckets = if zero3 { 0..1 } else { 0..self.buckets.len() };
+            let buckets = if per_unit {
+                0..1
+            } else {
+                0..self.buckets.len()
+            };
             for bucket in buckets {
                 self.reduce_bucket(bucket)?;
             }
@@ -613,6 +622,28 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let shards = host::values(&unit);
         self.gather(unit, shards, [index], device, require_grad)
     }
+}
+
+/// Slot indices moved by one collective: the units (the root first, then each block) if
+/// `by_unit`, else consecutive slots in buckets of at most `BUCKET_ELEMS`.
+fn groups<M: BlockModel>(
+    model: &M,
+    slots: &[Slot],
+    index: &HashMap<ParamId, usize>,
+    by_unit: bool,
+) -> Vec<Vec<usize>> {
+    if !by_unit {
+        return layout::buckets(slots, BUCKET_ELEMS)
+            .into_iter()
+            .map(|range| range.collect())
+            .collect();
+    }
+    let mut root = model.clone();
+    let blocks = root.take_blocks();
+    std::iter::once(host::param_ids(&root))
+        .chain(blocks.iter().map(host::param_ids))
+        .map(|ids| ids.iter().map(|id| index[id]).collect())
+        .collect()
 }
 
 fn f32s(buf: Buffer) -> Vec<f32> {
