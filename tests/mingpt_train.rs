@@ -119,6 +119,18 @@ fn measured_model_states_are_the_engines_tensors_not_the_formula() {
     }
 }
 
+#[test]
+fn host_transfers_count_the_engines_staging() {
+    let p = GptConfig::tiny().num_params() as u64;
+    // One rank: every f32 gradient read out to a host vector, and written back for the
+    // optimizer.
+    let (_, single) = run(&["--max-steps", "2"]);
+    assert_eq!(single.host_transfer_bytes_per_step, 8 * p);
+    // ZeRO-3 also stages every unit's shards for its gathers, twice a step.
+    let (_, zero3) = run(&["--max-steps", "2", "--strategy", "zero3", "--devices", "2"]);
+    assert!(zero3.host_transfer_bytes_per_step > 8 * p, "{zero3:?}");
+}
+
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)

@@ -1,6 +1,7 @@
 //! Parameters and gradients moved between a module and host `Vec<f32>`s keyed by parameter
-//! id: what the collectives exchange.
+//! id: what the collectives exchange. Every such move is counted ([`transferred_bytes`]).
 
+use std::cell::Cell;
 use std::collections::HashMap;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -12,7 +13,25 @@ use crate::layout::Slot;
 
 pub type HostValues = HashMap<ParamId, Vec<f32>>;
 
+thread_local! {
+    /// Bytes this thread moved between tensors and host memory through this module.
+    static TRANSFERRED: Cell<u64> = const { Cell::new(0) };
+}
+
+/// Bytes moved between tensors and host memory by this thread (one rank: a thread rank, or
+/// an MPI process's) so far: tensors read into host vectors, counted in the tensor's dtype,
+/// and host vectors written into tensors. It counts the same conversions on every backend,
+/// so on a CPU it shows the copies a GPU run of the same engine would make.
+pub fn transferred_bytes() -> u64 {
+    TRANSFERRED.with(Cell::get)
+}
+
+fn count(bytes: usize) {
+    TRANSFERRED.with(|t| t.set(t.get() + bytes as u64));
+}
+
 fn to_vec<const D: usize>(tensor: Tensor<D>) -> Vec<f32> {
+    count(tensor.shape().num_elements() * tensor.dtype().size());
     tensor
         .into_data()
         .convert::<f32>()
@@ -130,6 +149,7 @@ pub fn set_values<M: Module>(
             } else {
                 (param.id, FloatDType::F32, None)
             };
+            count(4 * value.len());
             let mut tensor =
                 Tensor::<D>::from_data(TensorData::new(value, dims), self.device).cast(dtype);
             if self.require_grad {
@@ -172,6 +192,7 @@ pub fn to_grads<M: Module>(module: &M, mut host: HostValues, device: &Device) ->
     impl ModuleVisitor for ToGrads<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(value) = self.host.remove(&param.id) {
+                count(4 * value.len());
                 let data = TensorData::new(value, param.shape());
                 let dtype = FloatDType::from(param.val().dtype());
                 self.grads.register(

@@ -105,6 +105,10 @@ pub struct RunSummary {
     pub loss_scale: Option<f64>,
     /// Optimizer steps the loss scaler skipped because gradients overflowed.
     pub skipped_steps: usize,
+    /// Bytes the engine moved between tensors and host memory per optimizer step on this
+    /// rank (parameters, gradients and shards staged through host vectors for the
+    /// collectives; `burnscale_shard::host::transferred_bytes`), the mean over the steps.
+    pub host_transfer_bytes_per_step: u64,
     /// Measured f32 GEMM rate of the device, FLOP/s.
     pub peak_flops: f64,
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
@@ -162,6 +166,7 @@ impl RunSummary {
             samples_per_s,
             loss_scale: None,
             skipped_steps: 0,
+            host_transfer_bytes_per_step: 0,
             peak_flops,
             mfu,
             history,
@@ -215,6 +220,13 @@ impl RunSummary {
                 human_bytes(self.model_state.offloaded),
             ));
         }
+        rows.push((
+            "host transfers per step",
+            format!(
+                "{} (engine staging through host memory)",
+                human_bytes(self.host_transfer_bytes_per_step as usize)
+            ),
+        ));
         if let Some(scale) = self.loss_scale {
             rows.push((
                 "loss scale",

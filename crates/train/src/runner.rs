@@ -175,8 +175,11 @@ pub fn train_on<T: TrainTask>(
     let mut train_s = 0.0;
     let mut step_times = Vec::with_capacity(args.max_steps);
     let mut history = Vec::with_capacity(args.max_steps);
+    // Host transfers in training steps, without evaluations.
+    let mut transferred = 0;
     for step in 1..=args.max_steps {
         let step_start = Instant::now();
+        let transferred_before = burnscale_shard::host::transferred_bytes();
         let mut step_loss = 0.0;
         let mut step_items = 0;
         for micro in 1..=args.accumulate {
@@ -203,6 +206,7 @@ pub fn train_on<T: TrainTask>(
             model
         })?;
         offloaded?;
+        transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
         let grad_norm = outcome.grad_norm;
         items += step_items;
 
@@ -283,6 +287,7 @@ pub fn train_on<T: TrainTask>(
         throughput,
         peak_flops,
     );
+    summary.host_transfer_bytes_per_step = transferred / args.max_steps as u64;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
