@@ -25,12 +25,22 @@ const BLOCK: usize = 8;
 pub const STEPS: usize = 5;
 const SEED: u64 = 11;
 
-/// SGD without momentum: its update is the gradient times the learning rate, so a gradient
-/// of the wrong scale (a sum instead of a mean, a missing `1/accumulate` or unscale) moves
-/// every parameter by the wrong amount.
-pub const SGD: &[&str] = &["--optimizer", "sgd", "--momentum", "0", "--lr", "0.1"];
-/// AdamW with weight decay on the matrices: blind to a uniform gradient scale (except in
-/// the gradient norm), it checks the optimizer state's path through the engine.
+/// SGD without momentum or clipping: its update is the gradient times the learning rate, so
+/// a gradient of the wrong scale (a sum instead of a mean, a missing `1/accumulate` or
+/// unscale) moves every parameter by the wrong amount. A later `--grad-clip` overrides.
+pub const SGD: &[&str] = &[
+    "--optimizer",
+    "sgd",
+    "--momentum",
+    "0",
+    "--lr",
+    "0.1",
+    "--grad-clip",
+    "0",
+];
+/// AdamW with weight decay on the matrices, without clipping: blind to a uniform gradient
+/// scale (except in the gradient norm), it checks the optimizer state's path through the
+/// engine.
 pub const ADAMW: &[&str] = &[
     "--optimizer",
     "adamw",
@@ -38,6 +48,8 @@ pub const ADAMW: &[&str] = &[
     "1e-2",
     "--weight-decay",
     "0.1",
+    "--grad-clip",
+    "0",
 ];
 
 /// What a check found.
@@ -128,7 +140,7 @@ pub fn check_with_dropout(
             ("gradient norm", got.grad_norm, grad_norm),
         ] {
             let (difference, allowed) = ((got - want).abs(), tolerance.relative * want.abs());
-            worst = worst.max(difference / allowed);
+            worst = worse(worst, difference / allowed);
             if difference.is_nan() || difference > allowed {
                 differences.push(format!(
                     "step {step}: {what} {got}, plain {want} (relative {:.1e} > {:.1e})",
@@ -155,36 +167,42 @@ pub fn check_with_dropout(
     differences.extend(params);
     Ok(Comparison {
         differences,
-        worst: worst.max(params_worst),
+        worst: worse(worst, params_worst),
     })
 }
 
 /// How far the engine may drift from the plain loop, derived from the dtypes and the
-/// optimizer (the checks run [`STEPS`] steps of minGPT-tiny, 96 tokens a step).
-///
-/// Both runs compute the same sums in another order (the engine splits the batch over ranks
-/// and micro-steps and reduces in its own order; under 16 bits its ranks round their partial
-/// batches separately), so they differ by rounding: a multiple of the unit roundoff `u` of
-/// the coarsest dtype the step computes in (f32 2^-24, f16 2^-11, bf16 2^-8: the compute
-/// dtype, or the gradient-reduction dtype if coarser).
+/// optimizer (the checks run [`STEPS`] steps of minGPT-tiny, 96 tokens a step), as a
+/// multiple of the unit roundoff `u` of the coarsest dtype the step computes in (f32 2^-24,
+/// f16 2^-11, bf16 2^-8: the compute dtype, or the gradient-reduction dtype if coarser).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tolerance {
-    /// Of a loss or a gradient norm, and of a parameter's update over the run (L2 norm):
-    /// - SGD `2^10 u` (f32: 6.1e-5). Its update is `lr · g`, so a relative gradient error
-    ///   maps one to one onto the update; sqrt(96 tokens · 5 steps) ≈ 22 for sums in random
-    ///   order, times ~45 for the depth of the network and other kernels' summation orders
-    ///   (measured on minGPT-tiny: at most 2.6e-6 = 44 u, besides whole ulps of storage).
-    /// - AdamW `2^12 u` (f32: 2.4e-4). It divides each gradient by its own running RMS, so an
+    /// Of a loss or a gradient norm, and of a parameter's update over the run (L2 norm).
+    ///
+    /// In f32 both runs compute the same sums in another order (the engine splits the batch
+    /// over ranks and micro-steps and reduces in its own order):
+    /// - SGD `2^10 u` (6.1e-5). Its update is `lr · g`, so a relative gradient error maps one
+    ///   to one onto the update; sqrt(96 tokens · 5 steps) ≈ 22 for sums in random order,
+    ///   times ~45 for the depth of the network and other kernels' summation orders
+    ///   (measured: at most 2.6e-6 = 44 u, besides whole ulps of storage).
+    /// - AdamW `2^12 u` (2.4e-4). It divides each gradient by its own running RMS, so an
     ///   element whose gradient is near zero turns a rounding difference into an update
     ///   difference of up to the learning rate; few elements are so, and a tensor's L2 error
     ///   grows by the root of their share (measured: at most 1.7e-6).
     ///
-    /// Capped at 0.25 (bf16's `2^10 u` would allow anything): a gradient of the wrong scale
-    /// (2x, the least a sum-for-mean or a missing `1/accumulate` gives) must still fail.
+    /// In 16 bits the engine rounds every activation and gradient to 16 bits, where the
+    /// loop does not (mixed policies, against the f32 loop) or at other places (`*-true`:
+    /// each rank rounds its part of the batch): each operation rounds once, through some
+    /// tens of operations, so `2^6 u` (f16 3.1%, bf16 25%; measured: 21 u for f16, 12 u for
+    /// bf16). bf16 cannot go looser: a gradient of the wrong scale (2x, the least a
+    /// sum-for-mean or a missing `1/accumulate` gives) moves the update by 100%.
     pub relative: f64,
     /// Of a parameter, besides: one rounding of the stored weight per step in either run,
     /// `2 u_w · steps · ‖θ‖` with `u_w` the weight dtype's unit roundoff (a weight near 1 whose
-    /// update is 1e-2 moves by whole ulps of 1).
+    /// update is 1e-2 moves by whole ulps of 1). Under `*-true` this is 4% (bf16) of the
+    /// weight, more than a layer norm's whole update in 5 steps: such a tensor's update is
+    /// below its storage resolution, and only the rounding is checked there (the loss, the
+    /// gradient norm and the other tensors still see a wrong gradient).
     pub storage: f64,
 }
 
@@ -202,11 +220,12 @@ impl Tolerance {
         };
         let u = roundoff(args.precision.compute_dtype()).max(roundoff(reduce));
         let multiple = match args.optimizer {
+            _ if u > roundoff(FloatDType::F32) => 2f64.powi(6),
             OptimizerKind::Sgd => 2f64.powi(10),
             _ => 2f64.powi(12),
         };
         Self {
-            relative: (multiple * u).min(0.25),
+            relative: multiple * u,
             storage: 2.0 * roundoff(args.precision.param_dtype()) * STEPS as f64,
         }
     }
@@ -249,7 +268,7 @@ fn parameter_differences(
         }
         let (error, update) = (error.sqrt(), update.sqrt());
         let allowed = tolerance.relative * update + tolerance.storage * norm.sqrt();
-        worst = worst.max(error / allowed);
+        worst = worse(worst, error / allowed);
         if error.is_nan() || error > allowed {
             differences.push(format!(
                 "{path}: differs from the plain run by {error:.3e}, {:.2e} of its update {update:.3e} (allowed {allowed:.3e})",
@@ -258,6 +277,15 @@ fn parameter_differences(
         }
     }
     (differences, worst)
+}
+
+/// The larger of two fractions of the tolerance, NaN counting as the worst.
+fn worse(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 /// The token stream the checks train on: a periodic pattern the model can learn.

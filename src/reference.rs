@@ -1,8 +1,10 @@
 //! The plain training loop the engine is checked against, written with Burn alone: the
 //! model's loss on the whole global batch, `backward`, Burn's gradient accumulator and a
-//! burn-optim optimizer. It shares no code with `crates/shard` or the runner (no host
+//! burn-optim optimizer. It shares no code with the engine's step or the runner (no host
 //! vectors, buckets, collectives, loss scaler or per-parameter optimizer glue), so a bug
-//! there cannot hide by appearing on both sides of a comparison.
+//! there cannot hide by appearing on both sides of a comparison. What it does share is the
+//! starting point: the model (built by the caller) and, under `*-true`, its cast to 16 bits
+//! (`burnscale_precision::cast`, whose dtypes `tests/precision.rs` checks on its own).
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;
@@ -58,10 +60,15 @@ impl PlainConfig {
                 beta1: args.beta1,
                 beta2: args.beta2,
             },
+            OptimizerKind::Sgd => {
+                return Err(format!(
+                    "the plain reference runs sgd without momentum, not with --momentum {}",
+                    args.momentum
+                ));
+            }
             other => {
                 return Err(format!(
-                    "the plain reference runs sgd without momentum and adamw, not {other:?} (momentum {})",
-                    args.momentum
+                    "the plain reference runs sgd and adamw, not {other:?}"
                 ));
             }
         };

@@ -196,7 +196,7 @@ fn every_precision_composes_with_every_strategy() {
     for precision in ["bf16-mixed", "16-mixed", "bf16-true", "16-true"] {
         for strategy in ["ddp", "zero1", "zero2", "zero3"] {
             for world in [2, 3] {
-                let mut flags = [&["--precision", precision, "--grad-clip", "0"], SGD].concat();
+                let mut flags = [&["--precision", precision], SGD].concat();
                 if precision == "16-mixed" {
                     // Scaled by 2^16, tiny-minGPT's gradients (up to ~3) overflow f16 by step
                     // 5, a skipped step the f32 plain loop does not take; 2^10 still scales.
@@ -211,13 +211,7 @@ fn every_precision_composes_with_every_strategy() {
 #[test]
 fn checkpointing_composes_with_mixed_precision() {
     let flags = [
-        &[
-            "--precision",
-            "bf16-mixed",
-            "--checkpoint-activations",
-            "--grad-clip",
-            "0",
-        ],
+        &["--precision", "bf16-mixed", "--checkpoint-activations"],
         SGD,
     ]
     .concat();
@@ -234,7 +228,7 @@ fn sixteen_mixed_stops_after_consecutive_overflows() {
     let device = Device::default().autodiff();
     for (limit, flags) in [
         (5, &["--max-consecutive-skips", "5"][..]),
-        (burnscale::precision::MAX_CONSECUTIVE_SKIPS, &[][..]),
+        (ScalerConfig::default().max_consecutive_skips, &[][..]),
     ] {
         let args = TrainArgs::from_flags(
             &[

@@ -19,7 +19,7 @@ mod cast;
 mod scaler;
 
 pub use cast::{cast, init_in, param_dtypes};
-pub use scaler::{LossScaler, MAX_CONSECUTIVE_SKIPS, ScalerConfig};
+pub use scaler::{LossScaler, ScalerConfig};
 
 use burn::prelude::*;
 use burn::tensor::FloatDType;
@@ -108,7 +108,7 @@ pub enum PrecisionError {
         device: String,
     },
     #[error(
-        "--precision {precision}: the gradients overflowed on {steps} consecutive steps, so none was taken (loss scale now {scale:e}): the loss or its gradients are inf/NaN at any scale. Lower --lr, keep --grad-clip on, check the data, or train in bf16-mixed (no loss scale needed); --max-consecutive-skips N allows more skips"
+        "--precision {precision}: the gradients overflowed on {steps} consecutive steps, so none was taken, while the loss scale halved down to {scale:e}: the loss or its gradients are inf/NaN whatever the scale. Lower --lr, check the data, or train in bf16-mixed (no loss scale needed); --max-consecutive-skips N allows more skips"
     )]
     Overflowing {
         precision: Precision,

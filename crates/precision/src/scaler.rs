@@ -18,20 +18,30 @@ pub struct ScalerConfig {
     pub max_consecutive_skips: usize,
 }
 
-/// The default of [`ScalerConfig::max_consecutive_skips`]: from the initial scale 2^16, 17
-/// halvings take the scale below 1, where DeepSpeed's dynamic loss scaler stops a run (its
-/// `min_loss_scale`).
-pub const MAX_CONSECUTIVE_SKIPS: usize = 17;
+impl ScalerConfig {
+    /// PyTorch's settings from `init_scale`, stopping after as many consecutive skips as
+    /// take the scale below 1, where DeepSpeed's dynamic loss scaler stops a run (its
+    /// `min_loss_scale`): 17 from 2^16.
+    pub fn starting_at(init_scale: f64) -> Self {
+        let backoff_factor = 0.5;
+        let (mut scale, mut skips) = (init_scale * backoff_factor, 1);
+        while scale >= 1.0 {
+            scale *= backoff_factor;
+            skips += 1;
+        }
+        Self {
+            init_scale,
+            growth_factor: 2.0,
+            backoff_factor,
+            growth_interval: 2000,
+            max_consecutive_skips: skips,
+        }
+    }
+}
 
 impl Default for ScalerConfig {
     fn default() -> Self {
-        Self {
-            init_scale: 65536.0,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 2000,
-            max_consecutive_skips: MAX_CONSECUTIVE_SKIPS,
-        }
+        Self::starting_at(65536.0)
     }
 }
 
@@ -151,9 +161,12 @@ mod tests {
             "{err}"
         );
         let default = ScalerConfig::default();
-        assert!(
-            default.init_scale * default.backoff_factor.powi(MAX_CONSECUTIVE_SKIPS as i32) < 1.0,
-            "the default stops once the scale falls below 1"
+        assert_eq!(
+            default.max_consecutive_skips, 17,
+            "2^16 halved 17 times is below 1"
         );
+        assert_eq!(ScalerConfig::starting_at(1024.0).max_consecutive_skips, 11);
+        assert_eq!(ScalerConfig::starting_at(1000.0).max_consecutive_skips, 10);
+        assert_eq!(ScalerConfig::starting_at(0.5).max_consecutive_skips, 1);
     }
 }

@@ -25,9 +25,12 @@ pub struct Sharded<'c, M: BlockModel> {
     comm: &'c dyn Communicator,
     device: Device,
     slots: Vec<Slot>,
-    /// Slot indices moved by one collective: size-capped buckets, or the units (the root
-    /// first, then each block) where gradients are reduced unit by unit.
+    /// Slot indices moved by one collective, in consecutive groups of at most 25 MB (DDP's
+    /// gradient buckets; also the broadcast and ZeRO-1/2's all-gather after a step).
     buckets: Vec<Vec<usize>>,
+    /// Slot indices of each unit: the root (embeddings and head) first, then each block.
+    /// ZeRO-3 gathers unit by unit; gradients reduced unit by unit go by them too.
+    units: Vec<Vec<usize>>,
     /// The full replica (ddp, zero1, zero2) or this rank's shards (zero3).
     model: Option<M>,
     /// This rank's own gradients, summed over the micro-steps of an optimizer step.
@@ -76,13 +79,26 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 });
             }
         }
-        let buckets = groups(&model, &slots, &index, strategy == Strategy::Zero3);
+        let buckets = layout::buckets(&slots, BUCKET_ELEMS)
+            .into_iter()
+            .map(|range| range.collect())
+            .collect();
+        let units = {
+            // A clone only for the ids (dropped here: a lazy model's clones share its values).
+            let mut root = model.clone();
+            let blocks = root.take_blocks();
+            std::iter::once(host::param_ids(&root))
+                .chain(blocks.iter().map(host::param_ids))
+                .map(|ids| ids.iter().map(|id| index[id]).collect())
+                .collect()
+        };
         let mut this = Self {
             strategy,
             comm,
             device: device.clone(),
             slots,
             buckets,
+            units,
             model: None,
             local: HashMap::new(),
             reduced: HashMap::new(),
@@ -106,14 +122,6 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// recomputed in backward. ZeRO-3 always works this way (it must drop gathered weights).
     pub fn checkpoint_activations(mut self, on: bool) -> Self {
         self.checkpoint = on || self.strategy == Strategy::Zero3;
-        let model = self.model.as_ref().expect(PRESENT);
-        let index = self
-            .slots
-            .iter()
-            .enumerate()
-            .map(|(i, s)| (s.id, i))
-            .collect();
-        self.buckets = groups(model, &self.slots, &index, self.per_unit());
         self
     }
 
@@ -205,8 +213,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         host::add_grads(&model, &mut grads, &mut self.local);
         self.note_grads();
         if last {
-            for bucket in 0..self.buckets.len() {
-                self.reduce_bucket(bucket)?;
+            for bucket in self.all_buckets() {
+                self.reduce(bucket)?;
             }
         }
         Ok(value)
@@ -279,7 +287,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             Some(replica) => {
                 let shards = host::values(&updated);
                 drop(updated);
-                self.gather(replica, shards, 0..self.buckets.len(), &self.device, true)?
+                self.gather(replica, shards, self.all_buckets(), &self.device, true)?
             }
         });
         Ok(StepOutcome {
@@ -296,7 +304,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             return Ok(model);
         }
         let shards = host::values(&model);
-        self.gather(model, shards, 0..self.buckets.len(), &self.device, true)
+        self.gather(model, shards, self.all_buckets(), &self.device, true)
     }
 
     /// Bytes of parameters this rank holds between steps.
@@ -411,22 +419,28 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .collect()
     }
 
-    /// `module` with the full values of the parameters in `buckets`, all-gathered from
-    /// every rank's `shards` (consumed as they are sent), one collective per bucket.
+    /// Every bucket, in order.
+    fn all_buckets(&self) -> impl Iterator<Item = Group> + use<M> {
+        (0..self.buckets.len()).map(Group::Bucket)
+    }
+
+    /// `module` with the full values of the parameters in `groups`, all-gathered from
+    /// every rank's `shards` (consumed as they are sent), one collective per group.
     fn gather<U: Module>(
         &self,
         mut module: U,
         mut shards: HostValues,
-        buckets: impl IntoIterator<Item = usize>,
+        groups: impl IntoIterator<Item = Group>,
         device: &Device,
         require_grad: bool,
     ) -> Result<U, ShardError> {
         let world = self.comm.world_size();
-        for bucket in buckets {
-            let slots: Vec<&Slot> = self.buckets[bucket]
-                .iter()
-                .map(|&i| &self.slots[i])
-                .collect();
+        for group in groups {
+            let indices = match group {
+                Group::Bucket(i) => &self.buckets[i],
+                Group::Unit(i) => &self.units[i],
+            };
+            let slots: Vec<&Slot> = indices.iter().map(|&i| &self.slots[i]).collect();
             let mine: Vec<f32> = slots
                 .iter()
                 .flat_map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
@@ -457,14 +471,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(module)
     }
 
-    /// Averages the local gradients of one bucket over the ranks: all-reduce (ddp, zero1)
+    /// Averages the local gradients of one group over the ranks: all-reduce (ddp, zero1)
     /// or reduce-scatter to this rank's shards (zero2, zero3).
-    fn reduce_bucket(&mut self, bucket: usize) -> Result<(), ShardError> {
+    fn reduce(&mut self, group: Group) -> Result<(), ShardError> {
         let world = self.comm.world_size();
-        let slots: Vec<&Slot> = self.buckets[bucket]
-            .iter()
-            .map(|&i| &self.slots[i])
-            .collect();
+        let indices = match group {
+            Group::Bucket(i) => &self.buckets[i],
+            Group::Unit(i) => &self.units[i],
+        };
+        let slots: Vec<&Slot> = indices.iter().map(|&i| &self.slots[i]).collect();
         let local: Vec<Vec<f32>> = slots
             .iter()
             .map(|s| {
@@ -503,7 +518,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// only their input; backward takes each block again, recomputes it under autodiff (with
     /// the same dropout masks) and back-propagates the incoming gradient through it. Under
     /// ZeRO-2 and ZeRO-3 a block's gradients are reduce-scattered as soon as backward leaves
-    /// it, so a rank holds one block's full gradients (and the root's) at a time; under ZeRO-3
+    /// it on the last micro-step, so a rank holds one block's full gradients (and the root's)
+    /// at a time (earlier micro-steps of an accumulation keep full sums); under ZeRO-3
     /// its parameters are also gathered just before it runs and dropped after, and the root
     /// unit (embeddings and head) stays gathered for the whole micro-step. DDP and ZeRO-1
     /// reduce their buckets after the whole backward, as without checkpointing.
@@ -567,7 +583,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             self.note_grads();
             drop(block);
             if per_unit && last {
-                self.reduce_bucket(i + 1)?;
+                self.reduce(Group::Unit(i + 1))?;
             }
         }
         dropout::rewind(resume);
@@ -583,13 +599,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         self.note_grads();
         if last {
-            let buckets = if per_unit {
-                0..1
+            if per_unit {
+                self.reduce(Group::Unit(0))?;
             } else {
-                0..self.buckets.len()
-            };
-            for bucket in buckets {
-                self.reduce_bucket(bucket)?;
+                for bucket in self.all_buckets() {
+                    self.reduce(bucket)?;
+                }
             }
         }
         Ok(value)
@@ -620,30 +635,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         require_grad: bool,
     ) -> Result<U, ShardError> {
         let shards = host::values(&unit);
-        self.gather(unit, shards, [index], device, require_grad)
+        self.gather(unit, shards, [Group::Unit(index)], device, require_grad)
     }
 }
 
-/// Slot indices moved by one collective: the units (the root first, then each block) if
-/// `by_unit`, else consecutive slots in buckets of at most `BUCKET_ELEMS`.
-fn groups<M: BlockModel>(
-    model: &M,
-    slots: &[Slot],
-    index: &HashMap<ParamId, usize>,
-    by_unit: bool,
-) -> Vec<Vec<usize>> {
-    if !by_unit {
-        return layout::buckets(slots, BUCKET_ELEMS)
-            .into_iter()
-            .map(|range| range.collect())
-            .collect();
-    }
-    let mut root = model.clone();
-    let blocks = root.take_blocks();
-    std::iter::once(host::param_ids(&root))
-        .chain(blocks.iter().map(host::param_ids))
-        .map(|ids| ids.iter().map(|id| index[id]).collect())
-        .collect()
+/// Slots moved by one collective: one of the size-capped buckets, or one unit.
+#[derive(Debug, Clone, Copy)]
+enum Group {
+    Bucket(usize),
+    Unit(usize),
 }
 
 fn f32s(buf: Buffer) -> Vec<f32> {

@@ -85,7 +85,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub initial_loss_scale: Option<f64>,
     /// 16-mixed: stop after this many consecutive steps skipped for overflowing gradients
-    /// [default: 17, when the loss scale has fallen from 65536 below 1].
+    /// [default: as many as take the loss scale below 1: 17 from 65536].
     #[arg(long)]
     pub max_consecutive_skips: Option<usize>,
     /// Create the model's parameters directly in the precision's weight dtype, one at a

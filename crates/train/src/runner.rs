@@ -153,14 +153,12 @@ pub fn train_on<T: TrainTask>(
 
     // Rank 0 draws the stream a single-device run with this seed draws.
     burnscale_nn::dropout::seed(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9_7F4A_7C15));
-    let defaults = ScalerConfig::default();
-    let scaler = ScalerConfig {
-        init_scale: args.initial_loss_scale.unwrap_or(defaults.init_scale),
-        max_consecutive_skips: args
-            .max_consecutive_skips
-            .unwrap_or(burnscale_precision::MAX_CONSECUTIVE_SKIPS),
-        ..defaults
-    };
+    let mut scaler = args
+        .initial_loss_scale
+        .map_or_else(ScalerConfig::default, ScalerConfig::starting_at);
+    if let Some(skips) = args.max_consecutive_skips {
+        scaler.max_consecutive_skips = skips;
+    }
     let mut engine = Sharded::new(strategy, model, comm, device)?
         .checkpoint_activations(args.checkpoint_activations)
         .precision(args.precision, scaler)
