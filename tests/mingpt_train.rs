@@ -62,6 +62,7 @@ fn tiny_mingpt_loss_falls() {
     );
     assert_eq!(trained.steps, 40);
     assert!(trained.tokens_per_s.unwrap() > 0.0 && trained.mfu.unwrap() > 0.0);
+    assert!(trained.warmup_s > 0.0 && trained.warmup_s < trained.elapsed_s);
 }
 
 #[test]

@@ -86,6 +86,9 @@ pub struct RunSummary {
     pub elapsed_s: f64,
     /// Median optimizer-step time (steps only, without evaluations).
     pub step_s_median: f64,
+    /// The first optimizer step's time (on a GPU it compiles and tunes the kernels); the
+    /// throughput leaves it out when there are later steps.
+    pub warmup_s: f64,
     /// Peak live heap bytes of this process during training (counting allocator).
     pub peak_mem_bytes: usize,
     pub num_params: usize,
@@ -96,6 +99,7 @@ pub struct RunSummary {
     pub model_state_predicted_bytes: usize,
     /// Every rank's model states and process peak.
     pub ranks: Vec<RankMemory>,
+    /// Throughput of the steps after the first (see `warmup_s`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tokens_per_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -155,6 +159,7 @@ impl RunSummary {
             accuracy,
             elapsed_s,
             step_s_median,
+            warmup_s: f64::NAN,
             peak_mem_bytes,
             num_params,
             model_state_bytes_per_rank: model_state.total(),
@@ -186,6 +191,10 @@ impl RunSummary {
     pub fn table(&self) -> String {
         let mut rows: Vec<(&str, String)> = vec![
             ("time elapsed", format!("{:.1} s", self.elapsed_s)),
+            (
+                "first step",
+                format!("{:.2} s (not in the throughput)", self.warmup_s),
+            ),
             (
                 "memory used (peak, process)",
                 if memory::is_counting() {

@@ -169,7 +169,8 @@ pub fn train_on<T: TrainTask>(
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;
-    // Time in training steps, without evaluations: what throughput divides by.
+    // Time and items of the steady-state training steps (evaluations left out): what the
+    // throughput divides.
     let mut train_s = 0.0;
     let mut step_times = Vec::with_capacity(args.max_steps);
     let mut history = Vec::with_capacity(args.max_steps);
@@ -206,10 +207,13 @@ pub fn train_on<T: TrainTask>(
         offloaded?;
         transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
         let grad_norm = outcome.grad_norm;
-        items += step_items;
-
         let step_s = step_start.elapsed().as_secs_f64();
-        train_s += step_s;
+        // Throughput counts steady-state steps: the first compiles and tunes kernels on a
+        // GPU, and is reported apart (`warmup_s`); a one-step run has only that one.
+        if step > 1 || args.max_steps == 1 {
+            items += step_items;
+            train_s += step_s;
+        }
         step_times.push(step_s);
         let last = StepMetrics {
             step,
@@ -265,6 +269,7 @@ pub fn train_on<T: TrainTask>(
     };
     let ranks = every_rank_memory(comm, model_state.total(), peak_mem)?;
     let items_per_s = items as f64 / train_s;
+    let warmup_s = step_times.first().copied().unwrap_or(f64::NAN);
     let throughput = if task.counts_tokens() {
         Throughput::Tokens(items_per_s)
     } else {
@@ -286,6 +291,7 @@ pub fn train_on<T: TrainTask>(
         peak_flops,
     );
     summary.host_transfer_bytes_per_step = transferred / args.max_steps as u64;
+    summary.warmup_s = warmup_s;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
