@@ -123,7 +123,7 @@ fn run() -> Result<()> {
     config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
     config.validate()?;
 
-    let device = Device::default().autodiff();
+    let device = cli.train.device()?;
     device.seed(cli.train.seed);
     let model = match &cli.weights {
         Some(path) => loader::load(path, &config, &device)?,

@@ -83,7 +83,7 @@ fn run() -> Result<()> {
         .with_dropout(cli.dropout);
     config.validate()?;
 
-    let device = Device::default().autodiff();
+    let device = cli.train.device()?;
     device.seed(cli.train.seed);
     let model = match cli.weights.as_str() {
         "none" => Vit::new(&config, &device)?,

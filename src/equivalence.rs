@@ -302,6 +302,6 @@ pub fn seeded_model<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M
     let device = Device::default().autodiff();
     device.seed(seed);
     let model = build(&device);
-    burnscale_shard::host::materialize(&model);
+    burnscale_shard::params::materialize(&model);
     model
 }

@@ -6,7 +6,7 @@ use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::precision::{cast, init_in, param_dtypes};
-use burnscale::shard::host::materialize;
+use burnscale::shard::params::materialize;
 use burnscale::train::memory::{self, CountingAllocator};
 
 #[global_allocator]
@@ -59,7 +59,7 @@ fn zero3_shards_a_lazy_model_without_any_rank_holding_it_whole() {
     let _turn = TURNS.lock().unwrap_or_else(|p| p.into_inner());
     use burnscale::collective::run_ranks;
     use burnscale::collective::threads::DEFAULT_TIMEOUT;
-    use burnscale::shard::{Sharded, Strategy, host};
+    use burnscale::shard::{Sharded, Strategy, host, params};
 
     let device = Device::default().autodiff();
     let config = GptConfig::new(8, 4, 256, 512, 128);
@@ -70,7 +70,7 @@ fn zero3_shards_a_lazy_model_without_any_rank_holding_it_whole() {
     };
     let in_order = |model: &Gpt| {
         let values = host::values(model);
-        host::param_ids(model)
+        params::param_ids(model)
             .iter()
             .map(|id| values[id].clone())
             .collect::<Vec<_>>()

@@ -120,15 +120,36 @@ fn measured_model_states_are_the_engines_tensors_not_the_formula() {
 }
 
 #[test]
-fn host_transfers_count_the_engines_staging() {
+fn only_offload_moves_model_states_to_the_host() {
     let p = GptConfig::tiny().num_params() as u64;
-    // One rank: every f32 gradient read out to a host vector, and written back for the
-    // optimizer.
     let (_, single) = run(&["--max-steps", "2"]);
-    assert_eq!(single.host_transfer_bytes_per_step, 8 * p);
-    // ZeRO-3 also stages every unit's shards for its gathers, twice a step.
-    let (_, zero3) = run(&["--max-steps", "2", "--strategy", "zero3", "--devices", "2"]);
-    assert!(zero3.host_transfer_bytes_per_step > 8 * p, "{zero3:?}");
+    assert_eq!(single.host_transfer_bytes_per_step, 0, "single");
+    for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+        let (_, summary) = run(&["--max-steps", "2", "--devices", "2", "--strategy", strategy]);
+        assert_eq!(summary.host_transfer_bytes_per_step, 0, "{strategy}");
+    }
+    // Offloaded ZeRO-3 shards travel to the device for each gather (the root three times a
+    // micro-step, each block twice) and their gradients to the host: more than a shard of
+    // the model's f32 parameters and gradients.
+    let (_, params) = run(&[
+        "--max-steps",
+        "2",
+        "--devices",
+        "2",
+        "--strategy",
+        "zero3",
+        "--offload",
+        "params",
+    ]);
+    assert!(params.host_transfer_bytes_per_step > 4 * p, "{params:?}");
+    // Offloaded optimizer state: each parameter and its gradient go to the host to be
+    // stepped, and the parameter back.
+    let (_, optimizer) = run(&["--max-steps", "2", "--offload", "optimizer"]);
+    assert_eq!(
+        optimizer.host_transfer_bytes_per_step,
+        12 * p,
+        "{optimizer:?}"
+    );
 }
 
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f32 {

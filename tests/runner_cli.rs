@@ -97,6 +97,9 @@ fn bad_flags_are_named() {
         "under --precision 16-true",
     );
     fails_with(&["--strategy", "zero9"], "invalid value 'zero9'");
+    fails_with(&["--accelerator", "tpu"], "invalid value 'tpu'");
+    // This CPU build has no CUDA (a cuda build on a machine without a GPU says so instead).
+    fails_with(&["--accelerator", "cuda"], "built without CUDA");
     fails_with(
         &["--data", "/nonexistent/text.txt"],
         "/nonexistent/text.txt",
@@ -114,4 +117,43 @@ fn bad_weight_files_are_named() {
         &["--weights", missing.to_str().unwrap()],
         "missing.safetensors",
     );
+}
+
+#[test]
+fn summary_reports_every_ranks_memory_and_no_host_transfers() {
+    let json = std::env::temp_dir().join(format!("burnscale-summary-{}.json", std::process::id()));
+    let out = Command::new(mingpt_char())
+        .args(["--strategy", "zero3", "--devices", "2", "--max-steps", "2"])
+        .args([
+            "--batch-size",
+            "2",
+            "--eval-batches",
+            "1",
+            "--sample-len",
+            "0",
+        ])
+        .arg("--summary-json")
+        .arg(&json)
+        .output()
+        .expect("mingpt_char runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = std::fs::read_to_string(&json).expect("the summary was written");
+    let _ = std::fs::remove_file(&json);
+    let summary: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    assert_eq!(summary["host_transfer_bytes_per_step"], 0, "{text}");
+    let ranks = summary["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2, "{text}");
+    for rank in ranks {
+        // On the CPU the device's memory is the process's (read after the training peak).
+        let peak = summary["peak_mem_bytes"].as_u64().expect("peak");
+        assert!(peak > 0, "{text}");
+        assert!(
+            rank["device_peak_mem_bytes"].as_u64() >= Some(peak),
+            "{text}"
+        );
+    }
 }

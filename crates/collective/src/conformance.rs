@@ -8,10 +8,7 @@
 
 use burn::prelude::*;
 
-use crate::{
-    Buffer, CollectiveError, Communicator, DType, ReduceOp, all_gather_tensor, all_reduce_tensor,
-    broadcast_tensor, reduce_scatter_tensor, shard_range,
-};
+use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range, tensor_dtype};
 
 /// Rank `rank`'s `i`-th contribution.
 fn value(rank: usize, i: usize) -> f32 {
@@ -120,47 +117,47 @@ pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), 
 
 fn tensors(comm: &dyn Communicator, dtype: DType, device: &Device) -> Result<(), String> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let float_dtype = match dtype {
-        DType::F32 => burn::tensor::DType::F32,
-        DType::F16 => burn::tensor::DType::F16,
-        DType::Bf16 => burn::tensor::DType::BF16,
+    let float_dtype = tensor_dtype(dtype);
+    let make = |r: usize, len: usize| {
+        let values: Vec<f32> = (0..len).map(|i| value(r, i)).collect();
+        Tensor::<1>::from_data(TensorData::new(values, [len]), device).cast(float_dtype)
     };
-    let make = |r: usize, rows: usize| {
-        let values: Vec<f32> = (0..rows * 5).map(|i| value(r, i)).collect();
-        Tensor::<2>::from_data(TensorData::new(values, [rows, 5]), device).cast(float_dtype)
-    };
-    let read = |t: Tensor<2>| -> Vec<f32> {
+    let read = |t: Tensor<1>| -> Vec<f32> {
         t.cast(burn::tensor::DType::F32)
             .into_data()
             .try_into_vec::<f32>()
             .unwrap_or_default()
     };
 
-    let summed = all_reduce_tensor(comm, make(rank, 3), ReduceOp::Sum).map_err(err)?;
-    if summed.dims() != [3, 5] || summed.dtype() != float_dtype {
+    let summed = comm
+        .all_reduce_tensor(make(rank, 15), ReduceOp::Sum)
+        .map_err(err)?;
+    if summed.dims() != [15] || summed.dtype() != float_dtype || summed.device() != *device {
         return Err(format!(
-            "all_reduce_tensor gave {:?} {:?}",
+            "all_reduce_tensor gave {:?} {:?} on {:?}",
             summed.dims(),
-            summed.dtype()
+            summed.dtype(),
+            summed.device()
         ));
     }
     expect_eq(&read(summed), &reference(dtype, world, 15, ReduceOp::Sum))?;
 
-    // Rank r holds r + 1 rows.
-    let gathered = all_gather_tensor(comm, make(rank, rank + 1)).map_err(err)?;
-    let want: Vec<f32> = (0..world).flat_map(|r| read(make(r, r + 1))).collect();
+    // Rank r holds 5 (r + 1) elements.
+    let gathered = comm
+        .all_gather_tensor(make(rank, 5 * (rank + 1)))
+        .map_err(err)?;
+    let want: Vec<f32> = (0..world)
+        .flat_map(|r| read(make(r, 5 * (r + 1))))
+        .collect();
     expect_eq(&read(gathered), &want)?;
 
-    let chunk = reduce_scatter_tensor(comm, make(rank, 3), ReduceOp::Max).map_err(err)?;
+    let chunk = comm
+        .reduce_scatter_tensor(make(rank, 15), ReduceOp::Max)
+        .map_err(err)?;
     let full = reference(dtype, world, 15, ReduceOp::Max);
-    let chunk: Vec<f32> = chunk
-        .cast(burn::tensor::DType::F32)
-        .into_data()
-        .try_into_vec::<f32>()
-        .unwrap_or_default();
-    expect_eq(&chunk, &full[shard_range(15, world, rank)])?;
+    expect_eq(&read(chunk), &full[shard_range(15, world, rank)])?;
 
     let root = world - 1;
-    let got = broadcast_tensor(comm, make(rank, 2), root).map_err(err)?;
-    expect_eq(&read(got), &read(make(root, 2)))
+    let got = comm.broadcast_tensor(make(rank, 10), root).map_err(err)?;
+    expect_eq(&read(got), &read(make(root, 10)))
 }

@@ -1,6 +1,6 @@
 //! Process groups: one [`Communicator`] trait with rank, world size and the collectives
 //! (all-reduce, all-gather, reduce-scatter, broadcast, barrier), over flat buffers of
-//! f32/f16/bf16 and over Burn tensors, with engines behind it:
+//! f32/f16/bf16 and over flat Burn tensors on the rank's device, with engines behind it:
 //!
 //! - [`threads`]: N ranks as threads of one process, sharing memory (the embedded default);
 //! - `mpi` (feature `mpi`): one rank per process under `mpirun`, across nodes by hostfile;
@@ -23,7 +23,9 @@ pub mod threads;
 
 pub use buffer::{Buffer, DType};
 pub use error::CollectiveError;
-pub use tensor::{all_gather_tensor, all_reduce_tensor, broadcast_tensor, reduce_scatter_tensor};
+pub use tensor::{dtype_of, tensor_dtype};
+
+use burn::prelude::Tensor;
 
 use std::ops::Range;
 use std::time::Duration;
@@ -71,6 +73,35 @@ pub trait Communicator: Send {
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError>;
     /// Returns once every rank has called it.
     fn barrier(&self) -> Result<(), CollectiveError>;
+
+    /// [`Communicator::all_reduce`] of a flat tensor, on its device and in its dtype.
+    fn all_reduce_tensor(
+        &self,
+        tensor: Tensor<1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        tensor::all_reduce_staged(self, tensor, op)
+    }
+    /// [`Communicator::all_gather`] of flat tensors, on the input's device and in its dtype.
+    fn all_gather_tensor(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CollectiveError> {
+        tensor::all_gather_staged(self, tensor)
+    }
+    /// [`Communicator::reduce_scatter`] of a flat tensor: this rank's chunk, on its device.
+    fn reduce_scatter_tensor(
+        &self,
+        tensor: Tensor<1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        tensor::reduce_scatter_staged(self, tensor, op)
+    }
+    /// [`Communicator::broadcast`] of a flat tensor.
+    fn broadcast_tensor(
+        &self,
+        tensor: Tensor<1>,
+        root: usize,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        tensor::broadcast_staged(self, tensor, root)
+    }
 }
 
 /// Whether this process was started by `mpirun` (Open MPI, MPICH/Hydra or PMIx launchers),
@@ -88,6 +119,19 @@ pub fn launcher_rank() -> usize {
         .iter()
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
         .unwrap_or(0)
+}
+
+/// This process's rank among those mpirun started on its node (0 when not started by
+/// mpirun): which GPU of the node it takes.
+pub fn launcher_local_rank() -> usize {
+    [
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "MPI_LOCALRANKID",
+        "PMIX_LOCAL_RANK",
+    ]
+    .iter()
+    .find_map(|v| std::env::var(v).ok()?.parse().ok())
+    .unwrap_or(0)
 }
 
 /// Runs `f` for each rank this process hosts: the one MPI rank when started by mpirun (needs
@@ -121,6 +165,41 @@ pub fn run_ranks<T: Send>(
         return Ok(vec![Ok(f(&solo))]);
     }
     Ok(threads::ThreadComm::run(devices, timeout, |comm| f(&comm)))
+}
+
+/// [`run_ranks`] with one rank per GPU, over NCCL: `devices` threads on GPUs `0..devices`
+/// (`ncclCommInitAll`), or under mpirun this process's rank on its node-local GPU (NCCL's
+/// unique id sent over MPI, which stays up for the run).
+#[cfg(feature = "nccl")]
+pub fn run_gpu_ranks<T: Send>(
+    devices: usize,
+    timeout: Duration,
+    f: impl Fn(&dyn Communicator) -> T + Sync,
+) -> Result<Vec<Result<T, String>>, CollectiveError> {
+    if devices == 0 {
+        return Err(CollectiveError::Invalid(
+            "--devices must be at least 1".into(),
+        ));
+    }
+    if launched_by_mpirun() {
+        if devices > 1 {
+            return Err(CollectiveError::Invalid(format!(
+                "--devices {devices} starts in-process ranks, but under mpirun each process is one rank on one GPU: drop --devices"
+            )));
+        }
+        #[cfg(feature = "mpi")]
+        {
+            let world = mpi::MpiComm::init(timeout)?;
+            let comm = nccl::NcclComm::over_mpi(&world, launcher_local_rank(), timeout)?;
+            return Ok(vec![Ok(f(&comm))]);
+        }
+        #[cfg(not(feature = "mpi"))]
+        return Err(CollectiveError::Invalid(
+            "started by mpirun, but this binary was built without the `mpi` feature, so NCCL cannot be bootstrapped over MPI: rebuild with --features cuda,mpi".into(),
+        ));
+    }
+    let gpus: Vec<usize> = (0..devices).collect();
+    nccl::NcclComm::run(&gpus, timeout, f)
 }
 
 /// A broadcast's `root` must be a rank of the world.

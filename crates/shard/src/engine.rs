@@ -3,13 +3,14 @@ use std::collections::HashMap;
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
-use burnscale_collective::{Buffer, Communicator, DType, ReduceOp};
+use burn::tensor::{DType as TensorDType, Gradients};
+use burnscale_collective::{Buffer, Communicator, DType, ReduceOp, tensor_dtype};
 use burnscale_nn::{BlockModel, autocast, autodiff_on, dropout};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
-use crate::host::{self, HostValues};
 use crate::layout::{self, Slot};
-use crate::{ShardError, Strategy};
+use crate::params::{self, Flat};
+use crate::{ShardError, Sharding, Strategy, host};
 
 /// DDP's default gradient bucket: 25 MB of f32.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
@@ -20,8 +21,12 @@ const PRESENT: &str = "the model is only moved out during a step";
 /// order. A micro-step reads this rank's slice of the global batch; gradients are summed
 /// locally over micro-steps (no collective until the last one, as `no_sync`), then
 /// averaged over the ranks.
+///
+/// Everything lives on the rank's device as tensors (parameters, shards, gathered units,
+/// gradients, optimizer state) and the collectives take and return tensors; only
+/// `offload_params` and the optimizer's own offload move anything to the host.
 pub struct Sharded<'c, M: BlockModel> {
-    strategy: Strategy,
+    sharding: Sharding,
     comm: &'c dyn Communicator,
     device: Device,
     slots: Vec<Slot>,
@@ -29,22 +34,24 @@ pub struct Sharded<'c, M: BlockModel> {
     /// gradient buckets; also the broadcast and ZeRO-1/2's all-gather after a step).
     buckets: Vec<Vec<usize>>,
     /// Slot indices of each unit: the root (embeddings and head) first, then each block.
-    /// ZeRO-3 gathers unit by unit; gradients reduced unit by unit go by them too.
+    /// Sharded parameters are gathered unit by unit; sharded gradients are reduce-scattered
+    /// unit by unit as backward leaves each one.
     units: Vec<Vec<usize>>,
-    /// The full replica (ddp, zero1, zero2) or this rank's shards (zero3).
+    /// The full replica, or this rank's shards when parameters are sharded.
     model: Option<M>,
-    /// This rank's own gradients, summed over the micro-steps of an optimizer step.
-    local: HostValues,
-    /// Gradients after the collective: full (ddp, zero1) or this rank's shards.
-    reduced: HostValues,
+    /// This rank's own gradients (flat, f32), summed over the micro-steps of an optimizer
+    /// step.
+    local: Flat,
+    /// Gradients after the collective (flat, f32): full, or this rank's shards.
+    reduced: Flat,
     /// The most gradient bytes (`local` and `reduced` together) held at once so far in this
     /// step, and in the last finished one.
     grad_peak: usize,
     grad_bytes: usize,
-    /// Per-block activation checkpointing (always on under ZeRO-3).
+    /// Per-block activation checkpointing (always on when parameters are sharded).
     checkpoint: bool,
     precision: Precision,
-    /// Where ZeRO-3's shards live between uses when offloaded (else the plain device).
+    /// Where the parameter shards live between uses when offloaded (else the device).
     home: Option<Device>,
     /// The dtype gradients travel in when reduced over the ranks.
     reduce_dtype: DType,
@@ -87,13 +94,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             // A clone only for the ids (dropped here: a lazy model's clones share its values).
             let mut root = model.clone();
             let blocks = root.take_blocks();
-            std::iter::once(host::param_ids(&root))
-                .chain(blocks.iter().map(host::param_ids))
+            std::iter::once(params::param_ids(&root))
+                .chain(blocks.iter().map(params::param_ids))
                 .map(|ids| ids.iter().map(|id| index[id]).collect())
                 .collect()
         };
+        let sharding = strategy.sharding();
         let mut this = Self {
-            strategy,
+            sharding,
             comm,
             device: device.clone(),
             slots,
@@ -104,13 +112,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             reduced: HashMap::new(),
             grad_peak: 0,
             grad_bytes: 0,
-            checkpoint: strategy == Strategy::Zero3,
+            checkpoint: sharding.parameters,
             precision: Precision::F32True,
             home: None,
             reduce_dtype: DType::F32,
             scaler: None,
         };
-        this.model = Some(if strategy == Strategy::Zero3 {
+        this.model = Some(if sharding.parameters {
             this.shard_from_rank0(model)?
         } else {
             this.broadcast_from_rank0(model)?
@@ -119,17 +127,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward. ZeRO-3 always works this way (it must drop gathered weights).
+    /// recomputed in backward. Sharded parameters always work this way (gathered weights are
+    /// dropped after forward).
     pub fn checkpoint_activations(mut self, on: bool) -> Self {
-        self.checkpoint = on || self.strategy == Strategy::Zero3;
+        self.checkpoint = on || self.sharding.parameters;
         self
-    }
-
-    /// Whether gradients are reduce-scattered unit by unit as backward leaves each unit:
-    /// ZeRO-3, and ZeRO-2 with checkpointing (whose backward runs block by block; a plain
-    /// backward computes every gradient at once).
-    fn per_unit(&self) -> bool {
-        self.strategy == Strategy::Zero3 || (self.strategy == Strategy::Zero2 && self.checkpoint)
     }
 
     /// Trains under `precision`: the `*-true` policies keep the weights (and so the optimizer
@@ -146,14 +148,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Keeps this rank's parameter shards on `host` between uses (ZeRO-3's parameter
-    /// offload): each unit is gathered onto the device as it runs, and the shards are stepped
-    /// where they live.
+    /// offload): each unit's shards are moved to the device as it is gathered, and the shards
+    /// are stepped where they live.
     pub fn offload_params(mut self, host: Device) -> Result<Self, ShardError> {
-        if self.strategy != Strategy::Zero3 {
-            return Err(ShardError::Offload(format!(
-                "parameter offload keeps ZeRO-3's shards on the host, but the strategy is {:?}",
-                self.strategy
-            )));
+        if !self.sharding.parameters {
+            return Err(ShardError::Offload(
+                "parameter offload keeps the parameter shards of zero3 on the host, but this strategy keeps whole parameters".into(),
+            ));
         }
         let model = self.model.take().expect(PRESENT);
         self.model = Some(model.to_device(&host));
@@ -210,7 +211,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         let (value, loss) = self.scaled(loss, accumulate);
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-        host::add_grads(&model, &mut grads, &mut self.local);
+        params::add_grads(&model, &mut grads, &mut self.local);
         self.note_grads();
         if last {
             for bucket in self.all_buckets() {
@@ -232,62 +233,61 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let mut grads = std::mem::take(&mut self.reduced);
         self.grad_bytes = std::mem::take(&mut self.grad_peak);
-        if self.strategy == Strategy::Zero1 {
+        if self.sharding.optimizer_state && !self.sharding.gradients {
             for slot in &self.slots {
                 if let Some(grad) = grads.get_mut(&slot.id) {
                     *grad = slot.shard_of(grad, rank);
                 }
             }
         }
-        if let Some(scale) = self.scaler.as_ref().map(LossScaler::scale) {
-            let inv = (1.0 / scale) as f32;
-            grads.values_mut().flatten().for_each(|g| *g *= inv);
-            let overflow = grads.values().flatten().any(|g| !g.is_finite());
-            let mut flag = Buffer::F32(vec![if overflow { 1.0 } else { 0.0 }]);
-            if world > 1 {
-                self.comm.all_reduce(&mut flag, ReduceOp::Max)?;
+        let scale = |grads: &mut Flat, by: f64| {
+            for grad in grads.values_mut() {
+                *grad = grad.clone() * by;
             }
-            let found_inf = f32s(flag)[0] > 0.0;
-            let scaler = self.scaler.as_mut().expect("checked above");
-            if !scaler.update(found_inf)? {
-                return Ok(StepOutcome {
-                    grad_norm: f64::INFINITY,
-                    skipped: true,
-                });
-            }
+        };
+        if let Some(loss_scale) = self.scaler.as_ref().map(LossScaler::scale) {
+            scale(&mut grads, 1.0 / loss_scale);
         }
-        let mut sum_sq: f64 = grads.values().flatten().map(|&g| g as f64 * g as f64).sum();
-        if self.strategy != Strategy::Ddp && world > 1 {
+        // One read of the device per step: the squared norm, which is not finite when any
+        // gradient overflowed (or squares past f32's range, ~1.8e19).
+        let mut sum_sq = self.squared_norm(&grads);
+        if self.sharding.optimizer_state && world > 1 {
             let mut buf = Buffer::F32(vec![sum_sq as f32]);
             self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
             sum_sq = f32s(buf)[0] as f64;
         }
+        if let Some(scaler) = self.scaler.as_mut()
+            && !scaler.update(!sum_sq.is_finite())?
+        {
+            return Ok(StepOutcome {
+                grad_norm: f64::INFINITY,
+                skipped: true,
+            });
+        }
         let norm = sum_sq.sqrt();
         if max_norm > 0.0 && norm > max_norm {
-            let scale = (max_norm / (norm + 1e-6)) as f32;
-            grads.values_mut().flatten().for_each(|g| *g *= scale);
+            scale(&mut grads, max_norm / (norm + 1e-6));
         }
 
         let model = self.model.take().expect(PRESENT);
-        let inner = self.home.clone().unwrap_or_else(|| self.inner_device());
-        let (target, replica) = match self.strategy {
-            Strategy::Ddp | Strategy::Zero3 => (model, None),
-            Strategy::Zero1 | Strategy::Zero2 => {
-                let shards = self.own_shards(&model);
-                (
-                    host::set_values(model.clone(), shards, &inner, false),
-                    Some(model),
-                )
-            }
+        let (target, replica) = if self.sharding.optimizer_state && !self.sharding.parameters {
+            let shards = self.own_shards(&model);
+            let device = self.inner_device();
+            (
+                params::set_values(model.clone(), shards, &device, false),
+                Some(model),
+            )
+        } else {
+            (model, None)
         };
-        let grads = host::to_grads(&target, grads, &inner);
+        let grads = params::to_grads(&target, grads);
         let updated = optimize(target, grads);
         self.model = Some(match replica {
             None => updated,
             Some(replica) => {
-                let shards = host::values(&updated);
+                let shards = params::values(&updated, None);
                 drop(updated);
-                self.gather(replica, shards, self.all_buckets(), &self.device, true)?
+                self.gather(replica, shards, self.all_buckets(), true)?
             }
         });
         Ok(StepOutcome {
@@ -296,20 +296,35 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         })
     }
 
-    /// The whole model on every rank (ZeRO-3 gathers it: a collective), for evaluation and
-    /// saving.
+    /// The sum of the squares of every value in `grads` (one read of the device), summed in
+    /// slot order so that a run is reproducible.
+    fn squared_norm(&self, grads: &Flat) -> f64 {
+        let sums: Vec<Tensor<1>> = self
+            .slots
+            .iter()
+            .filter_map(|slot| grads.get(&slot.id))
+            .map(|g| g.clone().powi_scalar(2).sum())
+            .collect();
+        if sums.is_empty() {
+            return 0.0;
+        }
+        Tensor::cat(sums, 0).sum().into_scalar::<f32>() as f64
+    }
+
+    /// The whole model on every rank (sharded parameters are gathered: a collective), for
+    /// evaluation and saving.
     pub fn full_model(&self) -> Result<M, ShardError> {
         let model = self.model.as_ref().expect(PRESENT).clone();
-        if self.strategy != Strategy::Zero3 {
+        if !self.sharding.parameters {
             return Ok(model);
         }
-        let shards = host::values(&model);
-        self.gather(model, shards, self.all_buckets(), &self.device, true)
+        let shards = self.shards_on_device(&model);
+        self.gather(model, shards, self.all_buckets(), true)
     }
 
     /// Bytes of parameters this rank holds between steps.
     pub fn param_bytes(&self) -> usize {
-        host::param_bytes(self.model.as_ref().expect(PRESENT))
+        params::param_bytes(self.model.as_ref().expect(PRESENT))
     }
 
     /// The most bytes of gradients this rank held at once during the last step: its own
@@ -325,7 +340,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .local
             .values()
             .chain(self.reduced.values())
-            .map(|g| 4 * g.len())
+            .map(|g| g.shape().num_elements() * g.dtype().size())
             .sum();
         self.grad_peak = self.grad_peak.max(held);
     }
@@ -334,39 +349,43 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.device.clone().inner()
     }
 
-    /// Rank 0's parameter values in `model` on every rank.
+    /// Rank 0's parameter values in `model` on every rank, bucket by bucket (in f32).
     fn broadcast_from_rank0(&self, model: M) -> Result<M, ShardError> {
         if self.comm.world_size() == 1 {
             return Ok(model);
         }
-        let mut values = host::values(&model);
+        let mut values = params::values(&model, None);
         let mut model = model;
         for bucket in &self.buckets {
             let slots: Vec<&Slot> = bucket.iter().map(|&i| &self.slots[i]).collect();
-            let mine: Vec<f32> = slots
-                .iter()
-                .flat_map(|s| values.remove(&s.id).expect("a value for every parameter"))
-                .collect();
-            let expected = mine.len();
-            let mut buf = Buffer::F32(mine);
-            self.comm.broadcast(&mut buf, 0)?;
-            let root = f32s(buf);
-            if root.len() != expected {
+            let mine = Tensor::cat(
+                slots
+                    .iter()
+                    .map(|s| {
+                        let value = values.remove(&s.id).expect("a value for every parameter");
+                        value.cast(TensorDType::F32)
+                    })
+                    .collect(),
+                0,
+            );
+            let expected = mine.dims()[0];
+            let root = self.comm.broadcast_tensor(mine, 0)?;
+            if root.dims()[0] != expected {
                 return Err(ShardError::ModelMismatch {
                     rank: self.comm.rank(),
                     detail: format!(
                         "rank 0 sent {} values for parameters {}.., this rank has {expected}",
-                        root.len(),
+                        root.dims()[0],
                         slots[0].path
                     ),
                 });
             }
             let bucket_values = slots
                 .iter()
-                .zip(layout::split(&root, slots.iter().map(|s| s.numel())))
+                .zip(layout::split(root, slots.iter().map(|s| s.numel())))
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
-            model = host::set_values(model, bucket_values, &self.device, true);
+            model = params::set_values(model, bucket_values, &self.device, true);
         }
         Ok(model)
     }
@@ -376,47 +395,59 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// (in the order a single device would draw them) and no rank ever holds the whole model.
     fn shard_from_rank0(&self, mut model: M) -> Result<M, ShardError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let device = self.inner_device();
         for slot in &self.slots {
             let full = if rank == 0 {
-                host::values_of(&model, &[slot.id])
+                params::values(&model, Some(&[slot.id]))
                     .remove(&slot.id)
                     .expect("the slot is a parameter of the model")
+                    .cast(TensorDType::F32)
             } else {
-                Vec::new()
+                Tensor::empty([slot.numel()], (&device, TensorDType::F32))
             };
             let full = if world == 1 {
                 full
             } else {
-                let mut buf = Buffer::F32(full);
-                self.comm.broadcast(&mut buf, 0)?;
-                f32s(buf)
+                self.comm.broadcast_tensor(full, 0)?
             };
-            if full.len() != slot.numel() {
+            if full.dims()[0] != slot.numel() {
                 return Err(ShardError::ModelMismatch {
                     rank,
                     detail: format!(
                         "rank 0 sent {} values for {}, this rank's has {}",
-                        full.len(),
+                        full.dims()[0],
                         slot.path,
                         slot.numel()
                     ),
                 });
             }
-            let shard = (slot.shard_of(&full, rank), slot.shard_dims());
+            let shard = (layout::owned(slot.shard_of(&full, rank)), slot.shard_dims());
             drop(full);
-            let shard = HashMap::from([(slot.id, shard)]);
-            model = host::set_values(model, shard, &self.inner_device(), false);
+            model = params::set_values(model, HashMap::from([(slot.id, shard)]), &device, false);
         }
         Ok(model)
     }
 
     /// This rank's shard of every parameter of `module`, shaped as shards.
-    fn own_shards<U: Module>(&self, module: &U) -> HashMap<ParamId, (Vec<f32>, Vec<usize>)> {
+    fn own_shards<U: Module>(&self, module: &U) -> HashMap<ParamId, (Tensor<1>, Vec<usize>)> {
         let by_id: HashMap<ParamId, &Slot> = self.slots.iter().map(|s| (s.id, s)).collect();
-        host::shards(module, &by_id, self.comm.rank())
+        params::shards(module, &by_id, self.comm.rank())
             .into_iter()
             .map(|(id, v)| (id, (v, by_id[&id].shard_dims())))
             .collect()
+    }
+
+    /// The parameter shards of `unit` (flat) on the device: moved from the host when
+    /// offloaded.
+    fn shards_on_device<U: Module>(&self, unit: &U) -> Flat {
+        let mut shards = params::values(unit, None);
+        if self.home.is_some() {
+            let device = self.inner_device();
+            for shard in shards.values_mut() {
+                *shard = host::transfer(shard.clone(), &device);
+            }
+        }
+        shards
     }
 
     /// Every bucket, in order.
@@ -424,88 +455,97 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         (0..self.buckets.len()).map(Group::Bucket)
     }
 
+    fn group(&self, group: Group) -> Vec<&Slot> {
+        let indices = match group {
+            Group::Bucket(i) => &self.buckets[i],
+            Group::Unit(i) => &self.units[i],
+        };
+        indices.iter().map(|&i| &self.slots[i]).collect()
+    }
+
     /// `module` with the full values of the parameters in `groups`, all-gathered from
-    /// every rank's `shards` (consumed as they are sent), one collective per group.
+    /// every rank's `shards` (consumed as they are sent, in their dtype), one collective per
+    /// group; on the autodiff device and tracked if `require_grad`.
     fn gather<U: Module>(
         &self,
         mut module: U,
-        mut shards: HostValues,
+        mut shards: Flat,
         groups: impl IntoIterator<Item = Group>,
-        device: &Device,
         require_grad: bool,
     ) -> Result<U, ShardError> {
         let world = self.comm.world_size();
         for group in groups {
-            let indices = match group {
-                Group::Bucket(i) => &self.buckets[i],
-                Group::Unit(i) => &self.units[i],
-            };
-            let slots: Vec<&Slot> = indices.iter().map(|&i| &self.slots[i]).collect();
-            let mine: Vec<f32> = slots
-                .iter()
-                .flat_map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
-                .collect();
-            let expected = world * mine.len();
+            let slots = self.group(group);
+            let mine = Tensor::cat(
+                slots
+                    .iter()
+                    .map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
+                    .collect(),
+                0,
+            );
+            let expected = world * mine.dims()[0];
             let gathered = if world == 1 {
                 mine
             } else {
-                f32s(self.comm.all_gather(&Buffer::F32(mine))?)
+                self.comm.all_gather_tensor(mine)?
             };
-            if gathered.len() != expected {
+            if gathered.dims()[0] != expected {
                 return Err(ShardError::ModelMismatch {
                     rank: self.comm.rank(),
                     detail: format!(
                         "gathered {} values for parameters {}.., expected {expected}",
-                        gathered.len(),
+                        gathered.dims()[0],
                         slots[0].path
                     ),
                 });
             }
             let full = slots
                 .iter()
-                .zip(layout::unpack_gathered(&slots, &gathered, world))
+                .zip(layout::unpack_gathered(&slots, gathered, world))
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
-            module = host::set_values(module, full, device, require_grad);
+            module = params::set_values(module, full, &self.device, require_grad);
         }
         Ok(module)
     }
 
-    /// Averages the local gradients of one group over the ranks: all-reduce (ddp, zero1)
-    /// or reduce-scatter to this rank's shards (zero2, zero3).
+    /// Averages the local gradients of one group over the ranks: all-reduce, or
+    /// reduce-scatter to this rank's shards when gradients are sharded.
     fn reduce(&mut self, group: Group) -> Result<(), ShardError> {
         let world = self.comm.world_size();
-        let indices = match group {
-            Group::Bucket(i) => &self.buckets[i],
-            Group::Unit(i) => &self.units[i],
-        };
-        let slots: Vec<&Slot> = indices.iter().map(|&i| &self.slots[i]).collect();
-        let local: Vec<Vec<f32>> = slots
+        let slots: Vec<Slot> = self.group(group).into_iter().cloned().collect();
+        let slots: Vec<&Slot> = slots.iter().collect();
+        let device = self.inner_device();
+        let local: Vec<Tensor<1>> = slots
             .iter()
             .map(|s| {
                 self.local
                     .remove(&s.id)
-                    .unwrap_or_else(|| vec![0.0; s.numel()])
+                    .unwrap_or_else(|| Tensor::zeros([s.numel()], (&device, TensorDType::F32)))
             })
             .collect();
-        let reduced = match self.strategy {
-            Strategy::Ddp | Strategy::Zero1 if world == 1 => local,
-            Strategy::Ddp | Strategy::Zero1 => {
-                let mut buf = Buffer::from_f32(self.reduce_dtype, local.concat());
-                self.comm.all_reduce(&mut buf, ReduceOp::Mean)?;
-                layout::split(&f32s(buf), slots.iter().map(|s| s.numel()))
-            }
-            Strategy::Zero2 | Strategy::Zero3 => {
-                let packed = layout::pack_rank_major(&slots, &local, world);
-                drop(local);
-                let mine = if world == 1 {
-                    packed
-                } else {
-                    let packed = Buffer::from_f32(self.reduce_dtype, packed);
-                    f32s(self.comm.reduce_scatter(&packed, ReduceOp::Mean)?)
-                };
-                layout::split(&mine, slots.iter().map(|s| s.shard_numel()))
-            }
+        let dtype = tensor_dtype(self.reduce_dtype);
+        let reduced = if !self.sharding.gradients {
+            let flat = Tensor::cat(local, 0);
+            let flat = if world == 1 {
+                flat
+            } else {
+                self.comm
+                    .all_reduce_tensor(flat.cast(dtype), ReduceOp::Mean)?
+                    .cast(TensorDType::F32)
+            };
+            layout::split(flat, slots.iter().map(|s| s.numel()))
+        } else {
+            let packed = layout::pack_rank_major(&slots, &local, world);
+            drop(local);
+            let mine = if world == 1 {
+                packed
+            } else {
+                self.comm
+                    .reduce_scatter_tensor(packed.cast(dtype), ReduceOp::Mean)?
+                    .cast(TensorDType::F32)
+            };
+            layout::split(mine, slots.iter().map(|s| s.shard_numel()))
         };
         for (slot, grad) in slots.iter().zip(reduced) {
             self.reduced.insert(slot.id, grad);
@@ -514,15 +554,16 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
-    /// Per-block checkpointing, and ZeRO-3. Blocks run forward outside autodiff, keeping
-    /// only their input; backward takes each block again, recomputes it under autodiff (with
-    /// the same dropout masks) and back-propagates the incoming gradient through it. Under
-    /// ZeRO-2 and ZeRO-3 a block's gradients are reduce-scattered as soon as backward leaves
-    /// it on the last micro-step, so a rank holds one block's full gradients (and the root's)
-    /// at a time (earlier micro-steps of an accumulation keep full sums); under ZeRO-3
-    /// its parameters are also gathered just before it runs and dropped after, and the root
-    /// unit (embeddings and head) stays gathered for the whole micro-step. DDP and ZeRO-1
-    /// reduce their buckets after the whole backward, as without checkpointing.
+    /// Per-block checkpointing (always on with sharded parameters). Blocks run forward outside
+    /// autodiff, keeping only their input; backward takes each block again, recomputes it
+    /// under autodiff (with the same dropout masks) and back-propagates the incoming gradient
+    /// through it. With sharded gradients a block's are reduce-scattered as soon as backward
+    /// leaves it on the last micro-step, so a rank holds one block's full gradients at a time
+    /// (earlier micro-steps of an accumulation keep full sums). Sharded parameters are
+    /// gathered just before a unit runs and dropped after: each block for its forward and
+    /// for its backward, the root (embeddings and head) for the embeddings, for the head, and
+    /// for the embeddings' backward. DDP and ZeRO-1 reduce their buckets after the whole
+    /// backward.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
@@ -530,76 +571,84 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         accumulate: usize,
         last: bool,
     ) -> Result<f64, ShardError> {
-        let zero3 = self.strategy == Strategy::Zero3;
-        let per_unit = self.per_unit();
+        let sharded_params = self.sharding.parameters;
         let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
-        let root = self.compute(if zero3 {
-            self.gather_unit(root, 0, &self.device, true)?
+        let start = dropout::position();
+        // Sharded, the root is gathered around each use; else its compute copy serves all.
+        let (mut x, mask, embedded) = if sharded_params {
+            let _training = dropout::training_scope();
+            let (x, mask) = self.unit(&root, 0, false)?.embed(input.clone());
+            (x, mask, None)
         } else {
-            root
-        });
-
-        let (embedded, mask) = root.embed(input); // [batch, seq, d_model]
+            root = self.compute(root);
+            let (embedded, mask) = root.embed(input.clone()); // [batch, seq, d_model]
+            (embedded.clone().inner(), mask, Some(embedded))
+        };
         let inner_mask = mask.clone().map(|m| m.inner());
-        let mut x = embedded.clone().inner();
+        let mask = mask.map(|m| autodiff_on(m, &self.device));
+        // Each block's input, and where the dropout stream stood when it ran.
         let mut saved = Vec::with_capacity(blocks.len());
-        let training = dropout::training_scope();
-        for (i, block) in blocks.iter().enumerate() {
-            let block = self.block(block, i, false)?;
-            saved.push((x.clone(), dropout::position()));
-            x = root.block_forward(&block, x, &inner_mask);
+        {
+            let _training = dropout::training_scope();
+            for (i, block) in blocks.iter().enumerate() {
+                let block = self.unit(block, i + 1, false)?;
+                saved.push((x.clone(), dropout::position()));
+                x = root.block_forward(&block, x, &inner_mask);
+            }
         }
-        drop(training);
         let x = autodiff_on(x, &self.device).require_grad();
-        let (value, loss) = self.scaled(root.head_loss(x.clone(), target), accumulate);
+        let head = if sharded_params {
+            Some(self.unit(&root, 0, true)?)
+        } else {
+            None
+        };
+        let head_root = head.as_ref().unwrap_or(&root);
+        let (value, loss) = self.scaled(head_root.head_loss(x.clone(), target), accumulate);
         let resume = dropout::position();
 
         let grads = loss.backward();
         let mut grad_x = x
             .grad(&grads)
             .expect("the head reads the last block's output");
-        host::add_grads(
-            &root,
-            &mut GradientsParams::from_grads(grads, &root),
-            &mut self.local,
-        );
+        self.add_grads(head_root, grads);
+        drop(head);
+        let per_unit = self.sharding.gradients && last;
         for (i, block) in blocks.iter().enumerate().rev() {
-            let block = self.block(block, i, true)?;
             let (x, at) = saved.pop().expect("one saved input per block");
+            let block = self.unit(block, i + 1, true)?;
             dropout::rewind(at);
-            let x = autodiff_on(x, &self.device).require_grad();
-            let y = root.block_forward(&block, x.clone(), &mask);
+            let input = autodiff_on(x, &self.device).require_grad();
+            let y = root.block_forward(&block, input.clone(), &mask);
             let grads = (y * autodiff_on(grad_x, &self.device)).sum().backward();
-            grad_x = x
+            grad_x = input
                 .grad(&grads)
                 .expect("a block's output depends on its input");
-            host::add_grads(
-                &block,
-                &mut GradientsParams::from_grads(grads, &block),
-                &mut self.local,
-            );
-            self.note_grads();
+            // Gradients are found through the tensors the graph used: this block's.
+            self.add_grads(&block, grads);
             drop(block);
-            if per_unit && last {
+            if per_unit {
                 self.reduce(Group::Unit(i + 1))?;
             }
         }
+        let embedded = match embedded {
+            Some(embedded) => Some((embedded, None)),
+            None => {
+                dropout::rewind(start);
+                let gathered = self.unit(&root, 0, true)?;
+                Some((gathered.embed(input).0, Some(gathered)))
+            }
+        };
         dropout::rewind(resume);
-        if embedded.is_tracked() {
+        if let Some((embedded, gathered)) = embedded.filter(|(e, _)| e.is_tracked()) {
             let grads = (embedded * autodiff_on(grad_x, &self.device))
                 .sum()
                 .backward();
-            host::add_grads(
-                &root,
-                &mut GradientsParams::from_grads(grads, &root),
-                &mut self.local,
-            );
+            self.add_grads(gathered.as_ref().unwrap_or(&root), grads);
         }
-        self.note_grads();
         if last {
-            if per_unit {
+            if self.sharding.gradients {
                 self.reduce(Group::Unit(0))?;
             } else {
                 for bucket in self.all_buckets() {
@@ -610,32 +659,30 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(value)
     }
 
-    /// Block `i` for forward outside autodiff (`!train`) or for recomputation under it: its
-    /// gathered parameters under ZeRO-3, else the replica's own; in the compute dtype.
-    fn block(&self, block: &M::Block, i: usize, train: bool) -> Result<M::Block, ShardError> {
-        let block = match (self.strategy, train) {
-            (Strategy::Zero3, true) => {
-                self.gather_unit(block.clone(), i + 1, &self.device, true)?
-            }
-            (Strategy::Zero3, false) => {
-                self.gather_unit(block.clone(), i + 1, &self.inner_device(), false)?
-            }
-            (_, true) => block.clone(),
-            (_, false) => host::detached(block),
-        };
-        Ok(self.compute(block))
+    /// Adds the gradients `grads` holds for `module`'s parameters into this rank's sums.
+    fn add_grads<U: Module>(&mut self, module: &U, grads: Gradients) {
+        params::add_grads(
+            module,
+            &mut GradientsParams::from_grads(grads, module),
+            &mut self.local,
+        );
+        self.note_grads();
     }
 
-    /// `unit` (shard-shaped) with its full parameters gathered onto `device`.
-    fn gather_unit<U: Module>(
-        &self,
-        unit: U,
-        index: usize,
-        device: &Device,
-        require_grad: bool,
-    ) -> Result<U, ShardError> {
-        let shards = host::values(&unit);
-        self.gather(unit, shards, [Group::Unit(index)], device, require_grad)
+    /// Unit `index` (`module`, shard-shaped when parameters are sharded) for a forward outside
+    /// autodiff (`!train`) or under it: gathered when sharded (in the compute dtype, so 16-bit
+    /// policies gather 16-bit values), else the replica's own; in the compute dtype.
+    fn unit<U: Module>(&self, module: &U, index: usize, train: bool) -> Result<U, ShardError> {
+        if self.sharding.parameters {
+            let shards = self.compute(module.clone());
+            let values = self.shards_on_device(&shards);
+            return self.gather(shards, values, [Group::Unit(index)], train);
+        }
+        Ok(self.compute(if train {
+            module.clone()
+        } else {
+            params::detached(module)
+        }))
     }
 }
 

@@ -44,13 +44,20 @@ impl Slot {
         (start, ((rank + 1) * self.rows).min(self.dims[0]) - start)
     }
 
-    /// `rank`'s shard of a full value, zero-padded.
-    pub fn shard_of(&self, full: &[f32], rank: usize) -> Vec<f32> {
+    /// `rank`'s shard of a full value (flat), zero-padded, on the value's device.
+    pub fn shard_of(&self, full: &Tensor<1>, rank: usize) -> Tensor<1> {
         let (start, real) = self.owned_rows(rank);
         let row = self.row_len();
-        let mut shard = full[start * row..(start + real) * row].to_vec();
-        shard.resize(self.shard_numel(), 0.0);
-        shard
+        let pad = (self.rows - real) * row;
+        let zeros = |n: usize| Tensor::<1>::zeros([n], (&full.device(), full.dtype()));
+        match (real, pad) {
+            (0, _) => zeros(pad),
+            (_, 0) => full.clone().narrow(0, start * row, real * row),
+            _ => Tensor::cat(
+                vec![full.clone().narrow(0, start * row, real * row), zeros(pad)],
+                0,
+            ),
+        }
     }
 }
 
@@ -106,47 +113,64 @@ pub fn buckets(slots: &[Slot], cap: usize) -> Vec<Range<usize>> {
     buckets
 }
 
-/// Full values laid out so that a reduce-scatter hands each rank its shards: for every rank
-/// in turn, that rank's shard of every slot.
-pub fn pack_rank_major(slots: &[&Slot], full: &[Vec<f32>], world: usize) -> Vec<f32> {
-    let per_rank: usize = slots.iter().map(|s| s.shard_numel()).sum();
-    let mut packed = Vec::with_capacity(world * per_rank);
-    for rank in 0..world {
-        for (slot, value) in slots.iter().zip(full) {
-            packed.extend(slot.shard_of(value, rank));
-        }
-    }
-    packed
+/// A copy of `view` in storage of its own: a slice shares (and keeps alive) the whole
+/// tensor it was cut from.
+pub fn owned(view: Tensor<1>) -> Tensor<1> {
+    let n = view.dims()[0];
+    view.zeros_like().slice_assign(0..n, view)
 }
 
-/// Cuts a flat buffer into consecutive pieces of the given lengths.
-pub fn split(flat: &[f32], lens: impl IntoIterator<Item = usize>) -> Vec<Vec<f32>> {
+/// Full values (flat, one per slot) laid out so that a reduce-scatter hands each rank its
+/// shards: for every rank in turn, that rank's shard of every slot.
+pub fn pack_rank_major(slots: &[&Slot], full: &[Tensor<1>], world: usize) -> Tensor<1> {
+    if world == 1 {
+        return Tensor::cat(full.to_vec(), 0);
+    }
+    let shards = (0..world)
+        .flat_map(|rank| {
+            slots
+                .iter()
+                .zip(full)
+                .map(move |(slot, value)| slot.shard_of(value, rank))
+        })
+        .collect();
+    Tensor::cat(shards, 0)
+}
+
+/// Cuts a flat tensor into consecutive pieces of the given (non-zero) lengths.
+pub fn split(flat: Tensor<1>, lens: impl IntoIterator<Item = usize>) -> Vec<Tensor<1>> {
     let mut offset = 0;
     lens.into_iter()
         .map(|len| {
             offset += len;
-            flat[offset - len..offset].to_vec()
+            flat.clone().narrow(0, offset - len, len)
         })
         .collect()
 }
 
-/// Full values from an all-gather of every rank's shards of `slots` (each rank's packed in
-/// slot order), without the padding.
-pub fn unpack_gathered(slots: &[&Slot], gathered: &[f32], world: usize) -> Vec<Vec<f32>> {
+/// Full values (flat) from an all-gather of every rank's shards of `slots` (each rank's
+/// packed in slot order), without the padding.
+pub fn unpack_gathered(slots: &[&Slot], gathered: Tensor<1>, world: usize) -> Vec<Tensor<1>> {
     let per_rank: usize = slots.iter().map(|s| s.shard_numel()).sum();
     let mut offset = 0;
     slots
         .iter()
         .map(|slot| {
             let n = slot.shard_numel();
-            let mut full = Vec::with_capacity(world * n);
-            for rank in 0..world {
-                let at = rank * per_rank + offset;
-                full.extend_from_slice(&gathered[at..at + n]);
-            }
+            let full = if world == 1 {
+                gathered.clone().narrow(0, offset, n)
+            } else {
+                let pieces = (0..world)
+                    .map(|rank| gathered.clone().narrow(0, rank * per_rank + offset, n))
+                    .collect();
+                Tensor::cat(pieces, 0)
+            };
             offset += n;
-            full.truncate(slot.numel());
-            full
+            if full.dims()[0] == slot.numel() {
+                full
+            } else {
+                full.narrow(0, 0, slot.numel())
+            }
         })
         .collect()
 }
@@ -164,6 +188,17 @@ mod tests {
         }
     }
 
+    fn flat(values: &[f32]) -> Tensor<1> {
+        Tensor::from_data(
+            TensorData::new(values.to_vec(), [values.len()]),
+            &Device::flex(),
+        )
+    }
+
+    fn read(t: Tensor<1>) -> Vec<f32> {
+        t.into_data().try_into_vec::<f32>().unwrap()
+    }
+
     #[test]
     fn shards_pad_and_reassemble() {
         // A world larger than dim 0 (a class token [1, 1, d] over 4 ranks) only pads.
@@ -172,19 +207,18 @@ mod tests {
             let b = slot(&[3], world);
             let full_a: Vec<f32> = (0..a.numel()).map(|i| i as f32 + 1.0).collect();
             let full_b: Vec<f32> = vec![-1.0, -2.0, -3.0];
+            let (ta, tb) = (flat(&full_a), flat(&full_b));
             let shards: Vec<f32> = (0..world)
-                .flat_map(|r| [a.shard_of(&full_a, r), b.shard_of(&full_b, r)].concat())
+                .flat_map(|r| [read(a.shard_of(&ta, r)), read(b.shard_of(&tb, r))].concat())
                 .collect();
+            assert_eq!(shards.len(), world * (a.shard_numel() + b.shard_numel()));
             let slots = [&a, &b];
-            assert_eq!(
-                pack_rank_major(&slots, &[full_a.clone(), full_b.clone()], world),
-                shards
-            );
-            assert_eq!(
-                unpack_gathered(&slots, &shards, world),
-                vec![full_a, full_b],
-                "{dims:?} over {world}"
-            );
+            assert_eq!(read(pack_rank_major(&slots, &[ta, tb], world)), shards);
+            let back: Vec<Vec<f32>> = unpack_gathered(&slots, flat(&shards), world)
+                .into_iter()
+                .map(read)
+                .collect();
+            assert_eq!(back, vec![full_a, full_b], "{dims:?} over {world}");
         }
     }
 

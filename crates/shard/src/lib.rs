@@ -20,6 +20,7 @@
 mod engine;
 pub mod host;
 pub mod layout;
+pub mod params;
 
 pub use engine::{Sharded, StepOutcome};
 
@@ -32,6 +33,37 @@ pub enum Strategy {
     Zero1,
     Zero2,
     Zero3,
+}
+
+impl Strategy {
+    /// What the strategy shards over the ranks: ZeRO's stages as data, one flag per model
+    /// state (FSDP2's `reshard_after_forward` is `parameters`).
+    pub const fn sharding(self) -> Sharding {
+        let (optimizer_state, gradients, parameters) = match self {
+            Strategy::Ddp => (false, false, false),
+            Strategy::Zero1 => (true, false, false),
+            Strategy::Zero2 => (true, true, false),
+            Strategy::Zero3 => (true, true, true),
+        };
+        Sharding {
+            optimizer_state,
+            gradients,
+            parameters,
+        }
+    }
+}
+
+/// Which model states each rank keeps only its shard of. Optimizer state is sharded whenever
+/// gradients are, and gradients whenever parameters are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    /// Each rank steps only its shard of the parameters (ZeRO-1).
+    pub optimizer_state: bool,
+    /// Gradients are reduce-scattered, unit by unit as backward leaves each (ZeRO-2).
+    pub gradients: bool,
+    /// Each rank holds only its parameter shards between uses; a unit is gathered around its
+    /// forward and its backward (ZeRO-3, FSDP).
+    pub parameters: bool,
 }
 
 #[derive(Debug, thiserror::Error)]

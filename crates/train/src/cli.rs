@@ -8,6 +8,7 @@ use serde::Serialize;
 use burnscale_precision::Precision;
 
 use crate::TrainError;
+use crate::accelerator::Accelerator;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -67,6 +68,11 @@ pub enum Schedule {
 /// Training flags, flattened into each example's own `clap` parser.
 #[derive(Debug, Clone, Args)]
 pub struct TrainArgs {
+    /// Where ranks run: cpu, or cuda (rank i on GPU i; under mpirun the node-local rank's
+    /// GPU; collectives over NCCL). Default: cuda in a cuda build on a machine with a GPU,
+    /// else cpu.
+    #[arg(long, value_enum)]
+    pub accelerator: Option<Accelerator>,
     /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp).
     #[arg(long, value_enum, default_value = "single")]
     pub strategy: Strategy,
@@ -169,9 +175,15 @@ impl TrainArgs {
         <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.train)
     }
 
+    /// Where the model is built: `--accelerator`'s first device, with autodiff.
+    pub fn device(&self) -> Result<burn::prelude::Device, TrainError> {
+        Accelerator::or_default(self.accelerator).first_device()
+    }
+
     /// Rejects flag values that cannot run, and those whose technique has not landed yet,
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
+        Accelerator::or_default(self.accelerator).check(self.devices)?;
         if matches!(
             self.optimizer,
             OptimizerKind::Adafactor | OptimizerKind::Adam8bit

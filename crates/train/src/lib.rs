@@ -1,6 +1,7 @@
 //! burnscale's training runner: the shared CLI, optimizers and schedules from burn-optim,
 //! gradient accumulation and clipping, and honest memory and speed reports.
 
+pub mod accelerator;
 mod cli;
 pub mod data;
 mod error;

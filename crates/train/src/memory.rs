@@ -1,4 +1,5 @@
-//! Process memory, measured: a counting global allocator.
+//! Memory, measured: the process's heap through a counting global allocator, and a
+//! device's own pool statistics.
 //!
 //! A runner binary installs it with
 //! `#[global_allocator] static ALLOC: CountingAllocator = CountingAllocator;`.
@@ -78,6 +79,19 @@ pub fn reset_peak() {
 /// Whether a binary installed [`CountingAllocator`].
 pub fn is_counting() -> bool {
     peak_bytes() > 0
+}
+
+/// The most bytes `device`'s memory pools have reserved so far (the sum of each pool's peak
+/// pages, cubecl's own statistics: what PyTorch calls `max_memory_reserved`); on a CPU, whose
+/// device memory is the host's, the process peak of [`peak_bytes`].
+pub fn device_peak_bytes(device: &burn::prelude::Device) -> usize {
+    match device.memory_pool_report() {
+        Some(pools) => pools
+            .iter()
+            .map(|pool| (pool.pages_peak * pool.page_size) as usize)
+            .sum(),
+        None => peak_bytes(),
+    }
 }
 
 /// `1.23 GiB`-style formatting.

@@ -29,6 +29,9 @@ pub struct ParamOptimizer {
     states: HashMap<String, DynState>,
     /// Where parameters are stepped and their state kept; `None`: on the parameter's device.
     host: Option<Device>,
+    /// Whether the parameters themselves live on `host` (`--offload params`), so that only
+    /// their gradients cross to it.
+    params_on_host: bool,
     disk: Option<DiskStates>,
 }
 
@@ -81,6 +84,7 @@ impl ParamOptimizer {
             no_decay: build(0.0)?,
             states: HashMap::new(),
             host: offload.then(Device::flex),
+            params_on_host: args.offload == Offload::Params,
             disk,
         })
     }
@@ -203,12 +207,20 @@ impl ModuleMapper for StepMapper<'_> {
                 return Param::from_mapped_value(id, tensor, mapper);
             }
         };
+        // Offloaded, the gradient crosses to the host, and the parameter there and back
+        // unless it lives there.
+        let crosses = |moved: bool| self.optim.host.is_some() && moved;
+        let (param_crosses, grad_crosses) = (crosses(!self.optim.params_on_host), crosses(true));
+        let to = |t: Tensor<D>, device: &Device, crosses: bool| match crosses {
+            true => burnscale_shard::host::transfer(t, device),
+            false => t.to_device(device),
+        };
         let optim = self.optim.for_rank(D).clone();
         let (updated, state) = optim.step_dyn(
             D,
             self.lr,
-            tensor.inner().to_device(&home).into_bridge(),
-            grad.to_device(&home).into_bridge(),
+            to(tensor.inner(), &home, param_crosses).into_bridge(),
+            to(grad, &home, grad_crosses).into_bridge(),
             state,
         );
         if let Some(state) = state
@@ -216,7 +228,11 @@ impl ModuleMapper for StepMapper<'_> {
         {
             self.error.get_or_insert(e);
         }
-        let updated = Tensor::<D>::from_bridge(updated).to_device(&device.clone().inner());
+        let updated = to(
+            Tensor::<D>::from_bridge(updated),
+            &device.clone().inner(),
+            param_crosses,
+        );
         let mut updated = burnscale_nn::autodiff_on(updated, &device);
         if require_grad {
             updated = updated.require_grad();

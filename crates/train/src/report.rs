@@ -63,6 +63,9 @@ pub struct RankMemory {
     pub model_state_bytes: usize,
     /// This rank's process peak; ranks that are threads of one process share it.
     pub peak_mem_bytes: usize,
+    /// The peak of this rank's device memory ([`memory::device_peak_bytes`]: the GPU's pool
+    /// reservation; on a CPU the process peak again).
+    pub device_peak_mem_bytes: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -109,9 +112,11 @@ pub struct RunSummary {
     pub loss_scale: Option<f64>,
     /// Optimizer steps the loss scaler skipped because gradients overflowed.
     pub skipped_steps: usize,
-    /// Bytes the engine moved between tensors and host memory per optimizer step on this
-    /// rank (parameters, gradients and shards staged through host vectors for the
-    /// collectives; `burnscale_shard::host::transferred_bytes`), the mean over the steps.
+    /// Bytes of model states (parameters, gradients, optimizer state) moved between the
+    /// device and host memory per optimizer step on this rank, the mean over the steps
+    /// (`burnscale_shard::host::transferred_bytes`): 0 unless `--offload` or `--offload-dir`
+    /// put them on the host. Counted the same on every backend, so a CPU run shows what a
+    /// GPU run moves.
     pub host_transfer_bytes_per_step: u64,
     /// Measured f32 GEMM rate of the device, FLOP/s.
     pub peak_flops: f64,

@@ -10,12 +10,13 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
-use burnscale_collective::{Buffer, Communicator, ReduceOp, run_ranks};
+use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_precision::ScalerConfig;
 use burnscale_shard::Sharded;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use crate::accelerator::Accelerator;
 use crate::cli::{Offload, Strategy};
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::report::{ModelStateBytes, RankMemory, RunSummary, Throughput};
@@ -63,9 +64,10 @@ pub struct StepMetrics {
     pub elapsed_s: f64,
 }
 
-/// Trains `model` on `task` as `args` say: on `--devices` in-process ranks, on the MPI
-/// world when started by mpirun, or on this thread. Returns the trained model and the
-/// summary of this process's first rank.
+/// Trains `model` (built on `device`) on `task` as `args` say: on `--devices` in-process
+/// ranks, on the MPI world when started by mpirun, or on this thread; with `--accelerator
+/// cuda` rank i runs on GPU i (`device`'s autodiff settings kept). Returns the trained model
+/// and the summary of this process's first rank.
 pub fn train<T: TrainTask>(
     model: T::Model,
     task: &mut T,
@@ -82,11 +84,12 @@ pub fn train<T: TrainTask>(
     // (and no rank holds it whole); otherwise ranks on threads would race for the backend's
     // one random generator, so the parameters are initialised here, in visit order.
     if args.strategy != Strategy::Zero3 {
-        burnscale_shard::host::materialize(&model);
+        burnscale_shard::params::materialize(&model);
     }
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
-    let results = run_ranks(args.devices, DEFAULT_TIMEOUT, |comm| {
+    let accelerator = Accelerator::or_default(args.accelerator);
+    let results = accelerator.run_ranks(args.devices, DEFAULT_TIMEOUT, |comm, local| {
         let model = {
             let mut shared = shared
                 .lock()
@@ -99,7 +102,13 @@ pub fn train<T: TrainTask>(
             }
         };
         let model = model.expect("one model per rank of this process");
-        train_on(comm, model, &mut task.clone(), args, device)
+        let device = accelerator.device(device, local);
+        // Under zero3 only rank 0's values are read, where they are.
+        let model = match args.strategy {
+            Strategy::Zero3 => model,
+            _ => model.fork(&device),
+        };
+        train_on(comm, model, &mut task.clone(), args, &device)
     })?;
     let mut outcome = None;
     let mut errors = Vec::new();
@@ -267,7 +276,14 @@ pub fn train_on<T: TrainTask>(
         optimizer: optim.state_bytes(),
         offloaded: optim.offloaded_bytes(),
     };
-    let ranks = every_rank_memory(comm, model_state.total(), peak_mem)?;
+    let ranks = every_rank_memory(
+        comm,
+        [
+            model_state.total(),
+            peak_mem,
+            memory::device_peak_bytes(device),
+        ],
+    )?;
     let items_per_s = items as f64 / train_s;
     let warmup_s = step_times.first().copied().unwrap_or(f64::NAN);
     let throughput = if task.counts_tokens() {
@@ -324,11 +340,10 @@ fn mean_over_ranks(comm: &dyn Communicator, value: f64) -> Result<f64, TrainErro
     Ok(buf.to_f32()[0] as f64)
 }
 
-/// Every rank's model-state bytes and process peak, in rank order.
+/// Every rank's model-state bytes, process peak and device peak, in rank order.
 fn every_rank_memory(
     comm: &dyn Communicator,
-    model_state: usize,
-    peak: usize,
+    mine: [usize; 3],
 ) -> Result<Vec<RankMemory>, TrainError> {
     // Byte counts as 24-bit pieces, which f32 holds exactly.
     let split = |v: usize| {
@@ -339,15 +354,16 @@ fn every_rank_memory(
         ]
     };
     let join = |p: &[f32]| ((p[0] as usize) << 48) | ((p[1] as usize) << 24) | p[2] as usize;
-    let mine = Buffer::F32([split(model_state), split(peak)].concat());
+    let mine = Buffer::F32(mine.iter().flat_map(|&v| split(v)).collect());
     let all = comm.all_gather(&mine)?.to_f32();
     Ok(all
-        .chunks(6)
+        .chunks(9)
         .enumerate()
         .map(|(rank, p)| RankMemory {
             rank,
             model_state_bytes: join(&p[..3]),
-            peak_mem_bytes: join(&p[3..]),
+            peak_mem_bytes: join(&p[3..6]),
+            device_peak_mem_bytes: join(&p[6..]),
         })
         .collect())
 }

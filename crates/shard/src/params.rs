@@ -1,0 +1,207 @@
+//! A module's parameters and gradients as flat tensors keyed by parameter id, on the
+//! module's own device: what the engine slices into shards and the collectives move. Nothing
+//! here leaves the device.
+
+use std::collections::HashMap;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::DType as TensorDType;
+use burnscale_nn::autodiff_on;
+
+use crate::layout::Slot;
+
+/// Flat values (parameters or gradients) by parameter id.
+pub type Flat = HashMap<ParamId, Tensor<1>>;
+
+fn flat<const D: usize>(tensor: Tensor<D>) -> Tensor<1> {
+    let n = tensor.shape().num_elements();
+    tensor.inner().reshape([n])
+}
+
+/// The float parameters of `module` named in `ids` (every one when `None`), flat and
+/// without autodiff (sharing their values). Only those are initialised if they were lazy.
+pub fn values<M: Module>(module: &M, ids: Option<&[ParamId]>) -> Flat {
+    struct Values<'a>(Option<&'a [ParamId]>, Flat);
+    impl ModuleVisitor for Values<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none_or(|ids| ids.contains(&param.id)) {
+                self.1.insert(param.id, flat(param.val()));
+            }
+        }
+    }
+    let mut visit = Values(ids, HashMap::new());
+    module.visit(&mut visit);
+    visit.1
+}
+
+/// Each of `slots`' shard for `rank`, sliced from the parameters of `module` (flat).
+pub fn shards<M: Module>(module: &M, slots: &HashMap<ParamId, &Slot>, rank: usize) -> Flat {
+    struct Shards<'a> {
+        slots: &'a HashMap<ParamId, &'a Slot>,
+        rank: usize,
+        out: Flat,
+    }
+    impl ModuleVisitor for Shards<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(slot) = self.slots.get(&param.id) {
+                let shard = slot.shard_of(&flat(param.val()), self.rank);
+                self.out.insert(param.id, shard);
+            }
+        }
+    }
+    let mut visit = Shards {
+        slots,
+        rank,
+        out: HashMap::new(),
+    };
+    module.visit(&mut visit);
+    visit.out
+}
+
+/// Moves the gradients of `module`'s parameters out of `grads`, adding them (in f32) into
+/// `sums`.
+pub fn add_grads<M: Module>(module: &M, grads: &mut GradientsParams, sums: &mut Flat) {
+    struct Add<'a> {
+        grads: &'a mut GradientsParams,
+        sums: &'a mut Flat,
+    }
+    impl ModuleVisitor for Add<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let Some(grad) = self.grads.remove::<D>(param.id) else {
+                return;
+            };
+            let grad = flat(grad).cast(TensorDType::F32);
+            let sum = match self.sums.remove(&param.id) {
+                Some(sum) => sum + grad,
+                None => grad,
+            };
+            self.sums.insert(param.id, sum);
+        }
+    }
+    module.visit(&mut Add { grads, sums });
+}
+
+/// `module` with the parameters named in `values` replaced by those flat values reshaped to
+/// the given dims, each cast to its parameter's dtype (a lazy parameter keeps the value's,
+/// without running its initialiser): on the autodiff `device` and tracked for gradients if
+/// `require_grad`, else on the values' own device without autodiff. The others untouched.
+pub fn set_values<M: Module>(
+    module: M,
+    values: HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
+    device: &Device,
+    require_grad: bool,
+) -> M {
+    struct Set<'a> {
+        values: HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
+        device: &'a Device,
+        require_grad: bool,
+    }
+    impl ModuleMapper for Set<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some((value, dims)) = self.values.remove(&param.id) else {
+                return param;
+            };
+            let (id, dtype, mapper) = if param.is_initialized() {
+                let (id, old, mapper) = param.consume();
+                (id, Some(old.dtype()), Some(mapper))
+            } else {
+                (param.id, None, None)
+            };
+            let dims: [usize; D] = dims.try_into().expect("a slot's dims have its rank");
+            let mut tensor = value.inner().reshape(dims);
+            if let Some(dtype) = dtype {
+                tensor = tensor.cast(dtype);
+            }
+            if self.require_grad {
+                tensor = autodiff_on(tensor, self.device).require_grad();
+            }
+            match mapper {
+                Some(mapper) => Param::from_mapped_value(id, tensor, mapper),
+                None => Param::initialized(id, tensor),
+            }
+        }
+    }
+    module.map(&mut Set {
+        values,
+        device,
+        require_grad,
+    })
+}
+
+/// `module` with every parameter without autodiff: a forward through it records no graph
+/// and keeps no activations (shares the values, copies nothing).
+pub fn detached<M: Module>(module: &M) -> M {
+    struct Detach;
+    impl ModuleMapper for Detach {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, tensor.inner(), mapper)
+        }
+    }
+    module.clone().map(&mut Detach)
+}
+
+/// Gradients for `module`'s parameters from flat values, each shaped as its parameter and in
+/// its dtype.
+pub fn to_grads<M: Module>(module: &M, mut flat: Flat) -> GradientsParams {
+    struct ToGrads<'a> {
+        flat: &'a mut Flat,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor for ToGrads<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(value) = self.flat.remove(&param.id) {
+                let dims: [usize; D] = param.shape().dims();
+                let value = value.reshape(dims).cast(param.val().dtype());
+                self.grads.register(param.id, value);
+            }
+        }
+    }
+    let mut visit = ToGrads {
+        flat: &mut flat,
+        grads: GradientsParams::new(),
+    };
+    module.visit(&mut visit);
+    visit.grads
+}
+
+/// Bytes held by the float parameters of `module`.
+pub fn param_bytes<M: Module>(module: &M) -> usize {
+    struct Count(usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0 += param.shape().num_elements() * param.val().dtype().size();
+        }
+    }
+    let mut count = Count(0);
+    module.visit(&mut count);
+    count.0
+}
+
+/// Runs every lazy parameter initialiser now, in visit order. Burn initialises a parameter
+/// on its first use (once for all clones), so ranks on threads would otherwise draw from
+/// the backend's one random generator in racing order.
+pub fn materialize<M: Module>(module: &M) {
+    struct Touch;
+    impl ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+}
+
+/// The parameter ids of `module`, in visit order.
+pub fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
+}

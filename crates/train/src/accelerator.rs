@@ -1,0 +1,126 @@
+//! Where ranks run (Fabric's `accelerator`): on the CPU (ranks as threads or MPI processes,
+//! collectives through host memory), or one rank per CUDA GPU with NCCL collectives.
+
+use std::time::Duration;
+
+use burn::prelude::*;
+use burnscale_collective::{Communicator, launched_by_mpirun, launcher_local_rank, run_ranks};
+use clap::ValueEnum;
+use serde::Serialize;
+
+use crate::TrainError;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accelerator {
+    Cpu,
+    Cuda,
+}
+
+impl Accelerator {
+    /// `chosen`, or by default CUDA in a `cuda` build on a machine with a GPU, else the CPU.
+    pub fn or_default(chosen: Option<Accelerator>) -> Accelerator {
+        chosen.unwrap_or(if gpu_count() > 0 {
+            Accelerator::Cuda
+        } else {
+            Accelerator::Cpu
+        })
+    }
+
+    /// Runs `f` for each rank this process hosts (`devices` threads, or its one MPI rank),
+    /// with the index of its device on this node: on the CPU over threads or MPI, on CUDA
+    /// one rank per GPU over NCCL. Fails before starting any rank when there are fewer GPUs
+    /// than ranks.
+    pub fn run_ranks<T: Send>(
+        self,
+        devices: usize,
+        timeout: Duration,
+        f: impl Fn(&dyn Communicator, usize) -> T + Sync,
+    ) -> Result<Vec<Result<T, String>>, TrainError> {
+        let local = |comm: &dyn Communicator| match launched_by_mpirun() {
+            true => launcher_local_rank(),
+            false => comm.rank(),
+        };
+        self.check(devices)?;
+        match self {
+            Accelerator::Cpu => Ok(run_ranks(devices, timeout, |comm| f(comm, local(comm)))?),
+            Accelerator::Cuda => {
+                #[cfg(feature = "cuda")]
+                return Ok(burnscale_collective::run_gpu_ranks(
+                    devices,
+                    timeout,
+                    |comm| f(comm, local(comm)),
+                )?);
+                #[cfg(not(feature = "cuda"))]
+                unreachable!("a build without cuda sees no GPU")
+            }
+        }
+    }
+
+    /// Whether this process can run its ranks (`devices` threads, or its one MPI rank) here:
+    /// on CUDA, one GPU for each.
+    pub fn check(self, devices: usize) -> Result<(), TrainError> {
+        if self == Accelerator::Cpu {
+            return Ok(());
+        }
+        let (gpus, needed) = match launched_by_mpirun() {
+            true => (gpu_count(), launcher_local_rank() + 1),
+            false => (gpu_count(), devices),
+        };
+        if needed > gpus {
+            return Err(TrainError::InvalidArgs(no_gpu(needed, gpus)));
+        }
+        Ok(())
+    }
+
+    /// Where a model is built for training: the first rank's device, with autodiff (the
+    /// runner moves each other rank's copy to its own).
+    pub fn first_device(self) -> Result<Device, TrainError> {
+        self.check(1)?;
+        Ok(self.device(&Device::flex().autodiff(), 0))
+    }
+
+    /// The device of the rank whose device index on this node is `local`: `like` itself on
+    /// the CPU, else GPU `local` with `like`'s autodiff and gradient checkpointing (after
+    /// [`Accelerator::check`]).
+    pub fn device(self, like: &Device, local: usize) -> Device {
+        match self {
+            Accelerator::Cpu => like.clone(),
+            #[cfg(feature = "cuda")]
+            Accelerator::Cuda => {
+                use burn::tensor::GradientCheckpointingStrategy::Balanced;
+                let gpu = Device::cuda(local);
+                match like.gradient_checkpointing_strategy() {
+                    None => gpu,
+                    Some(Balanced) => gpu.autodiff().gradient_checkpointing(),
+                    Some(_) => gpu.autodiff(),
+                }
+            }
+            #[cfg(not(feature = "cuda"))]
+            Accelerator::Cuda => unreachable!("checked: GPU {local} in a build without cuda"),
+        }
+    }
+}
+
+/// CUDA GPUs this process sees (0 in a build without the `cuda` feature).
+pub fn gpu_count() -> usize {
+    #[cfg(feature = "cuda")]
+    return Device::enumerate(burn::tensor::DeviceType::Cuda).len();
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+fn no_gpu(needed: usize, gpus: usize) -> String {
+    if cfg!(not(feature = "cuda")) {
+        return "--accelerator cuda: this binary was built without CUDA; rebuild with --features cuda, or use --accelerator cpu".into();
+    }
+    match launched_by_mpirun() {
+        true => format!(
+            "--accelerator cuda: this process is rank {} on its node, but the node has {gpus} GPU(s): start at most {gpus} processes per node",
+            needed - 1
+        ),
+        false => format!(
+            "--accelerator cuda: {needed} rank(s) need one GPU each, but this machine has {gpus}: lower --devices, or use --accelerator cpu"
+        ),
+    }
+}
