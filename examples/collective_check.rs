@@ -11,7 +11,7 @@
 //! any check fails on any rank.
 //!
 //!     cargo build --release --features cuda --example collective_check
-//!     target/release/examples/collective_check --nccl --devices 2
+//!     target/release/examples/collective_check --nccl --devices 1   # one GPU: in-place tensors
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -40,7 +40,12 @@ struct Cli {
 }
 
 /// Prints this rank's results; returns how many failed.
-fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> usize {
+fn report(
+    comm: &dyn Communicator,
+    engine: &str,
+    panic_rank: Option<usize>,
+    device: &Device,
+) -> usize {
     if let Some(victim) = panic_rank {
         if let Err(e) = comm.barrier() {
             println!("FAIL [{engine} rank {}] barrier: {e}", comm.rank());
@@ -50,7 +55,7 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
             panic!("rank {victim} panics on purpose (--panic-rank)");
         }
     }
-    let results = conformance::run(comm, &Device::default());
+    let results = conformance::run(comm, device);
     let mut failed = 0;
     for (name, outcome) in &results {
         match outcome {
@@ -77,38 +82,20 @@ fn report(comm: &dyn Communicator, engine: &str, panic_rank: Option<usize>) -> u
     failed
 }
 
-/// The suite on NCCL communicators: one per GPU, as threads or (under mpirun) processes.
+/// The suite on NCCL communicators, one per GPU (as threads, or under mpirun processes), with
+/// each rank's tensors on its own GPU.
 #[cfg(feature = "cuda")]
 fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
-    use burnscale::collective::CollectiveError;
-    use burnscale::collective::nccl::NcclComm;
-
-    let invalid = |why: &str| Err(CollectiveError::Invalid(why.into()));
-    let ranks = if launched_by_mpirun() && cli.devices.is_some() {
-        invalid("under mpirun each process is one rank on one GPU: drop --devices")
-    } else if launched_by_mpirun() {
-        #[cfg(feature = "mpi")]
-        {
-            let gpu = |rank: usize| -> Result<usize, CollectiveError> {
-                let local = std::env::var("OMPI_COMM_WORLD_LOCAL_RANK")
-                    .ok()
-                    .and_then(|r| r.parse().ok())
-                    .unwrap_or(rank);
-                Ok(local % NcclComm::device_count()?.max(1))
-            };
-            burnscale::collective::mpi::MpiComm::init(timeout).and_then(|mpi| {
-                let nccl = NcclComm::over_mpi(&mpi, gpu(mpi.rank())?, timeout)?;
-                Ok(vec![Ok(report(&nccl, "nccl", cli.panic_rank))])
-            })
-        }
-        #[cfg(not(feature = "mpi"))]
-        {
-            invalid("--nccl under mpirun needs a build with --features cuda,mpi")
-        }
-    } else {
-        let gpus: Vec<usize> = (0..cli.devices.unwrap_or(2)).collect();
-        NcclComm::run(&gpus, timeout, |comm| report(comm, "nccl", cli.panic_rank))
+    let gpu = |comm: &dyn Communicator| match launched_by_mpirun() {
+        true => burnscale::collective::launcher_local_rank(),
+        false => comm.rank(),
     };
+    let devices = cli
+        .devices
+        .unwrap_or(if launched_by_mpirun() { 1 } else { 2 });
+    let ranks = burnscale::collective::run_gpu_ranks(devices, timeout, |comm| {
+        report(comm, "nccl", cli.panic_rank, &Device::cuda(gpu(comm)))
+    });
     burnscale::exit_for_failures(ranks)
 }
 
@@ -125,6 +112,6 @@ fn main() -> ExitCode {
         "threads"
     };
     check_ranks(cli.devices, timeout, |comm| {
-        report(comm, engine, cli.panic_rank)
+        report(comm, engine, cli.panic_rank, &Device::default())
     })
 }

@@ -3,9 +3,13 @@
 //! process ([`NcclComm::over_mpi`]: rank 0 creates NCCL's unique id and broadcasts it over
 //! MPI).
 //!
-//! Buffers are copied to the rank's GPU, moved there by NCCL, and copied back. Reductions run
-//! in f32 (16-bit values widened, and rounded once at the end, as the other engines do, so
-//! every engine gives the same result); a mean is a sum divided once. Gathers and broadcasts
+//! Tensors on a CUDA device are moved in place: NCCL reads and writes the memory of Burn's
+//! tensors (resolved out of the fusion graph and pinned in cubecl's pool while NCCL works),
+//! with no host copy; 16-bit tensors are reduced by NCCL in their own dtype. Host buffers (and
+//! tensors on other devices) are copied to the rank's GPU, moved there by NCCL, and copied
+//! back; their reductions run in f32 (16-bit values widened, and rounded once at the end, as
+//! the other engines do, so every engine gives the same result); a mean is a sum divided
+//! once. Gathers and broadcasts
 //! move 16-bit values as they are. Before each collective the ranks agree on the call (as
 //! under MPI), and sizes that do not divide by the world size are padded before upload.
 //! NCCL cannot be interrupted: a watchdog ends the process when a collective outlasts the
@@ -14,12 +18,26 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use std::marker::PhantomData;
+
+use burn::backend::{Cube, DispatchDevice};
+use burn::prelude::{Device, Tensor};
+use burn_cubecl::{CubeBackend, fusion::FusionCubeRuntime, tensor::CubeTensor};
+use burn_fusion::FusionTensor;
+use cubecl::__private::Runtime;
+use cubecl::cuda::CudaRuntime;
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+    SyncOnDrop, ValidAsZeroBits,
+};
 use cudarc::nccl::{Comm, NcclType, ReduceOp as NcclOp};
 use half::{bf16, f16};
 
 use crate::guard::{self, Watchdog};
+use crate::tensor::{self as staged, dtype_of};
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
+
+type CudaServer = <CudaRuntime as Runtime>::Server;
 
 /// This rank's NCCL communicator and the stream of its GPU.
 pub struct NcclComm {
@@ -323,6 +341,141 @@ impl NcclComm {
     }
 }
 
+/// A flat CUDA tensor's memory as NCCL sees it: resolved out of Burn's fusion graph, with
+/// cubecl's pending work on it finished, and pinned in cubecl's pool (neither freed nor
+/// moved) while this lives.
+struct Pinned<'s, T> {
+    ptr: u64,
+    len: usize,
+    stream: &'s Arc<CudaStream>,
+    _resource: Box<dyn std::any::Any>,
+    _tensor: CubeTensor,
+    _element: PhantomData<T>,
+}
+
+impl<T> DeviceSlice<T> for Pinned<'_, T> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+// The caller synchronizes NCCL's stream before the pin is released: nothing to record.
+impl<T> DevicePtr<T> for Pinned<'_, T> {
+    fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+impl<T> DevicePtrMut<T> for Pinned<'_, T> {
+    fn device_ptr_mut<'a>(&'a mut self, _stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        (self.ptr, SyncOnDrop::Record(None))
+    }
+}
+
+/// Whether `tensor` lives on a CUDA device (whose memory NCCL can use in place).
+fn on_cuda(tensor: &Tensor<1>) -> bool {
+    matches!(
+        tensor.device().without_autodiff().as_dispatch(),
+        DispatchDevice::Cube(cubecl::Device::Cuda(_))
+    )
+}
+
+impl NcclComm {
+    /// `tensor`'s memory, pinned for NCCL (see [`Pinned`]).
+    fn pin<T>(
+        &self,
+        tensor: &Tensor<1>,
+        op: &'static str,
+    ) -> Result<Pinned<'_, T>, CollectiveError> {
+        let err = self.error(op);
+        let fused: FusionTensor<FusionCubeRuntime> = tensor
+            .clone()
+            .without_autodiff()
+            .try_into_primitive::<Cube>()
+            .map_err(|e| err(format!("{e:?}")))?;
+        let cube: CubeTensor = fused
+            .client
+            .clone()
+            .resolve_tensor_float::<CubeBackend>(fused);
+        if !cube.is_contiguous() {
+            return Err(err("a collective's tensor must be contiguous".into()));
+        }
+        let resource = cube
+            .client
+            .get_resource::<CudaServer>(cube.handle.clone())
+            .map_err(|e| err(format!("{e:?}")))?;
+        cubecl::future::block_on(cube.client.sync()).map_err(|e| err(format!("{e:?}")))?;
+        Ok(Pinned {
+            ptr: resource.resource().ptr,
+            len: cube.meta.shape().num_elements(),
+            stream: &self.stream,
+            _resource: Box::new(resource),
+            _tensor: cube,
+            _element: PhantomData,
+        })
+    }
+
+    /// Runs `nccl` on `send` and `recv` in place (a fresh tensor of `recv_len` elements on
+    /// `send`'s device, in its dtype), and waits for it.
+    fn in_place(
+        &self,
+        op: &'static str,
+        send: &Tensor<1>,
+        recv_len: usize,
+        nccl: impl Fn(&Self, TypedPair) -> Result<(), CollectiveError>,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        let device: Device = send.device().without_autodiff();
+        let recv = Tensor::<1>::empty([recv_len], (&device, send.dtype()));
+        match dtype_of(send.dtype())? {
+            DType::F32 => nccl(
+                self,
+                TypedPair::F32(self.pin(send, op)?, self.pin(&recv, op)?),
+            )?,
+            DType::F16 => nccl(
+                self,
+                TypedPair::F16(self.pin(send, op)?, self.pin(&recv, op)?),
+            )?,
+            DType::Bf16 => nccl(
+                self,
+                TypedPair::Bf16(self.pin(send, op)?, self.pin(&recv, op)?),
+            )?,
+        }
+        self.stream
+            .synchronize()
+            .map_err(|e| self.error(op)(format!("{e:?}")))?;
+        Ok(recv)
+    }
+
+    /// `reduced` divided by the world size for a mean (NCCL sums).
+    fn mean(&self, reduced: Tensor<1>, op: ReduceOp) -> Tensor<1> {
+        match op {
+            ReduceOp::Mean => reduced / self.world_size() as f64,
+            _ => reduced,
+        }
+    }
+}
+
+/// A send and a receive tensor, pinned, in one dtype.
+enum TypedPair<'s> {
+    F32(Pinned<'s, f32>, Pinned<'s, f32>),
+    F16(Pinned<'s, f16>, Pinned<'s, f16>),
+    Bf16(Pinned<'s, bf16>, Pinned<'s, bf16>),
+}
+
+/// `$body` with `$send` and `$recv` bound to a pair's pinned tensors, whatever their dtype.
+macro_rules! on_pair {
+    ($pair:expr, ($send:ident, $recv:ident) => $body:expr) => {
+        match $pair {
+            TypedPair::F32($send, mut $recv) => $body(&$send, &mut $recv),
+            TypedPair::F16($send, mut $recv) => $body(&$send, &mut $recv),
+            TypedPair::Bf16($send, mut $recv) => $body(&$send, &mut $recv),
+        }
+    };
+}
+
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.comm.rank()
@@ -373,6 +526,93 @@ impl Communicator for NcclComm {
     fn barrier(&self) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("barrier");
         self.agree("barrier", DType::F32, Some(0))
+    }
+
+    fn all_reduce_tensor(
+        &self,
+        tensor: Tensor<1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        if !on_cuda(&tensor) {
+            return staged::all_reduce_staged(self, tensor, op);
+        }
+        let _watch = self.watchdog.watch("all_reduce");
+        let n = tensor.dims()[0];
+        self.agree("all_reduce", dtype_of(tensor.dtype())?, Some(n))?;
+        let reduced = self.in_place("all_reduce", &tensor, n, |this, pair| {
+            let status =
+                on_pair!(pair, (send, recv) => |s, r| this.comm.all_reduce(s, r, &nccl_op(op)));
+            this.nccl("all_reduce", status)
+        })?;
+        Ok(self.mean(reduced, op))
+    }
+
+    fn all_gather_tensor(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CollectiveError> {
+        if !on_cuda(&tensor) {
+            return staged::all_gather_staged(self, tensor);
+        }
+        let watch = self.watchdog.watch("all_gather");
+        self.agree("all_gather", dtype_of(tensor.dtype())?, None)?;
+        let n = tensor.dims()[0];
+        // NCCL gathers equal blocks; unequal ones (every rank sees it) go through the host.
+        if self.counts(n)?.iter().any(|&c| c != n) {
+            drop(watch);
+            return staged::all_gather_staged(self, tensor);
+        }
+        self.in_place(
+            "all_gather",
+            &tensor,
+            n * self.world_size(),
+            |this, pair| {
+                let status = on_pair!(pair, (send, recv) => |s, r| this.comm.all_gather(s, r));
+                this.nccl("all_gather", status)
+            },
+        )
+    }
+
+    fn reduce_scatter_tensor(
+        &self,
+        tensor: Tensor<1>,
+        op: ReduceOp,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        let (n, world) = (tensor.dims()[0], self.world_size());
+        // NCCL scatters equal chunks; a length that does not divide goes through the host.
+        if !on_cuda(&tensor) || n % world != 0 {
+            return staged::reduce_scatter_staged(self, tensor, op);
+        }
+        let _watch = self.watchdog.watch("reduce_scatter");
+        self.agree("reduce_scatter", dtype_of(tensor.dtype())?, Some(n))?;
+        let mine = self.in_place("reduce_scatter", &tensor, n / world, |this, pair| {
+            let status =
+                on_pair!(pair, (send, recv) => |s, r| this.comm.reduce_scatter(s, r, &nccl_op(op)));
+            this.nccl("reduce_scatter", status)
+        })?;
+        Ok(self.mean(mine, op))
+    }
+
+    fn broadcast_tensor(
+        &self,
+        tensor: Tensor<1>,
+        root: usize,
+    ) -> Result<Tensor<1>, CollectiveError> {
+        crate::check_root(root, self.world_size())?;
+        if !on_cuda(&tensor) {
+            return staged::broadcast_staged(self, tensor, root);
+        }
+        let watch = self.watchdog.watch("broadcast");
+        self.agree("broadcast", dtype_of(tensor.dtype())?, None)?;
+        let n = tensor.dims()[0];
+        // In place only when every rank's tensor has the root's length.
+        let counts = self.counts(n)?;
+        if counts.iter().any(|&c| c != counts[root]) {
+            drop(watch);
+            return staged::broadcast_staged(self, tensor, root);
+        }
+        let is_root = self.rank() == root;
+        self.in_place("broadcast", &tensor, n, |this, pair| {
+            let status = on_pair!(pair, (send, recv) => |s, r| this.comm.broadcast(Some(s).filter(|_| is_root), r, root as i32));
+            this.nccl("broadcast", status)
+        })
     }
 }
 
