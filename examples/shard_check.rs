@@ -22,10 +22,12 @@ struct Cli {
     devices: Option<usize>,
 }
 
-/// SGD (scale-sensitive) alone and with accumulation; AdamW with accumulation and clipping.
-const SETTINGS: [(&[&str], &[&str]); 3] = [
+/// SGD (scale-sensitive) alone, with accumulation, and reducing in bf16 (16-bit values on
+/// the wire); AdamW with accumulation and clipping.
+const SETTINGS: [(&[&str], &[&str]); 4] = [
     (SGD, &[]),
     (SGD, &["--accumulate", "2"]),
+    (SGD, &["--grad-reduce-dtype", "bf16"]),
     (ADAMW, &["--accumulate", "2", "--grad-clip", "0.05"]),
 ];
 

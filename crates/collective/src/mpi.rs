@@ -1,18 +1,24 @@
 //! One rank per process under `mpirun`, through the `mpi` crate (rsmpi) over Open MPI.
 //! Multi-node runs need nothing more than an mpirun hostfile.
 //!
-//! f16/bf16 buffers travel as f32 (widened once, reduced by MPI, rounded once), as the
-//! threads engine reduces them. Before each collective the ranks agree on the call (a small
+//! f16/bf16 buffers travel as 16-bit values: gathered and broadcast as they are, reduced by
+//! an MPI operation that adds (or maxes) two of them in f32 and rounds the result to their
+//! dtype, as NCCL reduces 16-bit values (with more than two ranks a sum is rounded once per
+//! combine, not once at the end). Before each collective the ranks agree on the call (a small
 //! all-reduce of its op, dtype and length), so mismatched calls are reported instead of
 //! corrupting memory. A watchdog thread ends the process when one collective outlasts the
 //! timeout, and a panicking rank exits at once; either way mpirun then stops every rank, so
 //! none hangs.
 
 use std::cell::RefCell;
+use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Duration;
 
-use mpi::collective::SystemOperation;
+use half::slice::HalfFloatSliceExt;
+use half::vec::HalfBitsVecExt;
+use half::{bf16, f16};
+use mpi::collective::{SystemOperation, UnsafeUserOperation};
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
@@ -23,8 +29,9 @@ use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range}
 
 /// This process's rank in `MPI_COMM_WORLD`.
 pub struct MpiComm {
-    // Declared before `universe`, so the communicator is released before MPI finalizes.
+    // Declared before `universe`, so they are released before MPI finalizes.
     world: SimpleCommunicator,
+    half_ops: HalfOps,
     universe: Universe,
     rank: usize,
     size: usize,
@@ -56,6 +63,7 @@ impl MpiComm {
         }));
         Ok(Self {
             world,
+            half_ops: HalfOps::new(),
             universe,
             rank,
             size,
@@ -102,60 +110,53 @@ impl Communicator for MpiComm {
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_reduce");
         self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
-        let mut recv = self.scratch.take();
-        recv.resize(buf.len(), 0.0);
-        match &*buf {
-            // f32 goes straight from the caller's buffer; 16-bit types travel widened.
-            Buffer::F32(send) => {
-                self.world
-                    .all_reduce_into(&send[..], &mut recv[..], system_op(op))
+        let send = match buf {
+            Buffer::F32(send) => send,
+            Buffer::F16(values) => {
+                *values = self.reduce_half(values, op, |recv, send| {
+                    self.world
+                        .all_reduce_into(send, recv, self.half_ops.of::<f16>(op))
+                });
+                return Ok(());
             }
-            other => self
-                .world
-                .all_reduce_into(&other.to_f32()[..], &mut recv[..], system_op(op)),
-        }
+            Buffer::Bf16(values) => {
+                *values = self.reduce_half(values, op, |recv, send| {
+                    self.world
+                        .all_reduce_into(send, recv, self.half_ops.of::<bf16>(op))
+                });
+                return Ok(());
+            }
+        };
+        let mut recv = self.scratch.take();
+        recv.resize(send.len(), 0.0);
+        self.world
+            .all_reduce_into(&send[..], &mut recv[..], system_op(op));
         if op == ReduceOp::Mean {
             let n = self.size as f32;
             recv.iter_mut().for_each(|x| *x /= n);
         }
-        match buf {
-            Buffer::F32(values) => *self.scratch.borrow_mut() = std::mem::replace(values, recv),
-            other => *other = Buffer::from_f32(other.dtype(), recv),
-        }
+        *self.scratch.borrow_mut() = std::mem::replace(send, recv);
         Ok(())
     }
 
     fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_gather");
         self.agree("all_gather", input.dtype(), None)?;
-        let widened;
-        let send: &[f32] = match input {
-            Buffer::F32(values) => values,
-            other => {
-                widened = other.to_f32();
-                &widened
-            }
-        };
         let mut counts = vec![0i32; self.size];
         self.world
-            .all_gather_into(&(send.len() as i32), &mut counts[..]);
+            .all_gather_into(&(input.len() as i32), &mut counts[..]);
         let total: usize = counts.iter().map(|&c| c as usize).sum();
-        output.fill_as_f32(input.dtype(), total, |recv| {
-            if counts.iter().all(|&c| c == counts[0]) {
-                self.world.all_gather_into(send, &mut recv[..]);
-            } else {
-                let displs: Vec<i32> = counts
-                    .iter()
-                    .scan(0, |acc, &c| {
-                        let d = *acc;
-                        *acc += c;
-                        Some(d)
-                    })
-                    .collect();
-                let mut partition = PartitionMut::new(&mut recv[..], &counts[..], &displs[..]);
-                self.world.all_gather_varcount_into(send, &mut partition);
+        *output = match input {
+            Buffer::F32(send) => Buffer::F32(self.gather_bits(send, &counts, total, 0.0)),
+            Buffer::F16(send) => {
+                let bits = self.gather_bits(send.reinterpret_cast(), &counts, total, 0);
+                Buffer::F16(bits.reinterpret_into())
             }
-        });
+            Buffer::Bf16(send) => {
+                let bits = self.gather_bits(send.reinterpret_cast(), &counts, total, 0);
+                Buffer::Bf16(bits.reinterpret_into())
+            }
+        };
         Ok(())
     }
 
@@ -169,30 +170,62 @@ impl Communicator for MpiComm {
         self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
         let n = input.len();
         let chunk = n.div_ceil(self.size);
+        let mine = shard_range(n, self.size, self.rank).len();
         // MPI wants equal blocks: pad (a copy) only when the size does not divide, and cut
-        // the padding off again below.
-        let padded;
-        let send: &[f32] = match input {
-            Buffer::F32(values) if chunk * self.size == n => values,
-            other => {
-                let mut values = other.to_f32();
-                values.resize(chunk * self.size, 0.0);
-                padded = values;
-                &padded
+        // the padding off again.
+        let padded = |send: &[u16]| -> Vec<u16> {
+            let mut values = send.to_vec();
+            values.resize(chunk * self.size, 0);
+            values
+        };
+        *output = match input {
+            Buffer::F32(values) => {
+                let padded;
+                let send: &[f32] = if chunk * self.size == n {
+                    values
+                } else {
+                    let mut values = values.clone();
+                    values.resize(chunk * self.size, 0.0);
+                    padded = values;
+                    &padded
+                };
+                let mut recv = vec![0.0f32; chunk];
+                if chunk > 0 {
+                    self.world
+                        .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
+                }
+                if op == ReduceOp::Mean {
+                    let size = self.size as f32;
+                    recv.iter_mut().for_each(|x| *x /= size);
+                }
+                recv.truncate(mine);
+                Buffer::F32(recv)
+            }
+            Buffer::F16(send) => {
+                let send: Vec<f16> = padded(send.reinterpret_cast()).reinterpret_into();
+                let mut recv = self.reduce_half(&send[..chunk], op, |recv, _| {
+                    self.world.reduce_scatter_block_into(
+                        send.reinterpret_cast(),
+                        recv,
+                        self.half_ops.of::<f16>(op),
+                    )
+                });
+                recv.truncate(mine);
+                Buffer::F16(recv)
+            }
+            Buffer::Bf16(send) => {
+                let send: Vec<bf16> = padded(send.reinterpret_cast()).reinterpret_into();
+                let mut recv = self.reduce_half(&send[..chunk], op, |recv, _| {
+                    self.world.reduce_scatter_block_into(
+                        send.reinterpret_cast(),
+                        recv,
+                        self.half_ops.of::<bf16>(op),
+                    )
+                });
+                recv.truncate(mine);
+                Buffer::Bf16(recv)
             }
         };
-        let mine = shard_range(n, self.size, self.rank).len();
-        output.fill_as_f32(input.dtype(), chunk, |recv| {
-            if chunk > 0 {
-                self.world
-                    .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
-            }
-            if op == ReduceOp::Mean {
-                let size = self.size as f32;
-                recv.iter_mut().for_each(|x| *x /= size);
-            }
-            recv.truncate(mine);
-        });
         Ok(())
     }
 
@@ -203,10 +236,21 @@ impl Communicator for MpiComm {
         let root_process = self.world.process_at_rank(root as i32);
         let mut len = buf.len() as u64;
         root_process.broadcast_into(&mut len);
-        let mut values = buf.to_f32();
-        values.resize(len as usize, 0.0);
-        root_process.broadcast_into(&mut values[..]);
-        *buf = Buffer::from_f32(buf.dtype(), values);
+        let len = len as usize;
+        match buf {
+            Buffer::F32(values) => {
+                values.resize(len, 0.0);
+                root_process.broadcast_into(&mut values[..]);
+            }
+            Buffer::F16(values) => {
+                values.resize(len, f16::ZERO);
+                root_process.broadcast_into(values.reinterpret_cast_mut());
+            }
+            Buffer::Bf16(values) => {
+                values.resize(len, bf16::ZERO);
+                root_process.broadcast_into(values.reinterpret_cast_mut());
+            }
+        }
         Ok(())
     }
 
@@ -214,6 +258,142 @@ impl Communicator for MpiComm {
         let _watch = self.watchdog.watch("barrier");
         self.world.barrier();
         Ok(())
+    }
+}
+
+impl MpiComm {
+    /// Every rank's values (`counts[r]` from rank r) in rank order, as they are.
+    fn gather_bits<T: mpi::datatype::Equivalence + Copy>(
+        &self,
+        send: &[T],
+        counts: &[i32],
+        total: usize,
+        zero: T,
+    ) -> Vec<T> {
+        let mut recv = vec![zero; total];
+        if counts.iter().all(|&c| c == counts[0]) {
+            self.world.all_gather_into(send, &mut recv[..]);
+        } else {
+            let displs: Vec<i32> = counts
+                .iter()
+                .scan(0, |acc, &c| {
+                    let d = *acc;
+                    *acc += c;
+                    Some(d)
+                })
+                .collect();
+            let mut partition = PartitionMut::new(&mut recv[..], counts, &displs[..]);
+            self.world.all_gather_varcount_into(send, &mut partition);
+        }
+        recv
+    }
+
+    /// The 16-bit result `reduce` writes (into a buffer shaped as `send`, whose bits it
+    /// gets too), divided by the world size for a mean.
+    fn reduce_half<T: Half>(
+        &self,
+        send: &[T],
+        op: ReduceOp,
+        reduce: impl FnOnce(&mut [u16], &[u16]),
+    ) -> Vec<T> {
+        let mut recv = vec![0u16; send.len()];
+        reduce(&mut recv, T::bits(send));
+        let mut values: Vec<T> = T::from_bits_vec(recv);
+        if op == ReduceOp::Mean {
+            let n = self.size as f32;
+            values
+                .iter_mut()
+                .for_each(|x| *x = T::from_f32(x.to_f32() / n));
+        }
+        values
+    }
+}
+
+/// A 16-bit float MPI moves as its bits.
+trait Half: Copy + 'static {
+    fn to_f32(self) -> f32;
+    fn from_f32(value: f32) -> Self;
+    fn bits(values: &[Self]) -> &[u16];
+    fn from_bits_vec(bits: Vec<u16>) -> Vec<Self>;
+}
+
+macro_rules! half_type {
+    ($t:ty) => {
+        impl Half for $t {
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn from_f32(value: f32) -> Self {
+                <$t>::from_f32(value)
+            }
+            fn bits(values: &[Self]) -> &[u16] {
+                values.reinterpret_cast()
+            }
+            fn from_bits_vec(bits: Vec<u16>) -> Vec<Self> {
+                bits.reinterpret_into()
+            }
+        }
+    };
+}
+half_type!(f16);
+half_type!(bf16);
+
+/// `inout[i] = round(in[i] + inout[i])` (or the max) in `T`, computed in f32: MPI's user
+/// function for 16-bit reductions.
+///
+/// # Safety
+/// MPI passes `len` elements of `T` in each buffer.
+unsafe extern "C" fn combine<T: Half, const MAX: bool>(
+    invec: *mut c_void,
+    inoutvec: *mut c_void,
+    len: *mut c_int,
+    _datatype: *mut mpi::ffi::MPI_Datatype,
+) {
+    // SAFETY: MPI hands over `*len` elements of the datatype the operation was called with
+    // (u16 bits of `T`), in two distinct buffers.
+    let (a, b) = unsafe {
+        let n = *len as usize;
+        (
+            std::slice::from_raw_parts(invec as *const T, n),
+            std::slice::from_raw_parts_mut(inoutvec as *mut T, n),
+        )
+    };
+    for (x, y) in a.iter().zip(b) {
+        let (x, z) = (x.to_f32(), y.to_f32());
+        *y = T::from_f32(if MAX { x.max(z) } else { x + z });
+    }
+}
+
+/// The MPI operations that reduce 16-bit values (see [`combine`]).
+struct HalfOps {
+    f16_sum: UnsafeUserOperation,
+    f16_max: UnsafeUserOperation,
+    bf16_sum: UnsafeUserOperation,
+    bf16_max: UnsafeUserOperation,
+}
+
+impl HalfOps {
+    fn new() -> Self {
+        // SAFETY: each function is called only on buffers of its type's bits (`of`).
+        unsafe {
+            Self {
+                f16_sum: UnsafeUserOperation::commutative(combine::<f16, false>),
+                f16_max: UnsafeUserOperation::commutative(combine::<f16, true>),
+                bf16_sum: UnsafeUserOperation::commutative(combine::<bf16, false>),
+                bf16_max: UnsafeUserOperation::commutative(combine::<bf16, true>),
+            }
+        }
+    }
+
+    /// The operation for `op` on `T`'s bits (a mean is a sum, divided afterwards).
+    fn of<T: Half>(&self, op: ReduceOp) -> &UnsafeUserOperation {
+        let f16 = std::any::TypeId::of::<T>() == std::any::TypeId::of::<f16>();
+        match (f16, op) {
+            (true, ReduceOp::Max) => &self.f16_max,
+            (true, _) => &self.f16_sum,
+            (false, ReduceOp::Max) => &self.bf16_max,
+            (false, _) => &self.bf16_sum,
+        }
     }
 }
 

@@ -7,9 +7,8 @@
 //! tensors (resolved out of the fusion graph and pinned in cubecl's pool while NCCL works),
 //! with no host copy; 16-bit tensors are reduced by NCCL in their own dtype. Host buffers (and
 //! tensors on other devices) are copied to the rank's GPU, moved there by NCCL, and copied
-//! back; their reductions run in f32 (16-bit values widened, and rounded once at the end, as
-//! the other engines do, so every engine gives the same result); a mean is a sum divided
-//! once. Gathers and broadcasts
+//! back; their reductions run in f32 (16-bit values widened, and rounded once at the end);
+//! a mean is a sum divided once. Gathers and broadcasts
 //! move 16-bit values as they are. Before each collective the ranks agree on the call (as
 //! under MPI), and sizes that do not divide by the world size are padded before upload.
 //! NCCL cannot be interrupted: a watchdog ends the process when a collective outlasts the
@@ -324,8 +323,8 @@ impl NcclComm {
         self.download(&dev, "broadcast")
     }
 
-    /// 16-bit values are reduced widened to f32 and rounded once, as every engine does; a
-    /// mean is a sum divided here.
+    /// Host buffers' 16-bit values are reduced widened to f32 and rounded once; a mean is a
+    /// sum divided here.
     fn finish(&self, dtype: DType, mut values: Vec<f32>, op: ReduceOp) -> Buffer {
         if op == ReduceOp::Mean {
             let n = self.world_size() as f32;
