@@ -1,17 +1,24 @@
-//! minGPT training throughput, burnscale beside the PyTorch reference in the same run.
+//! minGPT training throughput: burnscale's runner beside a plain Burn loop (the floor: the
+//! same model and AdamW through `burnscale::reference`, no engine) and the PyTorch reference,
+//! in the same run.
 //!
 //!     cargo bench --bench mingpt_throughput                 # gpt-mini, block 128, batch 16
 //!     cargo bench --bench mingpt_throughput -- --steps 40 --summary-json /tmp/bench.json
+//!     # on a GPU (a `cuda` build), the 57M config in bf16-mixed:
+//!     cargo bench --features cuda --bench mingpt_throughput -- --accelerator cuda \
+//!         --n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --precision bf16-mixed
 //!
 //! The PyTorch side is scripts/bench_mingpt_torch.py (needs `pip install torch`); without it
-//! the table shows burnscale alone and says why. Both sides train the same model (minGPT,
-//! dropout 0.1, AdamW with minGPT's decay groups, clip 1.0) on random tokens, vocab 65.
+//! the table shows burnscale alone and says why. All sides train the same model (minGPT,
+//! dropout 0.1, AdamW with minGPT's decay groups, clip 1.0, constant learning rate) on random
+//! tokens, vocab 65. The plain loop has no autocast, so it runs only for the `*-true`
+//! precisions.
 
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::reference::PlainConfig;
 use burnscale::tasks::NextToken;
 use burnscale::train::memory::{self, CountingAllocator};
 use burnscale::train::{RunSummary, TrainArgs, train};
@@ -26,6 +33,22 @@ static ALLOC: CountingAllocator = CountingAllocator;
 struct Cli {
     #[arg(long, default_value = "gpt-mini")]
     model: String,
+    /// Override the preset's depth, heads and width.
+    #[arg(long)]
+    n_layer: Option<usize>,
+    #[arg(long)]
+    n_head: Option<usize>,
+    #[arg(long)]
+    n_embd: Option<usize>,
+    /// cpu or cuda (burnscale's `--accelerator`; PyTorch runs on the same device).
+    #[arg(long, default_value = "cpu")]
+    accelerator: String,
+    /// burnscale's `--precision` (PyTorch: 32-true, bf16-mixed or bf16-true).
+    #[arg(long, default_value = "32-true")]
+    precision: String,
+    /// burnscale's `--strategy` on one rank (single, or zero3 to see the engine's cost).
+    #[arg(long, default_value = "single")]
+    strategy: String,
     #[arg(long, default_value_t = 128)]
     block_size: usize,
     #[arg(long, default_value_t = 16)]
@@ -43,6 +66,9 @@ struct Cli {
     /// Skip the PyTorch reference.
     #[arg(long)]
     no_torch: bool,
+    /// Skip the plain Burn loop.
+    #[arg(long)]
+    no_plain: bool,
     #[arg(long)]
     summary_json: Option<std::path::PathBuf>,
     // `cargo bench` passes `--bench` to every bench target.
@@ -50,19 +76,69 @@ struct Cli {
     bench: bool,
 }
 
-fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSummary> {
-    let steps = steps.to_string();
-    let batch = cli.batch_size.to_string();
-    let args = TrainArgs::from_flags(&["--max-steps", &steps, "--batch-size", &batch])?;
-    let device = Device::default().autodiff();
-    device.seed(1337);
+/// The runner's flags for `steps` steps of this benchmark.
+fn train_args(cli: &Cli, steps: usize) -> Result<TrainArgs> {
+    let (steps, batch) = (steps.to_string(), cli.batch_size.to_string());
+    Ok(TrainArgs::from_flags(&[
+        "--max-steps",
+        &steps,
+        "--batch-size",
+        &batch,
+        "--schedule",
+        "constant",
+        "--accelerator",
+        &cli.accelerator,
+        "--precision",
+        &cli.precision,
+        "--strategy",
+        &cli.strategy,
+    ])?)
+}
+
+/// Random tokens, the same for every side.
+fn task(cli: &Cli, config: &GptConfig) -> Result<NextToken> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(1337);
     let tokens = (0..1 << 20)
         .map(|_| rng.random_range(0..config.vocab_size as i64))
         .collect();
-    let mut task = NextToken::new(tokens, cli.block_size, cli.batch_size, 1337)?;
+    Ok(NextToken::new(
+        tokens,
+        cli.block_size,
+        cli.batch_size,
+        1337,
+    )?)
+}
+
+fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSummary> {
+    let args = train_args(cli, steps)?;
+    let device = args.device()?;
+    device.seed(1337);
     let model = Gpt::new(config, &device)?;
-    Ok(train(model, &mut task, &args, &device)?.1)
+    Ok(train(model, &mut task(cli, config)?, &args, &device)?.1)
+}
+
+/// Tokens per second of the plain Burn loop over `cli.steps` steps, after `cli.warmup`
+/// untimed ones.
+fn plain_run(cli: &Cli, config: &GptConfig) -> Result<f64> {
+    let args = train_args(cli, cli.warmup)?;
+    if args.precision.is_mixed() {
+        anyhow::bail!("the plain loop has no autocast: run it with a *-true precision");
+    }
+    let device = args.device()?;
+    device.seed(1337);
+    let mut task = task(cli, config)?;
+    let warm = PlainConfig::from_args(&args).map_err(anyhow::Error::msg)?;
+    let (_, model) = warm.train(Gpt::new(config, &device)?, &mut task, &device);
+    let timed = PlainConfig::from_args(&train_args(cli, cli.steps)?).map_err(anyhow::Error::msg)?;
+    let start = std::time::Instant::now();
+    let (trajectory, _) = timed.train(model, &mut task, &device);
+    // The losses were read every step: the device has finished.
+    anyhow::ensure!(
+        trajectory.losses.iter().all(|l| l.is_finite()),
+        "plain loss diverged"
+    );
+    let items = cli.steps * cli.batch_size * cli.block_size;
+    Ok(items as f64 / start.elapsed().as_secs_f64())
 }
 
 fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
@@ -78,6 +154,8 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
         .args(["--steps", &cli.steps.to_string()])
         .args(["--warmup", &cli.warmup.to_string()])
         .args(["--threads", &cli.threads.to_string()])
+        .args(["--device", &cli.accelerator])
+        .args(["--precision", &cli.precision])
         .output()
         .context("cannot start python3")?;
     if !out.status.success() {
@@ -100,12 +178,20 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    let config = GptConfig::preset(&cli.model, cli.vocab_size, cli.block_size)?;
+    let mut config = GptConfig::preset(&cli.model, cli.vocab_size, cli.block_size)?;
+    config.n_layer = cli.n_layer.unwrap_or(config.n_layer);
+    config.n_head = cli.n_head.unwrap_or(config.n_head);
+    config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
     // A short untimed run pays one-time costs (allocator warm-up, lazy init) first.
     burnscale_run(&cli, &config, cli.warmup)?;
     memory::reset_peak();
     let ours = burnscale_run(&cli, &config, cli.steps)?;
     let ours_tps = ours.tokens_per_s.unwrap_or(0.0);
+    let plain = if cli.no_plain {
+        Err(anyhow::anyhow!("skipped (--no-plain)"))
+    } else {
+        plain_run(&cli, &config)
+    };
     let torch = if cli.no_torch {
         Err(anyhow::anyhow!("skipped (--no-torch)"))
     } else {
@@ -113,22 +199,45 @@ fn run() -> Result<()> {
     };
 
     println!(
-        "minGPT {} (params {}), block {}, batch {}, {} timed steps, {} threads",
-        cli.model, ours.num_params, cli.block_size, cli.batch_size, cli.steps, cli.threads
+        "minGPT {}L/{}H/{} (params {}), block {}, batch {}, {} timed steps, {} on {}, {} threads",
+        config.n_layer,
+        config.n_head,
+        config.n_embd,
+        ours.num_params,
+        cli.block_size,
+        cli.batch_size,
+        cli.steps,
+        cli.precision,
+        cli.accelerator,
+        cli.threads
     );
     println!("{:<22} {:>12} {:>10}", "", "tokens/s", "step ms");
     let step_ms = |tps: f64| 1e3 * (cli.batch_size * cli.block_size) as f64 / tps;
     println!(
-        "{:<22} {:>12.0} {:>10.1}",
-        "burnscale (Flex)",
+        "{:<22} {:>12.0} {:>10.1}   first step {:.2} s",
+        format!("burnscale ({})", cli.strategy),
         ours_tps,
-        step_ms(ours_tps)
+        step_ms(ours_tps),
+        ours.warmup_s
     );
+    match &plain {
+        Ok(tps) => println!(
+            "{:<22} {tps:>12.0} {:>10.1}   burnscale/plain tokens/s {:.2}",
+            "plain Burn loop",
+            step_ms(*tps),
+            ours_tps / tps
+        ),
+        Err(e) => println!("plain Burn loop: not run ({e})"),
+    }
     let ratio = match &torch {
         Ok(t) => {
             let tps = t["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
             let name = format!("pytorch {}", t["torch_version"].as_str().unwrap_or("?"));
-            println!("{name:<22} {tps:>12.0} {:>10.1}", step_ms(tps));
+            println!(
+                "{name:<22} {tps:>12.0} {:>10.1}   first step {} s",
+                step_ms(tps),
+                t["first_step_s"]
+            );
             println!("ratio burnscale/pytorch: {:.2}", ours_tps / tps);
             Some(ours_tps / tps)
         }
@@ -137,6 +246,16 @@ fn run() -> Result<()> {
             None
         }
     };
+    let device_peak = ours.ranks.first().map_or(0, |r| r.device_peak_mem_bytes);
+    if let Ok(t) = &torch
+        && let Some(reserved) = t["max_memory_reserved"].as_u64()
+    {
+        println!(
+            "peak device memory: burnscale {} | pytorch {} (max_memory_reserved)",
+            memory::human_bytes(device_peak),
+            memory::human_bytes(reserved as usize)
+        );
+    }
     println!(
         "peak process memory {} | model states {} (formula 16 B/param: {})",
         memory::human_bytes(ours.peak_mem_bytes),
@@ -146,6 +265,7 @@ fn run() -> Result<()> {
     if let Some(path) = &cli.summary_json {
         let report = json!({
             "burnscale": ours,
+            "plain_tokens_per_s": plain.as_ref().ok(),
             "pytorch": torch.as_ref().ok(),
             "ratio_burnscale_over_pytorch": ratio,
         });

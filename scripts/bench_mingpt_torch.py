@@ -1,9 +1,15 @@
-"""PyTorch CPU training-throughput baseline for the minGPT reference model.
+"""PyTorch training-throughput baseline for the minGPT reference model (CPU or CUDA).
 
 Reference benchmark; never run by CI. Usage (from the repo root):
 
     python scripts/bench_mingpt_torch.py                # gpt-mini defaults, 2 threads
     python scripts/bench_mingpt_torch.py --profile      # + torch.profiler op table (stderr)
+    python scripts/bench_mingpt_torch.py --device cuda --precision bf16-mixed
+
+Precisions as burnscale names them: 32-true (f32), bf16-mixed (f32 weights, bf16 autocast),
+bf16-true (bf16 weights and optimizer state). On CUDA the peak memory is
+torch.cuda.max_memory_reserved (what the caching allocator holds), and the first step (which
+includes cuBLAS/kernel warm-up) is reported apart.
 
 A train step mirrors minGPT's Trainer.run: forward, zero_grad(set_to_none=True),
 backward, clip_grad_norm_(1.0), AdamW step (minGPT's decay/no-decay groups).
@@ -42,6 +48,8 @@ def parse_args():
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps before timing")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
     ap.add_argument("--profile", action="store_true", help="profile one extra step and print the top ops")
     ap.add_argument("--profile-rows", type=int, default=25)
     return ap.parse_args()
@@ -57,33 +65,46 @@ def main():
         vocab_size=args.vocab_size, block_size=args.block_size,
         embd_pdrop=args.dropout, resid_pdrop=args.dropout, attn_pdrop=args.dropout,
     )
-    model = GPT(cfg)
+    device = torch.device(args.device)
+    model = GPT(cfg).to(device)
+    if args.precision == "bf16-true":
+        model = model.to(torch.bfloat16)
     model.train()
     opt = model.configure_optimizers(learning_rate=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
 
     # Pre-generate random (x, y) batches so data generation is outside the timed region.
     # y is x shifted by one position, as minGPT's datasets produce.
     n_batches = args.warmup + args.steps + (1 if args.profile else 0)
-    data = torch.randint(0, args.vocab_size, (n_batches, args.batch_size, args.block_size + 1), dtype=torch.long)
+    data = torch.randint(0, args.vocab_size, (n_batches, args.batch_size, args.block_size + 1), dtype=torch.long).to(device)
     batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
 
     def train_step(x, y):
-        _, loss = model(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
+            _, loss = model(x, y)
         model.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
         opt.step()
         return loss
 
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    first_step_s = None
     for i in range(args.warmup):
+        t0 = time.perf_counter()
         train_step(*batches[i])
+        sync()
+        if first_step_s is None:
+            first_step_s = time.perf_counter() - t0
 
     step_times = []
     loss = None
     for i in range(args.warmup, args.warmup + args.steps):
         t0 = time.perf_counter()
         loss = train_step(*batches[i])
-        loss_val = loss.item()  # CPU ops are synchronous; item() is cheap and keeps the step honest
+        loss_val = loss.item()  # waits for the step (on CUDA too): keeps the timing honest
         step_times.append(time.perf_counter() - t0)
 
     total = sum(step_times)
@@ -104,7 +125,14 @@ def main():
         "block_size": args.block_size, "batch_size": args.batch_size, "vocab_size": args.vocab_size,
         "dropout": args.dropout, "steps": args.steps, "warmup": args.warmup,
         "final_loss": round(loss_val, 4) if loss is not None else None,
+        "device": str(device),
+        "precision": args.precision,
+        "first_step_s": round(first_step_s, 3) if first_step_s is not None else None,
     }
+    if device.type == "cuda":
+        result["max_memory_reserved"] = torch.cuda.max_memory_reserved()
+        result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        result["gpu"] = torch.cuda.get_device_name()
 
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
