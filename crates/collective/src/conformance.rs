@@ -20,7 +20,7 @@ fn contribution(dtype: DType, rank: usize, len: usize) -> Buffer {
 }
 
 /// The reduction of every rank's contribution, as an engine must compute it: in f32, then
-/// rounded once to `dtype`.
+/// rounded once to `dtype` (a 16-bit mean is checked within a few roundings of it).
 fn reference(dtype: DType, world: usize, len: usize, op: ReduceOp) -> Vec<f32> {
     let reduced = (0..len).map(|i| {
         let values = (0..world).map(|r| value(r, i));
@@ -31,6 +31,42 @@ fn reference(dtype: DType, world: usize, len: usize, op: ReduceOp) -> Vec<f32> {
         }
     });
     Buffer::from_f32(dtype, reduced.collect()).to_f32()
+}
+
+/// Every item's check, run whatever the earlier ones gave (a rank that stopped at its first
+/// failure would leave the others waiting in the next collective); the first failure.
+fn all_of<T>(
+    items: impl IntoIterator<Item = T>,
+    check: impl FnMut(T) -> Result<(), String>,
+) -> Result<(), String> {
+    let results: Vec<Result<(), String>> = items.into_iter().map(check).collect();
+    results.into_iter().collect()
+}
+
+/// `got` within `roundings` roundings of `dtype` of `want` (a 16-bit mean that divides each
+/// value before the sum, as NCCL's average and the MPI engine do, rounds more than once).
+fn expect_close(got: &[f32], want: &[f32], dtype: DType, roundings: usize) -> Result<(), String> {
+    let unit = match dtype {
+        DType::F32 => return expect_eq(got, want),
+        DType::F16 => 2f32.powi(-11),
+        DType::Bf16 => 2f32.powi(-8),
+    };
+    if got.len() != want.len() {
+        return Err(format!("{} elements, expected {}", got.len(), want.len()));
+    }
+    let scale = want.iter().fold(0f32, |m, w| m.max(w.abs())).max(1.0);
+    let tolerance = roundings as f32 * unit * scale;
+    match got
+        .iter()
+        .zip(want)
+        .position(|(a, b)| (a - b).abs() > tolerance)
+    {
+        Some(i) => Err(format!(
+            "element {i}: {} != expected {} (within {tolerance})",
+            got[i], want[i]
+        )),
+        None => Ok(()),
+    }
 }
 
 fn expect_eq(got: &[f32], want: &[f32]) -> Result<(), String> {
@@ -58,21 +94,24 @@ pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), 
 
     for dtype in [DType::F32, DType::F16, DType::Bf16] {
         for op in ops {
+            let roundings = if op == ReduceOp::Mean { world + 1 } else { 0 };
             check(format!("all_reduce {op:?} {dtype:?}"), {
-                sizes.iter().try_for_each(|&n| {
+                all_of(sizes, |n| {
                     let mut buf = contribution(dtype, rank, n);
                     comm.all_reduce(&mut buf, op).map_err(err)?;
-                    expect_eq(&buf.to_f32(), &reference(dtype, world, n, op))
+                    let want = reference(dtype, world, n, op);
+                    expect_close(&buf.to_f32(), &want, dtype, roundings)
                         .map_err(|e| format!("n={n}: {e}"))
                 })
             });
             check(format!("reduce_scatter {op:?} {dtype:?}"), {
-                sizes.iter().chain(&[world - 1]).try_for_each(|&n| {
+                all_of(sizes.iter().chain(&[world - 1]), |&n| {
                     let chunk = comm
                         .reduce_scatter(&contribution(dtype, rank, n), op)
                         .map_err(err)?;
                     let full = reference(dtype, world, n, op);
-                    expect_eq(&chunk.to_f32(), &full[shard_range(n, world, rank)])
+                    let want = &full[shard_range(n, world, rank)];
+                    expect_close(&chunk.to_f32(), want, dtype, roundings)
                         .map_err(|e| format!("n={n}: {e}"))
                 })
             });
@@ -90,7 +129,7 @@ pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), 
             })
         });
         check(format!("broadcast {dtype:?}"), {
-            [0, world - 1].iter().try_for_each(|&root| {
+            all_of([0, world - 1], |root| {
                 // Non-roots start with a buffer of another length: the root's wins.
                 let mut buf = contribution(dtype, rank, if rank == root { 33 } else { 3 });
                 comm.broadcast(&mut buf, root).map_err(err)?;
@@ -129,35 +168,62 @@ fn tensors(comm: &dyn Communicator, dtype: DType, device: &Device) -> Result<(),
             .unwrap_or_default()
     };
 
-    let summed = comm
-        .all_reduce_tensor(make(rank, 15), ReduceOp::Sum)
-        .map_err(err)?;
-    if summed.dims() != [15] || summed.dtype() != float_dtype || summed.device() != *device {
-        return Err(format!(
-            "all_reduce_tensor gave {:?} {:?} on {:?}",
-            summed.dims(),
-            summed.dtype(),
-            summed.device()
-        ));
-    }
-    expect_eq(&read(summed), &reference(dtype, world, 15, ReduceOp::Sum))?;
-
-    // Rank r holds 5 (r + 1) elements.
-    let gathered = comm
-        .all_gather_tensor(make(rank, 5 * (rank + 1)))
-        .map_err(err)?;
-    let want: Vec<f32> = (0..world)
-        .flat_map(|r| read(make(r, 5 * (r + 1))))
-        .collect();
-    expect_eq(&read(gathered), &want)?;
-
-    let chunk = comm
-        .reduce_scatter_tensor(make(rank, 15), ReduceOp::Max)
-        .map_err(err)?;
-    let full = reference(dtype, world, 15, ReduceOp::Max);
-    expect_eq(&read(chunk), &full[shard_range(15, world, rank)])?;
-
-    let root = world - 1;
-    let got = comm.broadcast_tensor(make(rank, 10), root).map_err(err)?;
-    expect_eq(&read(got), &read(make(root, 10)))
+    // Every collective runs whatever the earlier ones gave (see `all_of`). Equal lengths
+    // and a length that divides by the world size are what NCCL moves in place.
+    let results = [
+        comm.all_reduce_tensor(make(rank, 15), ReduceOp::Sum)
+            .map_err(err)
+            .and_then(|summed| {
+                if summed.dims() != [15]
+                    || summed.dtype() != float_dtype
+                    || summed.device() != *device
+                {
+                    return Err(format!(
+                        "all_reduce_tensor gave {:?} {:?} on {:?}",
+                        summed.dims(),
+                        summed.dtype(),
+                        summed.device()
+                    ));
+                }
+                expect_eq(&read(summed), &reference(dtype, world, 15, ReduceOp::Sum))
+            }),
+        comm.all_reduce_tensor(make(rank, 15), ReduceOp::Mean)
+            .map_err(err)
+            .and_then(|mean| {
+                let want = reference(dtype, world, 15, ReduceOp::Mean);
+                expect_close(&read(mean), &want, dtype, world + 1)
+            }),
+        // Rank r holds 5 (r + 1) elements.
+        comm.all_gather_tensor(make(rank, 5 * (rank + 1)))
+            .map_err(err)
+            .and_then(|gathered| {
+                let want: Vec<f32> = (0..world)
+                    .flat_map(|r| read(make(r, 5 * (r + 1))))
+                    .collect();
+                expect_eq(&read(gathered), &want)
+            }),
+        comm.all_gather_tensor(make(rank, 6))
+            .map_err(err)
+            .and_then(|gathered| {
+                let want: Vec<f32> = (0..world).flat_map(|r| read(make(r, 6))).collect();
+                expect_eq(&read(gathered), &want)
+            }),
+        comm.reduce_scatter_tensor(make(rank, 15), ReduceOp::Max)
+            .map_err(err)
+            .and_then(|chunk| {
+                let full = reference(dtype, world, 15, ReduceOp::Max);
+                expect_eq(&read(chunk), &full[shard_range(15, world, rank)])
+            }),
+        comm.reduce_scatter_tensor(make(rank, 6 * world), ReduceOp::Mean)
+            .map_err(err)
+            .and_then(|chunk| {
+                let full = reference(dtype, world, 6 * world, ReduceOp::Mean);
+                let want = &full[shard_range(6 * world, world, rank)];
+                expect_close(&read(chunk), want, dtype, world + 1)
+            }),
+        comm.broadcast_tensor(make(rank, 10), world - 1)
+            .map_err(err)
+            .and_then(|got| expect_eq(&read(got), &read(make(world - 1, 10)))),
+    ];
+    results.into_iter().collect()
 }

@@ -134,6 +134,13 @@ pub fn launcher_local_rank() -> usize {
     .unwrap_or(0)
 }
 
+/// The GPU (of `gpus` visible) this process's rank takes under mpirun: the only one it sees
+/// (a launcher that gives each process its own, through `CUDA_VISIBLE_DEVICES`), else its
+/// node-local rank's.
+pub fn mpi_local_gpu(gpus: usize) -> usize {
+    if gpus == 1 { 0 } else { launcher_local_rank() }
+}
+
 /// Runs `f` for each rank this process hosts: the one MPI rank when started by mpirun (needs
 /// the `mpi` feature), else `devices` ranks as threads (one runs on the calling thread).
 /// Returns their results in rank order; a thread rank that panicked gives its message.
@@ -168,7 +175,7 @@ pub fn run_ranks<T: Send>(
 }
 
 /// [`run_ranks`] with one rank per GPU, over NCCL: `devices` threads on GPUs `0..devices`
-/// (`ncclCommInitAll`), or under mpirun this process's rank on its node-local GPU (NCCL's
+/// (`ncclCommInitAll`), or under mpirun this process's rank on [`mpi_local_gpu`] (NCCL's
 /// unique id sent over MPI, which stays up for the run).
 #[cfg(feature = "nccl")]
 pub fn run_gpu_ranks<T: Send>(
@@ -190,7 +197,8 @@ pub fn run_gpu_ranks<T: Send>(
         #[cfg(feature = "mpi")]
         {
             let world = mpi::MpiComm::init(timeout)?;
-            let comm = nccl::NcclComm::over_mpi(&world, launcher_local_rank(), timeout)?;
+            let gpu = mpi_local_gpu(nccl::NcclComm::device_count()?);
+            let comm = nccl::NcclComm::over_mpi(&world, gpu, timeout)?;
             return Ok(vec![Ok(f(&comm))]);
         }
         #[cfg(not(feature = "mpi"))]

@@ -4,7 +4,9 @@
 //! f16/bf16 buffers travel as 16-bit values: gathered and broadcast as they are, reduced by
 //! an MPI operation that adds (or maxes) two of them in f32 and rounds the result to their
 //! dtype, as NCCL reduces 16-bit values (with more than two ranks a sum is rounded once per
-//! combine, not once at the end). Before each collective the ranks agree on the call (a small
+//! combine, not once at the end; a mean divides each value by the world size first, as
+//! NCCL's average does, so that the sum cannot overflow where the mean fits). Before each
+//! collective the ranks agree on the call (a small
 //! all-reduce of its op, dtype and length), so mismatched calls are reported instead of
 //! corrupting memory. A watchdog thread ends the process when one collective outlasts the
 //! timeout, and a panicking rank exits at once; either way mpirun then stops every rank, so
@@ -113,14 +115,14 @@ impl Communicator for MpiComm {
         let send = match buf {
             Buffer::F32(send) => send,
             Buffer::F16(values) => {
-                *values = self.reduce_half(values, op, |recv, send| {
+                *values = self.reduce_half(values, values.len(), op, |recv, send| {
                     self.world
                         .all_reduce_into(send, recv, self.half_ops.of::<f16>(op))
                 });
                 return Ok(());
             }
             Buffer::Bf16(values) => {
-                *values = self.reduce_half(values, op, |recv, send| {
+                *values = self.reduce_half(values, values.len(), op, |recv, send| {
                     self.world
                         .all_reduce_into(send, recv, self.half_ops.of::<bf16>(op))
                 });
@@ -203,24 +205,18 @@ impl Communicator for MpiComm {
             }
             Buffer::F16(send) => {
                 let send: Vec<f16> = padded(send.reinterpret_cast()).reinterpret_into();
-                let mut recv = self.reduce_half(&send[..chunk], op, |recv, _| {
-                    self.world.reduce_scatter_block_into(
-                        send.reinterpret_cast(),
-                        recv,
-                        self.half_ops.of::<f16>(op),
-                    )
+                let mut recv = self.reduce_half(&send, chunk, op, |recv, send| {
+                    self.world
+                        .reduce_scatter_block_into(send, recv, self.half_ops.of::<f16>(op))
                 });
                 recv.truncate(mine);
                 Buffer::F16(recv)
             }
             Buffer::Bf16(send) => {
                 let send: Vec<bf16> = padded(send.reinterpret_cast()).reinterpret_into();
-                let mut recv = self.reduce_half(&send[..chunk], op, |recv, _| {
-                    self.world.reduce_scatter_block_into(
-                        send.reinterpret_cast(),
-                        recv,
-                        self.half_ops.of::<bf16>(op),
-                    )
+                let mut recv = self.reduce_half(&send, chunk, op, |recv, send| {
+                    self.world
+                        .reduce_scatter_block_into(send, recv, self.half_ops.of::<bf16>(op))
                 });
                 recv.truncate(mine);
                 Buffer::Bf16(recv)
@@ -288,24 +284,27 @@ impl MpiComm {
         recv
     }
 
-    /// The 16-bit result `reduce` writes (into a buffer shaped as `send`, whose bits it
-    /// gets too), divided by the world size for a mean.
+    /// The `len` 16-bit values `reduce` writes from the bits of `send`; for a mean each value
+    /// is divided by the world size first (in f32, then rounded), so that a sum cannot
+    /// overflow the dtype where the mean fits (loss-scaled f16 gradients).
     fn reduce_half<T: Half>(
         &self,
         send: &[T],
+        len: usize,
         op: ReduceOp,
         reduce: impl FnOnce(&mut [u16], &[u16]),
     ) -> Vec<T> {
-        let mut recv = vec![0u16; send.len()];
-        reduce(&mut recv, T::bits(send));
-        let mut values: Vec<T> = T::from_bits_vec(recv);
-        if op == ReduceOp::Mean {
+        let scaled: Vec<T>;
+        let send = if op == ReduceOp::Mean {
             let n = self.size as f32;
-            values
-                .iter_mut()
-                .for_each(|x| *x = T::from_f32(x.to_f32() / n));
-        }
-        values
+            scaled = send.iter().map(|x| T::from_f32(x.to_f32() / n)).collect();
+            &scaled[..]
+        } else {
+            send
+        };
+        let mut recv = vec![0u16; len];
+        reduce(&mut recv, T::bits(send));
+        T::from_bits_vec(recv)
     }
 }
 
@@ -350,9 +349,12 @@ unsafe extern "C" fn combine<T: Half, const MAX: bool>(
     _datatype: *mut mpi::ffi::MPI_Datatype,
 ) {
     // SAFETY: MPI hands over `*len` elements of the datatype the operation was called with
-    // (u16 bits of `T`), in two distinct buffers.
+    // (u16 bits of `T`), in two distinct buffers (which may be null when empty).
+    let n = unsafe { *len } as usize;
+    if n == 0 {
+        return;
+    }
     let (a, b) = unsafe {
-        let n = *len as usize;
         (
             std::slice::from_raw_parts(invec as *const T, n),
             std::slice::from_raw_parts_mut(inoutvec as *mut T, n),
@@ -360,7 +362,14 @@ unsafe extern "C" fn combine<T: Half, const MAX: bool>(
     };
     for (x, y) in a.iter().zip(b) {
         let (x, z) = (x.to_f32(), y.to_f32());
-        *y = T::from_f32(if MAX { x.max(z) } else { x + z });
+        // A NaN stays NaN under max too (f32::max would drop it).
+        *y = T::from_f32(if MAX && !x.is_nan() && !z.is_nan() {
+            x.max(z)
+        } else if MAX {
+            f32::NAN
+        } else {
+            x + z
+        });
     }
 }
 

@@ -418,42 +418,27 @@ impl NcclComm {
     }
 
     /// Runs `nccl` on `send` and `recv` in place (a fresh tensor of `recv_len` elements on
-    /// `send`'s device, in its dtype), and waits for it.
+    /// `send`'s device, in its dtype), and waits for it before the pins are released.
     fn in_place(
         &self,
         op: &'static str,
         send: &Tensor<1>,
         recv_len: usize,
-        nccl: impl Fn(&Self, TypedPair) -> Result<(), CollectiveError>,
+        nccl: impl Fn(&Self, &mut TypedPair) -> Result<(), CollectiveError>,
     ) -> Result<Tensor<1>, CollectiveError> {
         let device: Device = send.device().without_autodiff();
         let recv = Tensor::<1>::empty([recv_len], (&device, send.dtype()));
-        match dtype_of(send.dtype())? {
-            DType::F32 => nccl(
-                self,
-                TypedPair::F32(self.pin(send, op)?, self.pin(&recv, op)?),
-            )?,
-            DType::F16 => nccl(
-                self,
-                TypedPair::F16(self.pin(send, op)?, self.pin(&recv, op)?),
-            )?,
-            DType::Bf16 => nccl(
-                self,
-                TypedPair::Bf16(self.pin(send, op)?, self.pin(&recv, op)?),
-            )?,
-        }
+        let mut pair = match dtype_of(send.dtype())? {
+            DType::F32 => TypedPair::F32(self.pin(send, op)?, self.pin(&recv, op)?),
+            DType::F16 => TypedPair::F16(self.pin(send, op)?, self.pin(&recv, op)?),
+            DType::Bf16 => TypedPair::Bf16(self.pin(send, op)?, self.pin(&recv, op)?),
+        };
+        nccl(self, &mut pair)?;
         self.stream
             .synchronize()
             .map_err(|e| self.error(op)(format!("{e:?}")))?;
+        drop(pair);
         Ok(recv)
-    }
-
-    /// `reduced` divided by the world size for a mean (NCCL sums).
-    fn mean(&self, reduced: Tensor<1>, op: ReduceOp) -> Tensor<1> {
-        match op {
-            ReduceOp::Mean => reduced / self.world_size() as f64,
-            _ => reduced,
-        }
     }
 }
 
@@ -468,9 +453,9 @@ enum TypedPair<'s> {
 macro_rules! on_pair {
     ($pair:expr, ($send:ident, $recv:ident) => $body:expr) => {
         match $pair {
-            TypedPair::F32($send, mut $recv) => $body(&$send, &mut $recv),
-            TypedPair::F16($send, mut $recv) => $body(&$send, &mut $recv),
-            TypedPair::Bf16($send, mut $recv) => $body(&$send, &mut $recv),
+            TypedPair::F32($send, $recv) => $body(&*$send, $recv),
+            TypedPair::F16($send, $recv) => $body(&*$send, $recv),
+            TypedPair::Bf16($send, $recv) => $body(&*$send, $recv),
         }
     };
 }
@@ -538,12 +523,11 @@ impl Communicator for NcclComm {
         let _watch = self.watchdog.watch("all_reduce");
         let n = tensor.dims()[0];
         self.agree("all_reduce", dtype_of(tensor.dtype())?, Some(n))?;
-        let reduced = self.in_place("all_reduce", &tensor, n, |this, pair| {
+        self.in_place("all_reduce", &tensor, n, |this, pair| {
             let status =
-                on_pair!(pair, (send, recv) => |s, r| this.comm.all_reduce(s, r, &nccl_op(op)));
+                on_pair!(pair, (send, recv) => |s, r| this.comm.all_reduce(s, r, &device_op(op)));
             this.nccl("all_reduce", status)
-        })?;
-        Ok(self.mean(reduced, op))
+        })
     }
 
     fn all_gather_tensor(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CollectiveError> {
@@ -581,12 +565,11 @@ impl Communicator for NcclComm {
         }
         let _watch = self.watchdog.watch("reduce_scatter");
         self.agree("reduce_scatter", dtype_of(tensor.dtype())?, Some(n))?;
-        let mine = self.in_place("reduce_scatter", &tensor, n / world, |this, pair| {
+        self.in_place("reduce_scatter", &tensor, n / world, |this, pair| {
             let status =
-                on_pair!(pair, (send, recv) => |s, r| this.comm.reduce_scatter(s, r, &nccl_op(op)));
+                on_pair!(pair, (send, recv) => |s, r| this.comm.reduce_scatter(s, r, &device_op(op)));
             this.nccl("reduce_scatter", status)
-        })?;
-        Ok(self.mean(mine, op))
+        })
     }
 
     fn broadcast_tensor(
@@ -615,7 +598,18 @@ impl Communicator for NcclComm {
     }
 }
 
-/// NCCL's operation for `op` (a mean is a sum, divided afterwards).
+/// NCCL's operation for `op` on device tensors, reduced in their dtype: a mean is NCCL's
+/// average (each value divided by the world size before the sum, so that the sum cannot
+/// overflow where the mean fits).
+fn device_op(op: ReduceOp) -> NcclOp {
+    match op {
+        ReduceOp::Max => NcclOp::Max,
+        ReduceOp::Sum => NcclOp::Sum,
+        ReduceOp::Mean => NcclOp::Avg,
+    }
+}
+
+/// NCCL's operation for `op` on host buffers (a mean is a sum, divided afterwards).
 fn nccl_op(op: ReduceOp) -> NcclOp {
     match op {
         ReduceOp::Max => NcclOp::Max,

@@ -20,7 +20,8 @@ pub trait BlockModel: Module {
     /// Activations entering the first block, and the mask every block applies.
     fn embed(&self, input: Self::Input) -> (Tensor<3>, Mask); // [batch, seq, d_model]
     /// One block, run by its model (which may hold what every block shares, as an attention
-    /// pattern); the model's own block list may be taken out meanwhile.
+    /// pattern); the model's own block list may be taken out meanwhile. It may read the
+    /// model's configuration but not its parameters: under ZeRO-3 those are shards then.
     fn block_forward(&self, block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
     /// Mean loss of the last block's output against `target`.
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;

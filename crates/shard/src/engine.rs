@@ -249,11 +249,17 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             scale(&mut grads, 1.0 / loss_scale);
         }
         // One read of the device per step: the squared norm, which is not finite when any
-        // gradient overflowed (or squares past f32's range, ~1.8e19).
+        // gradient overflowed (or squares past f32's range, a norm above ~1.8e19). Sharded,
+        // it is summed over the ranks; replicated, the ranks' agree (their maximum) so that
+        // they skip or clip alike.
         let mut sum_sq = self.squared_norm(&grads);
-        if self.sharding.optimizer_state && world > 1 {
+        if world > 1 && (self.sharding.optimizer_state || self.scaler.is_some()) {
+            let op = match self.sharding.optimizer_state {
+                true => ReduceOp::Sum,
+                false => ReduceOp::Max,
+            };
             let mut buf = Buffer::F32(vec![sum_sq as f32]);
-            self.comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+            self.comm.all_reduce(&mut buf, op)?;
             sum_sq = f32s(buf)[0] as f64;
         }
         if let Some(scaler) = self.scaler.as_mut()
@@ -265,7 +271,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             });
         }
         let norm = sum_sq.sqrt();
-        if max_norm > 0.0 && norm > max_norm {
+        // A non-finite norm is not clipped to zero gradients: the step takes it, and the
+        // runner stops on the loss it gives.
+        if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
             scale(&mut grads, max_norm / (norm + 1e-6));
         }
 
@@ -476,19 +484,26 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let world = self.comm.world_size();
         for group in groups {
             let slots = self.group(group);
-            let mine = Tensor::cat(
-                slots
+            if slots.is_empty() {
+                continue;
+            }
+            let mut mine: Vec<Tensor<1>> = slots
+                .iter()
+                .map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
+                .collect();
+            // Alone, a shard is the whole parameter: nothing to pack or move.
+            if world == 1 {
+                let full = slots
                     .iter()
-                    .map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
-                    .collect(),
-                0,
-            );
+                    .zip(mine.drain(..))
+                    .map(|(s, v)| (s.id, (v, s.dims.clone())))
+                    .collect();
+                module = params::set_values(module, full, &self.device, require_grad);
+                continue;
+            }
+            let mine = Tensor::cat(mine, 0);
             let expected = world * mine.dims()[0];
-            let gathered = if world == 1 {
-                mine
-            } else {
-                self.comm.all_gather_tensor(mine)?
-            };
+            let gathered = self.comm.all_gather_tensor(mine)?;
             if gathered.dims()[0] != expected {
                 return Err(ShardError::ModelMismatch {
                     rank: self.comm.rank(),
@@ -514,6 +529,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     fn reduce(&mut self, group: Group) -> Result<(), ShardError> {
         let world = self.comm.world_size();
         let slots: Vec<Slot> = self.group(group).into_iter().cloned().collect();
+        if slots.is_empty() {
+            return Ok(());
+        }
         let slots: Vec<&Slot> = slots.iter().collect();
         let device = self.inner_device();
         let local: Vec<Tensor<1>> = slots
@@ -525,26 +543,22 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             })
             .collect();
         let dtype = tensor_dtype(self.reduce_dtype);
-        let reduced = if !self.sharding.gradients {
-            let flat = Tensor::cat(local, 0);
-            let flat = if world == 1 {
-                flat
-            } else {
-                self.comm
-                    .all_reduce_tensor(flat.cast(dtype), ReduceOp::Mean)?
-                    .cast(TensorDType::F32)
-            };
+        let reduced = if world == 1 {
+            // Alone, the mean is the local sum and a shard the whole gradient.
+            local
+        } else if !self.sharding.gradients {
+            let flat = self
+                .comm
+                .all_reduce_tensor(Tensor::cat(local, 0).cast(dtype), ReduceOp::Mean)?
+                .cast(TensorDType::F32);
             layout::split(flat, slots.iter().map(|s| s.numel()))
         } else {
             let packed = layout::pack_rank_major(&slots, &local, world);
             drop(local);
-            let mine = if world == 1 {
-                packed
-            } else {
-                self.comm
-                    .reduce_scatter_tensor(packed.cast(dtype), ReduceOp::Mean)?
-                    .cast(TensorDType::F32)
-            };
+            let mine = self
+                .comm
+                .reduce_scatter_tensor(packed.cast(dtype), ReduceOp::Mean)?
+                .cast(TensorDType::F32);
             layout::split(mine, slots.iter().map(|s| s.shard_numel()))
         };
         for (slot, grad) in slots.iter().zip(reduced) {

@@ -123,9 +123,6 @@ pub fn owned(view: Tensor<1>) -> Tensor<1> {
 /// Full values (flat, one per slot) laid out so that a reduce-scatter hands each rank its
 /// shards: for every rank in turn, that rank's shard of every slot.
 pub fn pack_rank_major(slots: &[&Slot], full: &[Tensor<1>], world: usize) -> Tensor<1> {
-    if world == 1 {
-        return Tensor::cat(full.to_vec(), 0);
-    }
     let shards = (0..world)
         .flat_map(|rank| {
             slots
@@ -157,14 +154,10 @@ pub fn unpack_gathered(slots: &[&Slot], gathered: Tensor<1>, world: usize) -> Ve
         .iter()
         .map(|slot| {
             let n = slot.shard_numel();
-            let full = if world == 1 {
-                gathered.clone().narrow(0, offset, n)
-            } else {
-                let pieces = (0..world)
-                    .map(|rank| gathered.clone().narrow(0, rank * per_rank + offset, n))
-                    .collect();
-                Tensor::cat(pieces, 0)
-            };
+            let pieces = (0..world)
+                .map(|rank| gathered.clone().narrow(0, rank * per_rank + offset, n))
+                .collect();
+            let full = Tensor::cat(pieces, 0);
             offset += n;
             if full.dims()[0] == slot.numel() {
                 full
@@ -202,7 +195,13 @@ mod tests {
     #[test]
     fn shards_pad_and_reassemble() {
         // A world larger than dim 0 (a class token [1, 1, d] over 4 ranks) only pads.
-        for (dims, world) in [(&[5, 2][..], 2), (&[5, 2], 3), (&[1, 1, 3], 4), (&[7], 4)] {
+        for (dims, world) in [
+            (&[5, 2][..], 1),
+            (&[5, 2], 2),
+            (&[5, 2], 3),
+            (&[1, 1, 3], 4),
+            (&[7], 4),
+        ] {
             let a = slot(dims, world);
             let b = slot(&[3], world);
             let full_a: Vec<f32> = (0..a.numel()).map(|i| i as f32 + 1.0).collect();

@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use burn::prelude::*;
-use burnscale_collective::{Communicator, launched_by_mpirun, launcher_local_rank, run_ranks};
+use burnscale_collective::{
+    Communicator, launched_by_mpirun, launcher_local_rank, mpi_local_gpu, run_ranks,
+};
 use clap::ValueEnum;
 use serde::Serialize;
 
@@ -28,19 +30,16 @@ impl Accelerator {
     }
 
     /// Runs `f` for each rank this process hosts (`devices` threads, or its one MPI rank),
-    /// with the index of its device on this node: on the CPU over threads or MPI, on CUDA
-    /// one rank per GPU over NCCL. Fails before starting any rank when there are fewer GPUs
-    /// than ranks.
+    /// with the index of its device on this node (see [`Accelerator::local_index`]): on the
+    /// CPU over threads or MPI, on CUDA one rank per GPU over NCCL. Fails before starting any
+    /// rank when there are fewer GPUs than ranks.
     pub fn run_ranks<T: Send>(
         self,
         devices: usize,
         timeout: Duration,
         f: impl Fn(&dyn Communicator, usize) -> T + Sync,
     ) -> Result<Vec<Result<T, String>>, TrainError> {
-        let local = |comm: &dyn Communicator| match launched_by_mpirun() {
-            true => launcher_local_rank(),
-            false => comm.rank(),
-        };
+        let local = |comm: &dyn Communicator| local_index(comm.rank());
         self.check(devices)?;
         match self {
             Accelerator::Cpu => Ok(run_ranks(devices, timeout, |comm| f(comm, local(comm)))?),
@@ -63,9 +62,10 @@ impl Accelerator {
         if self == Accelerator::Cpu {
             return Ok(());
         }
-        let (gpus, needed) = match launched_by_mpirun() {
-            true => (gpu_count(), launcher_local_rank() + 1),
-            false => (gpu_count(), devices),
+        let gpus = gpu_count();
+        let needed = match launched_by_mpirun() {
+            true => mpi_local_gpu(gpus) + 1,
+            false => devices,
         };
         if needed > gpus {
             return Err(TrainError::InvalidArgs(no_gpu(needed, gpus)));
@@ -77,7 +77,7 @@ impl Accelerator {
     /// runner moves each other rank's copy to its own).
     pub fn first_device(self) -> Result<Device, TrainError> {
         self.check(1)?;
-        Ok(self.device(&Device::flex().autodiff(), 0))
+        Ok(self.device(&Device::flex().autodiff(), local_index(0)))
     }
 
     /// The device of the rank whose device index on this node is `local`: `like` itself on
@@ -102,6 +102,15 @@ impl Accelerator {
     }
 }
 
+/// The index on this node of the device of this process's rank `rank`: the rank itself for
+/// thread ranks, under mpirun [`mpi_local_gpu`].
+fn local_index(rank: usize) -> usize {
+    match launched_by_mpirun() {
+        true => mpi_local_gpu(gpu_count()),
+        false => rank,
+    }
+}
+
 /// CUDA GPUs this process sees (0 in a build without the `cuda` feature).
 pub fn gpu_count() -> usize {
     #[cfg(feature = "cuda")]
@@ -116,8 +125,8 @@ fn no_gpu(needed: usize, gpus: usize) -> String {
     }
     match launched_by_mpirun() {
         true => format!(
-            "--accelerator cuda: this process is rank {} on its node, but the node has {gpus} GPU(s): start at most {gpus} processes per node",
-            needed - 1
+            "--accelerator cuda: this process is rank {} on its node, but it sees {gpus} GPU(s): start at most {gpus} processes per node (or give each its own GPU)",
+            launcher_local_rank()
         ),
         false => format!(
             "--accelerator cuda: {needed} rank(s) need one GPU each, but this machine has {gpus}: lower --devices, or use --accelerator cpu"

@@ -118,7 +118,7 @@ pub struct RunSummary {
     /// put them on the host. Counted the same on every backend, so a CPU run shows what a
     /// GPU run moves.
     pub host_transfer_bytes_per_step: u64,
-    /// Measured f32 GEMM rate of the device, FLOP/s.
+    /// Measured GEMM rate of the device in the precision's compute dtype, FLOP/s.
     pub peak_flops: f64,
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
     #[serde(skip)]
@@ -260,9 +260,10 @@ impl RunSummary {
             rows.push((
                 "MFU",
                 format!(
-                    "{:.1}% of measured peak GEMM {:.1} GFLOP/s",
+                    "{:.1}% of measured peak GEMM {:.1} GFLOP/s ({})",
                     100.0 * mfu,
-                    self.peak_flops / 1e9
+                    self.peak_flops / 1e9,
+                    burn::tensor::DType::from(self.precision.compute_dtype()).name()
                 ),
             ));
         }

@@ -157,7 +157,7 @@ pub fn train_on<T: TrainTask>(
         Some(path) if lead => Some(MetricsCsv::create(path)?),
         _ => None,
     };
-    let peak_flops = speed::peak_gemm_flops(device);
+    let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype());
     let progress = progress_bar(args.max_steps as u64, lead);
 
     // Rank 0 draws the stream a single-device run with this seed draws.
