@@ -31,7 +31,7 @@ impl ModelStateBytes {
     /// The ZeRO paper's per-rank count for a run of `args` on `world` ranks, with the bytes
     /// this engine keeps in memory between steps: W bytes of weights (the precision's weight
     /// dtype: 4, or 2 for `*-true`; the mixed policies' 16-bit copy lives only during a
-    /// micro-step) + 4 of gradients (reduced in f32 on the host) + the optimizer's state K per
+    /// micro-step) + 4 of gradients (reduced and held in f32) + the optimizer's state K per
     /// parameter in the weight dtype (Adam/AdamW 2 moments, SGD with momentum 1, plain SGD 0;
     /// none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
     /// part over `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the
@@ -237,7 +237,7 @@ impl RunSummary {
         rows.push((
             "host transfers per step",
             format!(
-                "{} (engine staging through host memory)",
+                "{} (model states moved to or from host memory: offload only)",
                 human_bytes(self.host_transfer_bytes_per_step as usize)
             ),
         ));
