@@ -124,3 +124,62 @@ fn tiny_bert_learns_a_toy_task() {
     // The majority class is about 55%.
     assert!(accuracy > 0.8, "test accuracy {accuracy}");
 }
+
+/// A masked-LM head reads the word embeddings too, so ZeRO-3 gathers the embeddings' unit for
+/// the head as well: two SGD steps on 2 thread ranks (half the batch each) leave the same
+/// model as one rank on the whole batch.
+#[test]
+fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
+    use burnscale::bert::BertInput;
+    use burnscale::collective::{run_ranks, threads::DEFAULT_TIMEOUT};
+    use burnscale::shard::{Sharded, Strategy};
+    use burnscale::train::ParamOptimizer;
+
+    let config = BertConfig::tiny()
+        .with_dropout(0.0)
+        .with_head(BertHead::MaskedLm);
+    let device = Device::default().autodiff();
+    let (batch, t) = (4, 6);
+    let ids: Vec<i64> = (0..batch * t).map(|i| (5 + i * 7 % 13) as i64).collect();
+    // Rows `rows` of the batch: every position predicts its own token.
+    let part = |rows: std::ops::Range<usize>| {
+        let n = rows.len();
+        let ids = Tensor::<2, Int>::from_data(
+            TensorData::new(ids[rows.start * t..rows.end * t].to_vec(), [n, t]),
+            &device,
+        );
+        let input = BertInput {
+            input_ids: ids.clone(),
+            token_type_ids: Tensor::zeros([n, t], &device),
+            attention_mask: Tensor::ones([n, t], &device),
+        };
+        (input, ids.reshape([n * t]))
+    };
+    let train = |strategy: Strategy, world: usize| {
+        let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
+            let model = seeded_model(5, |device| Bert::new(&config, device).unwrap());
+            let mut engine = Sharded::new(strategy, model, comm, &device).unwrap();
+            let sgd = [
+                "--optimizer",
+                "sgd",
+                "--momentum",
+                "0",
+                "--weight-decay",
+                "0",
+            ];
+            let mut optim = ParamOptimizer::new(&TrainArgs::from_flags(&sgd).unwrap(), 0).unwrap();
+            let rows = batch / world;
+            for _ in 0..2 {
+                let (input, target) = part(comm.rank() * rows..(comm.rank() + 1) * rows);
+                engine.micro_step(input, target, 1, true).unwrap();
+                engine.step(0.0, |m, g| optim.step(0.5, m, g).0).unwrap();
+            }
+            engine.full_model().unwrap()
+        })
+        .unwrap();
+        ranks.into_iter().next().unwrap().unwrap()
+    };
+    let single = train(Strategy::Ddp, 1);
+    let sharded = train(Strategy::Zero3, 2);
+    assert_same(&single, &sharded, "zero3 masked LM");
+}

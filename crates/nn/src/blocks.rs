@@ -2,7 +2,7 @@
 //! before, the head and loss after). Sharding and activation checkpointing iterate over
 //! this split; nothing model-specific lives in them.
 
-use burn::module::Module;
+use burn::module::{Module, ParamId, list_param_ids};
 use burn::prelude::*;
 
 /// What blocks read besides the activations: an additive attention bias `[batch, 1, 1, seq]`
@@ -25,6 +25,25 @@ pub trait BlockModel: Module {
     fn block_forward(&self, block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
     /// Mean loss of the last block's output against `target`.
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;
+
+    /// The parameters [`BlockModel::embed`] reads, and those [`BlockModel::head_loss`] reads:
+    /// under ZeRO-3 the root is sharded as two units (the embeddings', and the rest), each
+    /// gathered only around its use. By default both read the whole root (one unit).
+    fn embedding_params(&self) -> Vec<ParamId> {
+        self.root_params()
+    }
+    fn head_params(&self) -> Vec<ParamId> {
+        self.root_params()
+    }
+
+    /// Every parameter outside the blocks.
+    fn root_params(&self) -> Vec<ParamId> {
+        let blocks: Vec<ParamId> = self.blocks().iter().flat_map(list_param_ids).collect();
+        list_param_ids(self)
+            .into_iter()
+            .filter(|id| !blocks.contains(id))
+            .collect()
+    }
 
     fn blocks(&self) -> &[Self::Block];
     /// Moves the blocks out, leaving the root.

@@ -12,6 +12,11 @@ use crate::layout::{self, Slot};
 use crate::params::{self, Flat};
 use crate::{ShardError, Sharding, Strategy, host};
 
+/// The root's units: the embeddings', then the rest (the head's); blocks follow them.
+const EMBEDDINGS: usize = 0;
+const HEAD: usize = 1;
+const FIRST_BLOCK: usize = 2;
+
 /// DDP's default gradient bucket: 25 MB of f32.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 const PRESENT: &str = "the model is only moved out during a step";
@@ -33,10 +38,13 @@ pub struct Sharded<'c, M: BlockModel> {
     /// Slot indices moved by one collective, in consecutive groups of at most 25 MB (DDP's
     /// gradient buckets; also the broadcast and ZeRO-1/2's all-gather after a step).
     buckets: Vec<Vec<usize>>,
-    /// Slot indices of each unit: the root (embeddings and head) first, then each block.
-    /// Sharded parameters are gathered unit by unit; sharded gradients are reduce-scattered
-    /// unit by unit as backward leaves each one.
+    /// Slot indices of each unit: the parameters the embeddings read, the rest of the root
+    /// (the head's), then each block. Sharded parameters are gathered unit by unit; sharded
+    /// gradients are reduce-scattered unit by unit as backward leaves each one.
     units: Vec<Vec<usize>>,
+    /// The units the head reads: its own, and the embeddings' when it shares their
+    /// parameters (a decoder reading the word embeddings).
+    head_units: Vec<usize>,
     /// The full replica, or this rank's shards when parameters are sharded.
     model: Option<M>,
     /// This rank's own gradients (flat, f32), summed over the micro-steps of an optimizer
@@ -90,14 +98,24 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .into_iter()
             .map(|range| range.collect())
             .collect();
-        let units = {
+        let (units, head_units) = {
             // A clone only for the ids (dropped here: a lazy model's clones share its values).
             let mut root = model.clone();
             let blocks = root.take_blocks();
-            std::iter::once(params::param_ids(&root))
+            let embedding = root.embedding_params();
+            let (embeddings, head): (Vec<ParamId>, Vec<ParamId>) = params::param_ids(&root)
+                .into_iter()
+                .partition(|id| embedding.contains(id));
+            let head_units = match root.head_params().iter().any(|id| embedding.contains(id)) {
+                true => vec![EMBEDDINGS, HEAD],
+                false => vec![HEAD],
+            };
+            let units = [embeddings, head]
+                .into_iter()
                 .chain(blocks.iter().map(params::param_ids))
                 .map(|ids| ids.iter().map(|id| index[id]).collect())
-                .collect()
+                .collect();
+            (units, head_units)
         };
         let sharding = strategy.sharding();
         let mut this = Self {
@@ -107,6 +125,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             slots,
             buckets,
             units,
+            head_units,
             model: None,
             local: HashMap::new(),
             reduced: HashMap::new(),
@@ -326,7 +345,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if !self.sharding.parameters {
             return Ok(model);
         }
-        let shards = self.shards_on_device(&model);
+        let shards = self.shards_on_device(&model, None);
         self.gather(model, shards, self.all_buckets(), true)
     }
 
@@ -445,10 +464,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .collect()
     }
 
-    /// The parameter shards of `unit` (flat) on the device: moved from the host when
-    /// offloaded.
-    fn shards_on_device<U: Module>(&self, unit: &U) -> Flat {
-        let mut shards = params::values(unit, None);
+    /// The parameter shards of `module` named in `ids` (all when `None`), flat, on the
+    /// device: moved from the host when offloaded.
+    fn shards_on_device<U: Module>(&self, module: &U, ids: Option<&[ParamId]>) -> Flat {
+        let mut shards = params::values(module, ids);
         if self.home.is_some() {
             let device = self.inner_device();
             for shard in shards.values_mut() {
@@ -571,13 +590,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// Per-block checkpointing (always on with sharded parameters). Blocks run forward outside
     /// autodiff, keeping only their input; backward takes each block again, recomputes it
     /// under autodiff (with the same dropout masks) and back-propagates the incoming gradient
-    /// through it. With sharded gradients a block's are reduce-scattered as soon as backward
-    /// leaves it on the last micro-step, so a rank holds one block's full gradients at a time
-    /// (earlier micro-steps of an accumulation keep full sums). Sharded parameters are
-    /// gathered just before a unit runs and dropped after: each block for its forward and
-    /// for its backward, the root (embeddings and head) for the embeddings, for the head, and
-    /// for the embeddings' backward. DDP and ZeRO-1 reduce their buckets after the whole
-    /// backward.
+    /// through it. With sharded gradients a unit's are reduce-scattered as soon as backward
+    /// leaves it on the last micro-step (the head's, each block's, the embeddings'), so a rank
+    /// holds one unit's full gradients at a time (earlier micro-steps of an accumulation keep
+    /// full sums). Sharded parameters are gathered just before a unit runs and dropped after:
+    /// each block for its forward and for its backward, the head's unit for the head's
+    /// forward and backward, the embeddings' for their forward and (recomputed) backward.
+    /// DDP and ZeRO-1 reduce their buckets after the whole backward.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
@@ -593,7 +612,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // Sharded, the root is gathered around each use; else its compute copy serves all.
         let (mut x, mask, embedded) = if sharded_params {
             let _training = dropout::training_scope();
-            let (x, mask) = self.unit(&root, 0, false)?.embed(input.clone());
+            let (x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.embed(input.clone());
             (x, mask, None)
         } else {
             root = self.compute(root);
@@ -607,14 +626,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         {
             let _training = dropout::training_scope();
             for (i, block) in blocks.iter().enumerate() {
-                let block = self.unit(block, i + 1, false)?;
+                let block = self.unit(block, &[FIRST_BLOCK + i], false)?;
                 saved.push((x.clone(), dropout::position()));
                 x = root.block_forward(&block, x, &inner_mask);
             }
         }
         let x = autodiff_on(x, &self.device).require_grad();
         let head = if sharded_params {
-            Some(self.unit(&root, 0, true)?)
+            Some(self.unit(&root, &self.head_units, true)?)
         } else {
             None
         };
@@ -629,9 +648,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.add_grads(head_root, grads);
         drop(head);
         let per_unit = self.sharding.gradients && last;
+        // The head's own unit is complete: the embeddings do not read it.
+        if per_unit {
+            self.reduce(Group::Unit(HEAD))?;
+        }
         for (i, block) in blocks.iter().enumerate().rev() {
             let (x, at) = saved.pop().expect("one saved input per block");
-            let block = self.unit(block, i + 1, true)?;
+            let block = self.unit(block, &[FIRST_BLOCK + i], true)?;
             dropout::rewind(at);
             let input = autodiff_on(x, &self.device).require_grad();
             let y = root.block_forward(&block, input.clone(), &mask);
@@ -643,14 +666,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             self.add_grads(&block, grads);
             drop(block);
             if per_unit {
-                self.reduce(Group::Unit(i + 1))?;
+                self.reduce(Group::Unit(FIRST_BLOCK + i))?;
             }
         }
         let embedded = match embedded {
             Some(embedded) => Some((embedded, None)),
             None => {
                 dropout::rewind(start);
-                let gathered = self.unit(&root, 0, true)?;
+                let gathered = self.unit(&root, &[EMBEDDINGS], true)?;
                 Some((gathered.embed(input).0, Some(gathered)))
             }
         };
@@ -663,7 +686,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         if last {
             if self.sharding.gradients {
-                self.reduce(Group::Unit(0))?;
+                self.reduce(Group::Unit(EMBEDDINGS))?;
             } else {
                 for bucket in self.all_buckets() {
                     self.reduce(bucket)?;
@@ -683,14 +706,20 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.note_grads();
     }
 
-    /// Unit `index` (`module`, shard-shaped when parameters are sharded) for a forward outside
-    /// autodiff (`!train`) or under it: gathered when sharded (in the compute dtype, so 16-bit
-    /// policies gather 16-bit values), else the replica's own; in the compute dtype.
-    fn unit<U: Module>(&self, module: &U, index: usize, train: bool) -> Result<U, ShardError> {
+    /// `module` (shard-shaped when parameters are sharded) with the parameters of `units`
+    /// ready for a forward outside autodiff (`!train`) or under it: gathered when sharded (in
+    /// the compute dtype, so 16-bit policies gather 16-bit values; the module's other
+    /// parameters stay shards), else the replica's own; in the compute dtype.
+    fn unit<U: Module>(&self, module: &U, units: &[usize], train: bool) -> Result<U, ShardError> {
         if self.sharding.parameters {
             let shards = self.compute(module.clone());
-            let values = self.shards_on_device(&shards);
-            return self.gather(shards, values, [Group::Unit(index)], train);
+            let ids: Vec<ParamId> = units
+                .iter()
+                .flat_map(|&u| self.units[u].iter().map(|&i| self.slots[i].id))
+                .collect();
+            let values = self.shards_on_device(&shards, Some(&ids));
+            let groups = units.iter().map(|&u| Group::Unit(u));
+            return self.gather(shards, values, groups, train);
         }
         Ok(self.compute(if train {
             module.clone()

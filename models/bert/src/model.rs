@@ -1,4 +1,4 @@
-use burn::module::Param;
+use burn::module::{Param, ParamId, list_param_ids};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
@@ -339,6 +339,24 @@ impl BlockModel for Bert {
             "a base BERT has no head to train: build it with a classification or masked-LM head"
         );
         burnscale_nn::cross_entropy(self.logits(x), target)
+    }
+
+    fn embedding_params(&self) -> Vec<ParamId> {
+        list_param_ids(&self.embeddings)
+    }
+
+    /// The masked-LM decoder reads the word embeddings too.
+    fn head_params(&self) -> Vec<ParamId> {
+        let mut ids = [
+            list_param_ids(&self.pooler),
+            list_param_ids(&self.classifier),
+            list_param_ids(&self.mlm),
+        ]
+        .concat();
+        if self.mlm.is_some() {
+            ids.extend(list_param_ids(&self.embeddings.word_embeddings));
+        }
+        ids
     }
 
     burnscale_nn::block_list!(layer);

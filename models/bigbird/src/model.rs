@@ -1,3 +1,4 @@
+use burn::module::{ParamId, list_param_ids};
 use burn::nn::Linear;
 use burn::prelude::*;
 use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention};
@@ -109,6 +110,18 @@ impl BlockModel for BigBird {
 
     fn head_loss(&self, x: Tensor<3>, target: Tensor<1, Int>) -> Tensor<1> {
         burnscale_nn::cross_entropy(self.logits(x), target)
+    }
+
+    fn embedding_params(&self) -> Vec<ParamId> {
+        list_param_ids(&self.embeddings)
+    }
+
+    fn head_params(&self) -> Vec<ParamId> {
+        [
+            list_param_ids(&self.pooler),
+            list_param_ids(&self.classifier),
+        ]
+        .concat()
     }
 
     burnscale_nn::block_list!(layer);

@@ -1,3 +1,4 @@
+use burn::module::{ParamId, list_param_ids};
 use burn::nn::{Embedding, EmbeddingConfig};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
@@ -211,6 +212,14 @@ impl BlockModel for Gpt {
 
     fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         cross_entropy(self.head(x), targets)
+    }
+
+    fn embedding_params(&self) -> Vec<ParamId> {
+        [list_param_ids(&self.wte), list_param_ids(&self.wpe)].concat()
+    }
+
+    fn head_params(&self) -> Vec<ParamId> {
+        [list_param_ids(&self.ln_f), list_param_ids(&self.lm_head)].concat()
     }
 
     burnscale_nn::block_list!(h);

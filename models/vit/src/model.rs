@@ -1,4 +1,4 @@
-use burn::module::Param;
+use burn::module::{Param, ParamId, list_param_ids};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
@@ -227,6 +227,18 @@ impl BlockModel for Vit {
 
     fn head_loss(&self, x: Tensor<3>, labels: Tensor<1, Int>) -> Tensor<1> {
         burnscale_nn::cross_entropy(self.head(x), labels)
+    }
+
+    fn embedding_params(&self) -> Vec<ParamId> {
+        list_param_ids(&self.embeddings)
+    }
+
+    fn head_params(&self) -> Vec<ParamId> {
+        [
+            list_param_ids(&self.layernorm),
+            list_param_ids(&self.classifier),
+        ]
+        .concat()
     }
 
     burnscale_nn::block_list!(layer);
