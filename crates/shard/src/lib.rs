@@ -9,8 +9,8 @@
 //! | `zero3` (FSDP) | this rank's shard | this rank's shard | this rank's shard | all-gather per unit (forward and backward), reduce-scatter per unit |
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
-//! plus one root unit (embeddings and head): a block's full parameters exist only while it
-//! runs, and its full gradients until its reduce-scatter (so too under ZeRO-2 with
+//! plus two root units (the embeddings', and the head's): a unit's full parameters exist only
+//! while it runs, and its full gradients until its reduce-scatter (so too under ZeRO-2 with
 //! checkpointing, whose backward also runs block by block). Burn's autodiff graph keeps every weight a forward used alive until backward, so a
 //! block's forward runs outside autodiff and backward recomputes it from its saved input with
 //! re-gathered weights ([`Sharded`]).
