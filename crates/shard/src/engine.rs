@@ -229,9 +229,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             model.loss(input, target)
         };
         let (value, loss) = self.scaled(loss, accumulate);
-        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-        params::add_grads(&model, &mut grads, &mut self.local);
-        self.note_grads();
+        self.add_grads(&model, loss.backward());
         if last {
             for bucket in self.all_buckets() {
                 self.reduce(bucket)?;
