@@ -149,17 +149,8 @@ pub fn run_ranks<T: Send>(
     timeout: Duration,
     f: impl Fn(&dyn Communicator) -> T + Sync,
 ) -> Result<Vec<Result<T, String>>, CollectiveError> {
-    if devices == 0 {
-        return Err(CollectiveError::Invalid(
-            "--devices must be at least 1".into(),
-        ));
-    }
+    check_devices(devices)?;
     if launched_by_mpirun() {
-        if devices > 1 {
-            return Err(CollectiveError::Invalid(format!(
-                "--devices {devices} starts in-process ranks, but under mpirun the world comes from MPI (one rank per process): drop --devices"
-            )));
-        }
         #[cfg(feature = "mpi")]
         return Ok(vec![Ok(f(&mpi::MpiComm::init(timeout)?))]);
         #[cfg(not(feature = "mpi"))]
@@ -183,17 +174,8 @@ pub fn run_gpu_ranks<T: Send>(
     timeout: Duration,
     f: impl Fn(&dyn Communicator) -> T + Sync,
 ) -> Result<Vec<Result<T, String>>, CollectiveError> {
-    if devices == 0 {
-        return Err(CollectiveError::Invalid(
-            "--devices must be at least 1".into(),
-        ));
-    }
+    check_devices(devices)?;
     if launched_by_mpirun() {
-        if devices > 1 {
-            return Err(CollectiveError::Invalid(format!(
-                "--devices {devices} starts in-process ranks, but under mpirun each process is one rank on one GPU: drop --devices"
-            )));
-        }
         #[cfg(feature = "mpi")]
         {
             let world = mpi::MpiComm::init(timeout)?;
@@ -208,6 +190,22 @@ pub fn run_gpu_ranks<T: Send>(
     }
     let gpus: Vec<usize> = (0..devices).collect();
     nccl::NcclComm::run(&gpus, timeout, f)
+}
+
+/// `--devices` in-process ranks: at least one, and only one (this process) under mpirun, where
+/// the world comes from MPI.
+fn check_devices(devices: usize) -> Result<(), CollectiveError> {
+    if devices == 0 {
+        return Err(CollectiveError::Invalid(
+            "--devices must be at least 1".into(),
+        ));
+    }
+    if launched_by_mpirun() && devices > 1 {
+        return Err(CollectiveError::Invalid(format!(
+            "--devices {devices} starts in-process ranks, but under mpirun the world comes from MPI (one rank per process): drop --devices"
+        )));
+    }
+    Ok(())
 }
 
 /// A broadcast's `root` must be a rank of the world.

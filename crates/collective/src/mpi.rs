@@ -115,17 +115,11 @@ impl Communicator for MpiComm {
         let send = match buf {
             Buffer::F32(send) => send,
             Buffer::F16(values) => {
-                *values = self.reduce_half(values, values.len(), op, |recv, send| {
-                    self.world
-                        .all_reduce_into(send, recv, self.half_ops.of::<f16>(op))
-                });
+                *values = self.all_reduce_half(values, op);
                 return Ok(());
             }
             Buffer::Bf16(values) => {
-                *values = self.reduce_half(values, values.len(), op, |recv, send| {
-                    self.world
-                        .all_reduce_into(send, recv, self.half_ops.of::<bf16>(op))
-                });
+                *values = self.all_reduce_half(values, op);
                 return Ok(());
             }
         };
@@ -175,11 +169,6 @@ impl Communicator for MpiComm {
         let mine = shard_range(n, self.size, self.rank).len();
         // MPI wants equal blocks: pad (a copy) only when the size does not divide, and cut
         // the padding off again.
-        let padded = |send: &[u16]| -> Vec<u16> {
-            let mut values = send.to_vec();
-            values.resize(chunk * self.size, 0);
-            values
-        };
         *output = match input {
             Buffer::F32(values) => {
                 let padded;
@@ -203,24 +192,8 @@ impl Communicator for MpiComm {
                 recv.truncate(mine);
                 Buffer::F32(recv)
             }
-            Buffer::F16(send) => {
-                let send: Vec<f16> = padded(send.reinterpret_cast()).reinterpret_into();
-                let mut recv = self.reduce_half(&send, chunk, op, |recv, send| {
-                    self.world
-                        .reduce_scatter_block_into(send, recv, self.half_ops.of::<f16>(op))
-                });
-                recv.truncate(mine);
-                Buffer::F16(recv)
-            }
-            Buffer::Bf16(send) => {
-                let send: Vec<bf16> = padded(send.reinterpret_cast()).reinterpret_into();
-                let mut recv = self.reduce_half(&send, chunk, op, |recv, send| {
-                    self.world
-                        .reduce_scatter_block_into(send, recv, self.half_ops.of::<bf16>(op))
-                });
-                recv.truncate(mine);
-                Buffer::Bf16(recv)
-            }
+            Buffer::F16(send) => Buffer::F16(self.reduce_scatter_half(send, chunk, mine, op)),
+            Buffer::Bf16(send) => Buffer::Bf16(self.reduce_scatter_half(send, chunk, mine, op)),
         };
         Ok(())
     }
@@ -281,6 +254,34 @@ impl MpiComm {
             let mut partition = PartitionMut::new(&mut recv[..], counts, &displs[..]);
             self.world.all_gather_varcount_into(send, &mut partition);
         }
+        recv
+    }
+
+    /// [`Communicator::all_reduce`] of 16-bit values.
+    fn all_reduce_half<T: Half>(&self, values: &[T], op: ReduceOp) -> Vec<T> {
+        self.reduce_half(values, values.len(), op, |recv, send| {
+            self.world
+                .all_reduce_into(send, recv, self.half_ops.of::<T>(op))
+        })
+    }
+
+    /// This rank's `mine` values of the reduction of `send`, zero-padded to `chunk` values
+    /// per rank.
+    fn reduce_scatter_half<T: Half>(
+        &self,
+        send: &[T],
+        chunk: usize,
+        mine: usize,
+        op: ReduceOp,
+    ) -> Vec<T> {
+        let mut padded = T::bits(send).to_vec();
+        padded.resize(chunk * self.size, 0);
+        let padded = T::from_bits_vec(padded);
+        let mut recv = self.reduce_half(&padded, chunk, op, |recv, send| {
+            self.world
+                .reduce_scatter_block_into(send, recv, self.half_ops.of::<T>(op))
+        });
+        recv.truncate(mine);
         recv
     }
 
