@@ -4,7 +4,7 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType as TensorDType, Gradients};
-use burnscale_collective::{Buffer, Communicator, DType, ReduceOp, tensor_dtype};
+use burnscale_collective::{Communicator, DType, ReduceOp, tensor_dtype};
 use burnscale_nn::{BlockModel, autocast, autodiff_on, dropout};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
@@ -56,6 +56,9 @@ pub struct Sharded<'c, M: BlockModel> {
     /// step, and in the last finished one.
     grad_peak: usize,
     grad_bytes: usize,
+    /// This step's micro-step losses (each divided by the accumulation), on the device:
+    /// read once, when the step ends, so that nothing waits for the device mid-step.
+    losses: Vec<Tensor<1>>,
     /// Per-block activation checkpointing (always on when parameters are sharded).
     checkpoint: bool,
     precision: Precision,
@@ -69,6 +72,8 @@ pub struct Sharded<'c, M: BlockModel> {
 /// What [`Sharded::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepOutcome {
+    /// This rank's loss of the step: the mean over its micro-steps.
+    pub loss: f64,
     /// The global gradient norm before clipping (unscaled).
     pub grad_norm: f64,
     /// Whether the loss scaler skipped the update (the gradients overflowed).
@@ -131,6 +136,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             reduced: HashMap::new(),
             grad_peak: 0,
             grad_bytes: 0,
+            losses: Vec::new(),
             checkpoint: sharding.parameters,
             precision: Precision::F32True,
             home: None,
@@ -202,24 +208,35 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
     }
 
-    /// The micro-step's share of the step loss (what it reports), and the loss backward
-    /// starts from: divided over the accumulation steps, times the loss scale.
-    fn scaled(&self, loss: Tensor<1>, accumulate: usize) -> (f64, Tensor<1>) {
-        let value = loss.clone().into_scalar::<f32>() as f64 / accumulate as f64;
+    /// The loss backward starts from: divided over the accumulation steps, times the loss
+    /// scale. Keeps the micro-step's loss for the step's report, unread.
+    fn scaled(&mut self, loss: Tensor<1>, accumulate: usize) -> Tensor<1> {
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
-        (value, loss * (scale / accumulate as f64))
+        self.losses
+            .push(loss.clone().inner().cast(TensorDType::F32) / accumulate as f64);
+        loss * (scale / accumulate as f64)
+    }
+
+    /// This step's loss (the sum of its micro-steps' shares): the step's one read of it.
+    fn step_loss(&mut self) -> f64 {
+        let losses = std::mem::take(&mut self.losses);
+        if losses.is_empty() {
+            return 0.0;
+        }
+        let values = Tensor::cat(losses, 0).into_data();
+        values.iter::<f32>().map(f64::from).sum()
     }
 
     /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
     /// divided by `accumulate`; the `last` micro-step of an optimizer step reduces the
-    /// gradients over the ranks. Returns the (divided) loss.
+    /// gradients over the ranks. Its loss is reported by [`Sharded::step`].
     pub fn micro_step(
         &mut self,
         input: M::Input,
         target: M::Target,
         accumulate: usize,
         last: bool,
-    ) -> Result<f64, ShardError> {
+    ) -> Result<(), ShardError> {
         if self.checkpoint {
             return self.blockwise_micro_step(input, target, accumulate, last);
         }
@@ -228,14 +245,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let _autocast = autocast::scope(self.precision.is_mixed());
             model.loss(input, target)
         };
-        let (value, loss) = self.scaled(loss, accumulate);
+        let loss = self.scaled(loss, accumulate);
         self.add_grads(&model, loss.backward());
         if last {
             for bucket in self.all_buckets() {
                 self.reduce(bucket)?;
             }
         }
-        Ok(value)
+        Ok(())
     }
 
     /// Unscales the reduced gradients (`16-mixed`), skips the step if any rank's overflowed,
@@ -257,41 +274,35 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 }
             }
         }
-        let scale = |grads: &mut Flat, by: f64| {
-            for grad in grads.values_mut() {
-                *grad = grad.clone() * by;
-            }
-        };
         if let Some(loss_scale) = self.scaler.as_ref().map(LossScaler::scale) {
-            scale(&mut grads, 1.0 / loss_scale);
+            for grad in grads.values_mut() {
+                *grad = grad.clone() * (1.0 / loss_scale);
+            }
         }
-        // One read of the device per step: the squared norm, which is not finite when any
-        // gradient overflowed (or squares past f32's range, a norm above ~1.8e19). Sharded,
-        // it is summed over the ranks; replicated, the ranks' agree (their maximum) so that
-        // they skip or clip alike.
+        // The squared norm stays on the device (summed over the ranks when sharded; when
+        // replicated, the ranks' maximum, so that they skip or clip alike): it is not finite
+        // when any gradient overflowed (or squares past f32's range, a norm above ~1.8e19).
         let mut sum_sq = self.squared_norm(&grads);
         if world > 1 && (self.sharding.optimizer_state || self.scaler.is_some()) {
             let op = match self.sharding.optimizer_state {
                 true => ReduceOp::Sum,
                 false => ReduceOp::Max,
             };
-            let mut buf = Buffer::F32(vec![sum_sq as f32]);
-            self.comm.all_reduce(&mut buf, op)?;
-            sum_sq = f32s(buf)[0] as f64;
+            sum_sq = self.comm.all_reduce_tensor(sum_sq, op)?;
         }
-        if let Some(scaler) = self.scaler.as_mut()
-            && !scaler.update(!sum_sq.is_finite())?
-        {
-            return Ok(StepOutcome {
-                grad_norm: f64::INFINITY,
-                skipped: true,
-            });
+        // Only a loss scaler decides on the host, before the update.
+        if let Some(scaler) = self.scaler.as_mut() {
+            let finite = sum_sq.clone().into_scalar::<f32>().is_finite();
+            if !scaler.update(!finite)? {
+                return Ok(StepOutcome {
+                    loss: self.step_loss(),
+                    grad_norm: f64::INFINITY,
+                    skipped: true,
+                });
+            }
         }
-        let norm = sum_sq.sqrt();
-        // A non-finite norm is not clipped to zero gradients: the step takes it, and the
-        // runner stops on the loss it gives.
-        if max_norm > 0.0 && norm.is_finite() && norm > max_norm {
-            scale(&mut grads, max_norm / (norm + 1e-6));
+        if max_norm > 0.0 {
+            scale_by(&mut grads, clip_coefficient(sum_sq.clone(), max_norm));
         }
 
         let model = self.model.take().expect(PRESENT);
@@ -315,25 +326,28 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 self.gather(replica, shards, self.all_buckets(), true)?
             }
         });
+        // Read when the whole step is queued: the device never waits for the host.
+        let grad_norm = (sum_sq.into_scalar::<f32>() as f64).sqrt();
         Ok(StepOutcome {
-            grad_norm: norm,
+            loss: self.step_loss(),
+            grad_norm,
             skipped: false,
         })
     }
 
-    /// The sum of the squares of every value in `grads` (one read of the device), summed in
+    /// The sum of the squares of every value in `grads` (`[1]`, on the device), summed in
     /// slot order so that a run is reproducible.
-    fn squared_norm(&self, grads: &Flat) -> f64 {
+    fn squared_norm(&self, grads: &Flat) -> Tensor<1> {
         let sums: Vec<Tensor<1>> = self
             .slots
             .iter()
             .filter_map(|slot| grads.get(&slot.id))
             .map(|g| g.clone().powi_scalar(2).sum())
             .collect();
-        if sums.is_empty() {
-            return 0.0;
+        match sums.is_empty() {
+            true => Tensor::zeros([1], (&self.inner_device(), TensorDType::F32)),
+            false => Tensor::cat(sums, 0).sum(),
         }
-        Tensor::cat(sums, 0).sum().into_scalar::<f32>() as f64
     }
 
     /// The whole model on every rank (sharded parameters are gathered: a collective), for
@@ -601,7 +615,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         target: M::Target,
         accumulate: usize,
         last: bool,
-    ) -> Result<f64, ShardError> {
+    ) -> Result<(), ShardError> {
         let sharded_params = self.sharding.parameters;
         let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
@@ -636,7 +650,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             None
         };
         let head_root = head.as_ref().unwrap_or(&root);
-        let (value, loss) = self.scaled(head_root.head_loss(x.clone(), target), accumulate);
+        let loss = head_root.head_loss(x.clone(), target);
+        let loss = self.scaled(loss, accumulate);
         let resume = dropout::position();
 
         let grads = loss.backward();
@@ -691,7 +706,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 }
             }
         }
-        Ok(value)
+        Ok(())
     }
 
     /// Adds the gradients `grads` holds for `module`'s parameters into this rank's sums.
@@ -734,9 +749,22 @@ enum Group {
     Unit(usize),
 }
 
-fn f32s(buf: Buffer) -> Vec<f32> {
-    match buf {
-        Buffer::F32(values) => values,
-        other => other.to_f32(),
+/// What gradients are multiplied by to clip them to a global L2 norm of `max_norm`, from
+/// their squared norm (`[1]`, on the device): 1 unless the norm is finite and above it. A
+/// non-finite norm is not clipped to zero gradients: the step takes it, and the runner stops
+/// on the loss it gives.
+fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
+    let norm = sum_sq.sqrt();
+    let clipped = norm
+        .clone()
+        .greater_elem(max_norm)
+        .bool_and(norm.clone().is_finite());
+    let coefficient = (norm.clone() + 1e-6).recip() * max_norm;
+    norm.ones_like().mask_where(clipped, coefficient)
+}
+
+fn scale_by(grads: &mut Flat, by: Tensor<1>) {
+    for grad in grads.values_mut() {
+        *grad = grad.clone() * by.clone();
     }
 }

@@ -188,23 +188,11 @@ pub fn train_on<T: TrainTask>(
     for step in 1..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
-        let mut step_loss = 0.0;
         let mut step_items = 0;
         for micro in 1..=args.accumulate {
             let (input, target) = task.next_batch(device, part);
             step_items += world * task.items(&input);
-            step_loss +=
-                engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
-        }
-        let step_loss = mean_over_ranks(comm, step_loss)?;
-        // With a loss scaler an overflow is a skipped step; without one, training on NaN
-        // would only waste the run.
-        if !step_loss.is_finite() && engine.loss_scale().is_none() {
-            return Err(TrainError::NonFiniteLoss {
-                step,
-                loss: step_loss,
-                precision: args.precision,
-            });
+            engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
         }
         let lr = schedule.next_lr();
         let mut offloaded = Ok(());
@@ -214,6 +202,16 @@ pub fn train_on<T: TrainTask>(
             model
         })?;
         offloaded?;
+        // The loss is read once the step is queued; with a loss scaler an overflow was a
+        // skipped step, without one training on NaN would only waste the run.
+        let step_loss = mean_over_ranks(comm, outcome.loss)?;
+        if !step_loss.is_finite() && engine.loss_scale().is_none() {
+            return Err(TrainError::NonFiniteLoss {
+                step,
+                loss: step_loss,
+                precision: args.precision,
+            });
+        }
         transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
         let grad_norm = outcome.grad_norm;
         let step_s = step_start.elapsed().as_secs_f64();
