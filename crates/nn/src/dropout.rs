@@ -175,6 +175,41 @@ mod tests {
         );
     }
 
+    /// Neighbouring elements, rows and calls drop independently: at p = 0.5 each pair of
+    /// them is dropped together a quarter of the time.
+    #[test]
+    fn masks_are_independent_across_elements_and_calls() {
+        let device = Device::default().autodiff();
+        let dropout = DropoutConfig::new(0.5).init();
+        seed(11);
+        let a: Vec<bool> = values(dropout.forward(ones(&device)))
+            .iter()
+            .map(|v| *v == 0.0)
+            .collect();
+        let b: Vec<bool> = values(dropout.forward(ones(&device)))
+            .iter()
+            .map(|v| *v == 0.0)
+            .collect();
+        let both = |pairs: &mut dyn Iterator<Item = (&bool, &bool)>| {
+            let (mut n, mut hits) = (0, 0);
+            for (x, y) in pairs {
+                n += 1;
+                hits += (*x && *y) as usize;
+            }
+            hits as f64 / n as f64
+        };
+        let next_element = both(&mut a.iter().zip(&a[1..]));
+        let next_row = both(&mut a.iter().zip(&a[512..]));
+        let next_call = both(&mut a.iter().zip(&b));
+        for (what, p) in [
+            ("element", next_element),
+            ("row", next_row),
+            ("call", next_call),
+        ] {
+            assert!((p - 0.25).abs() < 0.005, "next {what}: both dropped {p}");
+        }
+    }
+
     #[test]
     fn fresh_masks_per_call_reproducible_per_seed() {
         let device = Device::default().autodiff();
