@@ -74,21 +74,20 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// `n` values, each `1/keep` with probability `keep` and 0 otherwise.
-fn mask(n: usize, keep: f64, key: u64) -> Vec<f32> {
+/// For each of `n` elements, whether it drops (probability `1 - keep`): one byte each, the
+/// least a mask can cross to a device in.
+fn dropped(n: usize, keep: f64, key: u64) -> Vec<bool> {
     const CHUNK: usize = 1 << 14;
     // Each hash gives two 32-bit uniforms.
     let threshold = (keep * 4_294_967_296.0) as u64;
-    let scale = (1.0 / keep) as f32;
-    let mut out = vec![0.0f32; n];
+    let mut out = vec![false; n];
     out.par_chunks_mut(CHUNK)
         .enumerate()
         .for_each(|(c, chunk)| {
             for (p, pair) in chunk.chunks_mut(2).enumerate() {
                 let h = splitmix64(key.wrapping_add(((c * CHUNK / 2 + p) as u64) << 1));
                 for (k, v) in pair.iter_mut().enumerate() {
-                    let u = (h >> (32 * k)) & 0xFFFF_FFFF;
-                    *v = if u < threshold { scale } else { 0.0 };
+                    *v = (h >> (32 * k)) & 0xFFFF_FFFF >= threshold;
                 }
             }
         });
@@ -139,11 +138,12 @@ impl Dropout {
         if self.prob == 0.0 || !self.is_training(&input.device()) {
             return input;
         }
-        let shape = input.shape();
-        let values = mask(shape.num_elements(), 1.0 - self.prob, next_call_key());
-        let mask = Tensor::<D>::from_data(TensorData::new(values, shape), &input.device());
-        let mask = crate::autocast::like(mask, &input);
-        input * mask
+        let (shape, keep) = (input.shape(), 1.0 - self.prob);
+        let dropped = dropped(shape.num_elements(), keep, next_call_key());
+        // A Bool mask: the backward keeps one byte per element, not a float.
+        let dropped =
+            Tensor::<D, Bool>::from_data(TensorData::new(dropped, shape), &input.device());
+        input.mask_fill(dropped, 0.0) * (1.0 / keep)
     }
 }
 
