@@ -275,9 +275,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
         }
         if let Some(loss_scale) = self.scaler.as_ref().map(LossScaler::scale) {
-            for grad in grads.values_mut() {
-                *grad = grad.clone() * (1.0 / loss_scale);
-            }
+            let unscale = (&self.inner_device(), TensorDType::F32);
+            scale_by(&mut grads, Tensor::full([1], 1.0 / loss_scale, unscale));
         }
         // The squared norm stays on the device (summed over the ranks when sharded; when
         // replicated, the ranks' maximum, so that they skip or clip alike): it is not finite
@@ -763,6 +762,7 @@ fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
     norm.ones_like().mask_where(clipped, coefficient)
 }
 
+/// Multiplies every gradient by `by` (`[1]`, on the device).
 fn scale_by(grads: &mut Flat, by: Tensor<1>) {
     for grad in grads.values_mut() {
         *grad = grad.clone() * by.clone();
