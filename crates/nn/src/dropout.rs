@@ -1,16 +1,15 @@
 //! Dropout with a counter-based random stream.
 //!
-//! Burn's `Dropout` draws a Bernoulli tensor through a ChaCha generator one element at a time;
-//! on the CPU backend that was ~15% of a minGPT training step. Here each element's keep/drop
-//! comes from a SplitMix64 hash of (seed, call, index): parallel, and reproducible for a
-//! given seed and call order on a thread (each thread, so each in-process rank, has its own
-//! stream, seeded with [`seed`]).
+//! Burn's `Dropout` draws from the backend's one random generator, which a recomputed block
+//! cannot rewind and thread ranks would share. Here each element's keep/drop is a hash of
+//! (call key, element index), the call key a SplitMix64 hash of (seed, call): reproducible
+//! for a given seed and call order on a thread (each thread, so each in-process rank, has
+//! its own stream, seeded with [`seed`]), and drawn by tensor ops on the activations' device.
 
 use std::cell::Cell;
 
 use burn::module::{Flag, Param};
 use burn::prelude::*;
-use rayon::prelude::*;
 
 thread_local! {
     /// (seed, calls so far) of this thread's dropout stream.
@@ -74,24 +73,64 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-/// For each of `n` elements, whether it drops (probability `1 - keep`): one byte each, the
-/// least a mask can cross to a device in.
-fn dropped(n: usize, keep: f64, key: u64) -> Vec<bool> {
-    const CHUNK: usize = 1 << 14;
-    // Each hash gives two 32-bit uniforms.
-    let threshold = (keep * 4_294_967_296.0) as u64;
-    let mut out = vec![false; n];
-    out.par_chunks_mut(CHUNK)
-        .enumerate()
-        .for_each(|(c, chunk)| {
-            for (p, pair) in chunk.chunks_mut(2).enumerate() {
-                let h = splitmix64(key.wrapping_add(((c * CHUNK / 2 + p) as u64) << 1));
-                for (k, v) in pair.iter_mut().enumerate() {
-                    *v = (h >> (32 * k)) & 0xFFFF_FFFF >= threshold;
-                }
-            }
-        });
-    out
+/// Which elements of a tensor of `shape` on `device` drop, each with probability `1 - keep`:
+/// a 31-bit hash of (element index, `key`) at or above `keep`'s share of its range. Drawn
+/// by tensor ops where the activations live, so a GPU draws its own masks and nothing
+/// crosses from the host.
+fn dropped<const D: usize>(shape: Shape, keep: f64, key: u64, device: &Device) -> Tensor<D, Bool> {
+    let n = shape.num_elements();
+    assert!(
+        n <= LOW_31 as usize,
+        "dropout on {n} elements: more than a 31-bit index can count"
+    );
+    let bits = hash31(
+        hash31(element_index::<D>(&shape, device).bitwise_xor_scalar(key & LOW_31))
+            .bitwise_xor_scalar((key >> 31) & LOW_31),
+    );
+    let threshold = (keep * (1u64 << 31) as f64) as i64;
+    bits.greater_equal_elem(threshold)
+}
+
+const LOW_31: u64 = (1 << 31) - 1;
+
+/// Each element's row-major index, as the sum of one small range per dimension times its
+/// stride, broadcast: a range over all `n` elements would be built by Burn's fused `arange`
+/// through a cumulative sum that is quadratic in its length on a GPU.
+fn element_index<const D: usize>(shape: &Shape, device: &Device) -> Tensor<D, Int> {
+    let dims = shape.dims::<D>();
+    let mut index = Tensor::<D, Int>::zeros([1; D], device);
+    let mut stride = 1i64;
+    for d in (0..D).rev() {
+        let mut along = [1; D];
+        along[d] = dims[d];
+        index = index + range(dims[d], device).reshape(along).mul_scalar(stride);
+        stride *= dims[d] as i64;
+    }
+    index
+}
+
+/// `0..n` on `device`, built from ranges of at most `CHUNK` (one per chunk, one within).
+fn range(n: usize, device: &Device) -> Tensor<1, Int> {
+    const CHUNK: usize = 1 << 12;
+    if n <= CHUNK {
+        return Tensor::arange(0..n as i64, device);
+    }
+    let chunks = n.div_ceil(CHUNK);
+    let index = range(chunks, device)
+        .reshape([chunks, 1])
+        .mul_scalar(CHUNK as i64)
+        + Tensor::<1, Int>::arange(0..CHUNK as i64, device).reshape([1, CHUNK]);
+    index.reshape([chunks * CHUNK]).slice(0..n)
+}
+
+/// Thomas Mueller's integer hash (multiplier 0x45d9f3b), kept to 31 bits after each multiply.
+/// Every value and scalar stays in [0, 2^31), so the bits are the same whatever the
+/// backend's integer width and signedness (i32 on a GPU, i64 on Burn's CPU backend): a
+/// product that wraps in 32 bits keeps the same low 31 bits.
+fn hash31<const D: usize>(x: Tensor<D, Int>) -> Tensor<D, Int> {
+    let shift = |x: Tensor<D, Int>| x.clone().bitwise_right_shift_scalar(16).bitwise_xor(x);
+    let mul = |x: Tensor<D, Int>| x.mul_scalar(0x45d9f3b).bitwise_and_scalar(LOW_31);
+    shift(mul(shift(mul(shift(x)))))
 }
 
 #[derive(Debug, Clone)]
@@ -138,11 +177,9 @@ impl Dropout {
         if self.prob == 0.0 || !self.is_training(&input.device()) {
             return input;
         }
-        let (shape, keep) = (input.shape(), 1.0 - self.prob);
-        let dropped = dropped(shape.num_elements(), keep, next_call_key());
+        let keep = 1.0 - self.prob;
         // A Bool mask: the backward keeps one byte per element, not a float.
-        let dropped =
-            Tensor::<D, Bool>::from_data(TensorData::new(dropped, shape), &input.device());
+        let dropped = dropped::<D>(input.shape(), keep, next_call_key(), &input.device());
         input.mask_fill(dropped, 0.0) * (1.0 / keep)
     }
 }
@@ -207,6 +244,28 @@ mod tests {
             ("call", next_call),
         ] {
             assert!((p - 0.25).abs() < 0.005, "next {what}: both dropped {p}");
+        }
+    }
+
+    /// The index the hash draws from is each element's row-major position, also along
+    /// dimensions longer than one range chunk.
+    #[test]
+    fn element_index_counts_every_element_once() {
+        let device = Device::default();
+        let index = |shape: Shape| -> Vec<i64> {
+            element_index::<2>(&shape, &device)
+                .into_data()
+                .convert::<i64>()
+                .try_into_vec()
+                .unwrap()
+        };
+        for shape in [
+            Shape::new([3, 5]),
+            Shape::new([3, 9000]),
+            Shape::new([4097, 2]),
+        ] {
+            let n = shape.num_elements() as i64;
+            assert_eq!(index(shape), (0..n).collect::<Vec<_>>());
         }
     }
 
