@@ -3,7 +3,7 @@
 use std::marker::PhantomData;
 
 use burn::prelude::*;
-use burnscale_bert::{Bert, BertInput};
+use burnscale_bert::{Bert, BertError, BertInput};
 use burnscale_bigbird::BigBird;
 use burnscale_mingpt::{Gpt, cross_entropy};
 use burnscale_nn::BlockModel;
@@ -156,6 +156,8 @@ pub trait SequenceClassifier:
     /// Class logits `[b, labels]`.
     fn classify(&self, input: BertInput) -> Tensor<2>;
     fn device(&self) -> Device;
+    /// `Ok` if the model can read a sequence of these token ids.
+    fn check_ids(&self, ids: &[i64]) -> Result<(), BertError>;
 }
 
 impl SequenceClassifier for Bert {
@@ -166,6 +168,10 @@ impl SequenceClassifier for Bert {
     fn device(&self) -> Device {
         self.embeddings.word_embeddings.weight.val().device()
     }
+
+    fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
+        self.embeddings.check_ids(ids)
+    }
 }
 
 impl SequenceClassifier for BigBird {
@@ -175,6 +181,10 @@ impl SequenceClassifier for BigBird {
 
     fn device(&self) -> Device {
         self.embeddings.word_embeddings.weight.val().device()
+    }
+
+    fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
+        self.embeddings.check_ids(ids)
     }
 }
 
@@ -256,6 +266,17 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
 
     fn items(&self, input: &BertInput) -> usize {
         input.input_ids.dims()[0]
+    }
+
+    fn check(&self, model: &M) -> Result<(), TrainError> {
+        for (part, rows) in [("training", &self.train), ("test", &self.test)] {
+            for (i, (ids, _)) in rows.iter().enumerate() {
+                model
+                    .check_ids(ids)
+                    .map_err(|e| TrainError::InvalidData(format!("{part} sequence {i}: {e}")))?;
+            }
+        }
+        Ok(())
     }
 
     fn counts_tokens(&self) -> bool {

@@ -117,6 +117,36 @@ fn bigbird_block_sparse_zero3_recomputes_the_same_random_blocks() {
     assert_same(&single, &sharded, "bigbird zero3");
 }
 
+/// A sequence the model cannot read (longer than the position table, or a token outside
+/// the vocabulary) stops the run before its first step with an error naming the example.
+#[test]
+fn examples_the_model_cannot_read_are_named_before_training() {
+    let config = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    // Seeded under the lock the other tests' models are built under: an unseeded build
+    // beside them would draw from the backend's generator they seed.
+    let model = seeded_model(5, |device| Bert::new(&config, device).unwrap());
+    let args = TrainArgs::from_flags(&["--max-steps", "1"]).unwrap();
+    let too_long = (vec![5; config.max_position_embeddings + 1], 0);
+    let out_of_vocab = (vec![2, config.vocab_size as i64, 3], 1);
+    for (train_set, test_set, expected) in [
+        (
+            vec![too_long],
+            data(2, 2),
+            "training sequence 0: a sequence of 41 tokens",
+        ),
+        (
+            data(3, 1),
+            vec![out_of_vocab],
+            "test sequence 0: token id 99 is outside",
+        ),
+    ] {
+        let mut task = TextClassification::new(train_set, test_set, 0, 1, 3).unwrap();
+        let device = Device::default().autodiff();
+        let err = train(model.clone(), &mut task, &args, &device).unwrap_err();
+        assert!(err.to_string().contains(expected), "{err}");
+    }
+}
+
 #[test]
 fn tiny_bert_learns_a_toy_task() {
     let (_, accuracy) = run(&["--max-steps", "150", "--batch-size", "32", "--lr", "2e-3"]);

@@ -11,6 +11,8 @@ pub enum TrainError {
     NotYetSupported(String),
     #[error("invalid arguments: {0}")]
     InvalidArgs(String),
+    #[error("invalid data: {0}")]
+    InvalidData(String),
     #[error(
         "loss became {loss} at step {step} under --precision {precision}; training stopped instead of continuing on NaN/inf ({})",
         non_finite_hint(precision)

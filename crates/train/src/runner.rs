@@ -51,6 +51,12 @@ pub trait TrainTask: Clone + Send + Sync {
     fn counts_tokens(&self) -> bool;
     /// Validation on an eval-mode copy of the model: (loss, accuracy if any).
     fn evaluate(&mut self, model: &Self::Model) -> (f64, Option<f64>);
+    /// `Ok` if `model` can read every example: run once before training, on the host, so
+    /// that a bad example is an error naming it rather than a failure inside a step. Tasks
+    /// whose data cannot mismatch the model (fixed-shape images) keep the default.
+    fn check(&self, _model: &Self::Model) -> Result<(), TrainError> {
+        Ok(())
+    }
 }
 
 /// Per-step numbers, as written to `--metrics-csv`.
@@ -75,6 +81,7 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
     check_args(args, device)?;
+    task.check(&model)?;
     let model = if args.init_on_device {
         burnscale_precision::init_in(model, args.precision.param_dtype())
     } else {

@@ -46,29 +46,43 @@ impl Embeddings {
         }
     }
 
-    /// `Ok` if the batch fits the position table and the vocabulary.
-    pub fn check_input(&self, input: &BertInput) -> Result<(), BertError> {
-        let [_, t] = input.input_ids.dims();
-        let [max, _] = self.position_embeddings.weight.dims();
-        if t > max {
-            return Err(BertError::SequenceTooLong { len: t, max });
-        }
+    /// `Ok` if a sequence of these token ids fits the position table and the vocabulary:
+    /// for data on the host, checked once where it is loaded (the runner's `TrainTask::check`).
+    pub fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
+        self.check_len(ids.len())?;
         let [vocab, _] = self.word_embeddings.weight.dims();
-        let ids: Vec<i64> = input
-            .input_ids
-            .to_data()
-            .try_to_vec_as()
-            .unwrap_or_default();
         match ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
             Some(&id) => Err(BertError::TokenOutOfRange { id, vocab }),
             None => Ok(()),
         }
     }
 
-    /// The embeddings and the padding mask every layer applies. Panics on a batch
-    /// [`Embeddings::check_input`] rejects (the embedding lookup would).
+    /// [`Embeddings::check_ids`] for a batch already on the device (reads its ids back).
+    pub fn check_input(&self, input: &BertInput) -> Result<(), BertError> {
+        let [_, t] = input.input_ids.dims();
+        self.check_len(t)?;
+        let ids: Vec<i64> = input
+            .input_ids
+            .to_data()
+            .try_to_vec_as()
+            .unwrap_or_default();
+        ids.chunks(t.max(1)).try_for_each(|row| self.check_ids(row))
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), BertError> {
+        let [max, _] = self.position_embeddings.weight.dims();
+        match len > max {
+            true => Err(BertError::SequenceTooLong { len, max }),
+            false => Ok(()),
+        }
+    }
+
+    /// The embeddings and the padding mask every layer applies. Panics on a batch longer than
+    /// the position table. Token ids are not checked here, which would read them back from
+    /// the device at every forward: check them where they are made ([`Embeddings::check_ids`]).
     pub fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
-        if let Err(e) = self.check_input(&input) {
+        let [_, t] = input.input_ids.dims();
+        if let Err(e) = self.check_len(t) {
             panic!("{e}");
         }
         let x = self.forward(input.input_ids, input.token_type_ids);
