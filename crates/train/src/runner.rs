@@ -164,7 +164,6 @@ pub fn train_on<T: TrainTask>(
         Some(path) if lead => Some(MetricsCsv::create(path)?),
         _ => None,
     };
-    let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype());
     let progress = progress_bar(args.max_steps as u64, lead);
 
     // Rank 0 draws the stream a single-device run with this seed draws.
@@ -289,6 +288,8 @@ pub fn train_on<T: TrainTask>(
             memory::device_peak_bytes(device),
         ],
     )?;
+    // After the memory figures: the probe's matrices are no part of training's peak.
+    let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype());
     let items_per_s = items as f64 / train_s;
     let warmup_s = step_times.first().copied().unwrap_or(f64::NAN);
     let throughput = if task.counts_tokens() {
