@@ -95,7 +95,7 @@ fn text_input(batch: usize, seq: usize, device: &Device) -> BertInput {
 
 fn time_text<M: SequenceClassifier>(cli: &Cli, model: M, seq: usize) -> Timing {
     let b = cli.batch;
-    time_model(cli, model, |m, d| m.classify(text_input(b, seq, d)))
+    time_model(cli, model, |m, d| m.logits_of(text_input(b, seq, d)))
 }
 
 fn torch_side(cli: &Cli) -> Result<HashMap<String, Value>> {

@@ -8,7 +8,7 @@ use burnscale_bigbird::BigBird;
 use burnscale_mingpt::{Gpt, cross_entropy};
 use burnscale_nn::BlockModel;
 use burnscale_train::data::TokenWindows;
-use burnscale_train::{Batch, BatchPart, TrainError, TrainTask};
+use burnscale_train::{Batch, BatchPart, Logits, TrainError, TrainTask};
 use burnscale_vit::Vit;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -69,19 +69,21 @@ impl TrainTask for NextToken {
     }
 
     /// Mean validation loss, or NaN without a validation stream.
-    fn evaluate(&mut self, model: &Gpt) -> (f64, Option<f64>) {
+    fn evaluate(
+        &mut self,
+        logits: &mut Logits<'_, Gpt>,
+        device: &Device,
+    ) -> Result<(f64, Option<f64>), TrainError> {
         let Some((windows, batches)) = &mut self.val else {
-            return (f64::NAN, None);
+            return Ok((f64::NAN, None));
         };
         windows.reseed(self.seed);
-        let device = model.wte.weight.val().device();
-        let total: f64 = (0..*batches)
-            .map(|_| {
-                let (x, y) = windows.batch(self.batch, BatchPart::WHOLE, &device);
-                cross_entropy(model.forward(x), y).into_scalar::<f32>() as f64
-            })
-            .sum();
-        (total / *batches as f64, None)
+        let mut total = 0.0;
+        for _ in 0..*batches {
+            let (x, y) = windows.batch(self.batch, BatchPart::WHOLE, device);
+            total += cross_entropy(logits(x)?, y).into_scalar::<f32>() as f64;
+        }
+        Ok((total / *batches as f64, None))
     }
 }
 
@@ -134,55 +136,39 @@ impl TrainTask for ImageClassification {
     }
 
     /// Mean test loss and accuracy over the whole test set.
-    fn evaluate(&mut self, model: &Vit) -> (f64, Option<f64>) {
-        let device = model.classifier.weight.val().device();
+    fn evaluate(
+        &mut self,
+        logits: &mut Logits<'_, Vit>,
+        device: &Device,
+    ) -> Result<(f64, Option<f64>), TrainError> {
         let indices: Vec<usize> = (0..self.test.len()).collect();
         let (mut loss, mut correct) = (0.0, 0i64);
         for chunk in indices.chunks(self.eval_batch) {
-            let (x, y) = self.test.batch(chunk, &self.prep, &device);
-            let (l, c) = loss_and_correct(model.forward(x), y);
+            let (x, y) = self.test.batch(chunk, &self.prep, device);
+            let (l, c) = loss_and_correct(logits(x)?, y);
             loss += l;
             correct += c;
         }
         let n = self.test.len() as f64;
-        (loss / n, Some(correct as f64 / n))
+        Ok((loss / n, Some(correct as f64 / n)))
     }
 }
 
 /// An encoder with a sequence-classification head over token ids (BERT, DistilBERT, BigBird).
 pub trait SequenceClassifier:
-    BlockModel<Input = BertInput, Target = Tensor<1, Int>> + Send + Sync
+    BlockModel<Input = BertInput, Target = Tensor<1, Int>, Logits = Tensor<2>> + Send + Sync
 {
-    /// Class logits `[b, labels]`.
-    fn classify(&self, input: BertInput) -> Tensor<2>;
-    fn device(&self) -> Device;
     /// `Ok` if the model can read a sequence of these token ids.
     fn check_ids(&self, ids: &[i64]) -> Result<(), BertError>;
 }
 
 impl SequenceClassifier for Bert {
-    fn classify(&self, input: BertInput) -> Tensor<2> {
-        self.logits(self.hidden_states(input))
-    }
-
-    fn device(&self) -> Device {
-        self.embeddings.word_embeddings.weight.val().device()
-    }
-
     fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
         self.embeddings.check_ids(ids)
     }
 }
 
 impl SequenceClassifier for BigBird {
-    fn classify(&self, input: BertInput) -> Tensor<2> {
-        self.logits(self.hidden_states(input))
-    }
-
-    fn device(&self) -> Device {
-        self.embeddings.word_embeddings.weight.val().device()
-    }
-
     fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
         self.embeddings.check_ids(ids)
     }
@@ -283,18 +269,21 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
         false
     }
 
-    fn evaluate(&mut self, model: &M) -> (f64, Option<f64>) {
-        let device = model.device();
+    fn evaluate(
+        &mut self,
+        logits: &mut Logits<'_, M>,
+        device: &Device,
+    ) -> Result<(f64, Option<f64>), TrainError> {
         let (mut loss, mut correct) = (0.0, 0i64);
         let rows: Vec<&(Vec<i64>, i64)> = self.test.iter().collect();
         for chunk in rows.chunks(self.batch.max(1)) {
-            let (x, y) = self.batch_of(chunk, &device);
-            let (l, c) = loss_and_correct(model.classify(x), y);
+            let (x, y) = self.batch_of(chunk, device);
+            let (l, c) = loss_and_correct(logits(x)?, y);
             loss += l;
             correct += c;
         }
         let n = self.test.len() as f64;
-        (loss / n, Some(correct as f64 / n))
+        Ok((loss / n, Some(correct as f64 / n)))
     }
 }
 

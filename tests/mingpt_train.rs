@@ -203,3 +203,21 @@ fn clipping_scales_the_whole_update_by_one_factor() {
         "{ratios:?}"
     );
 }
+
+/// The validation loss is the model's whatever holds its parameters: gathered one unit at a
+/// time under ZeRO-3, whole on each rank under DDP and ZeRO-1/2 (2 ranks, the same batches).
+#[test]
+fn evaluation_is_the_same_under_every_strategy() {
+    let on_two = |strategy: &str| {
+        let flags = ["--max-steps", "3", "--strategy", strategy, "--devices", "2"];
+        run(&flags).1.val_loss
+    };
+    let ddp = on_two("ddp");
+    for strategy in ["zero1", "zero2", "zero3"] {
+        let val_loss = on_two(strategy);
+        assert!(
+            (val_loss - ddp).abs() <= 1e-5 * ddp,
+            "{strategy}: val loss {val_loss} against DDP's {ddp}"
+        );
+    }
+}

@@ -48,6 +48,7 @@ impl BlockModel for TiedLm {
     type Block = Linear;
     type Input = Tensor<2, Int>;
     type Target = Tensor<2, Int>;
+    type Logits = Tensor<3>;
 
     fn embed(&self, input: Tensor<2, Int>) -> (Tensor<3>, Mask) {
         (self.wte.forward(input), None) // [batch, seq, width]
@@ -58,9 +59,13 @@ impl BlockModel for TiedLm {
     }
 
     fn head_loss(&self, x: Tensor<3>, target: Tensor<2, Int>) -> Tensor<1> {
+        cross_entropy(self.logits(x), target)
+    }
+
+    fn logits(&self, x: Tensor<3>) -> Tensor<3> {
         let [b, t, d] = x.dims();
         let logits = x.reshape([b * t, d]).matmul(self.head.val().transpose()); // [b*t, vocab]
-        cross_entropy(logits.reshape([b, t, VOCAB]), target)
+        logits.reshape([b, t, VOCAB])
     }
 
     burnscale::nn::block_list!(h);

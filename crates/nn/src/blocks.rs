@@ -16,6 +16,9 @@ pub trait BlockModel: Module {
     type Input: Clone + Send;
     /// What the loss compares against.
     type Target: Clone + Send;
+    /// What the head makes of the last block's output: the logits that
+    /// [`BlockModel::head_loss`] scores and an evaluation reads.
+    type Logits;
 
     /// Activations entering the first block, and the mask every block applies.
     fn embed(&self, input: Self::Input) -> (Tensor<3>, Mask); // [batch, seq, d_model]
@@ -25,6 +28,8 @@ pub trait BlockModel: Module {
     fn block_forward(&self, block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
     /// Mean loss of the last block's output against `target`.
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;
+    /// The logits of the last block's output.
+    fn logits(&self, x: Tensor<3>) -> Self::Logits;
 
     /// The parameters [`BlockModel::embed`] reads, and those [`BlockModel::head_loss`] reads:
     /// under ZeRO-3 the root is sharded as two units (the embeddings', and the rest), each
@@ -52,12 +57,20 @@ pub trait BlockModel: Module {
 
     /// The plain forward: embeddings, every block, head.
     fn loss(&self, input: Self::Input, target: Self::Target) -> Tensor<1> {
+        self.head_loss(self.last_hidden(input), target)
+    }
+
+    /// The plain forward to the logits.
+    fn logits_of(&self, input: Self::Input) -> Self::Logits {
+        self.logits(self.last_hidden(input))
+    }
+
+    /// The last block's output.
+    fn last_hidden(&self, input: Self::Input) -> Tensor<3> {
         let (x, mask) = self.embed(input);
-        let x = self
-            .blocks()
+        self.blocks()
             .iter()
-            .fold(x, |x, block| self.block_forward(block, x, &mask));
-        self.head_loss(x, target)
+            .fold(x, |x, block| self.block_forward(block, x, &mask))
     }
 }
 

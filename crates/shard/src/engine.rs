@@ -349,8 +349,33 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
     }
 
+    /// The model's logits for `input` (built on [`Sharded::eval_device`]) in evaluation mode
+    /// (no dropout, no graph), computed as training computes (a mixed policy's 16-bit copy,
+    /// with autocast). Sharded parameters are gathered one unit at a time, as for training:
+    /// an evaluation never holds the whole model.
+    pub fn eval_logits(&self, input: M::Input) -> Result<M::Logits, ShardError> {
+        let _autocast = autocast::scope(self.precision.is_mixed());
+        let model = self.model.as_ref().expect(PRESENT);
+        if !self.sharding.parameters {
+            return Ok(self.compute(model.valid()).logits_of(input));
+        }
+        let mut root = model.valid();
+        let blocks = root.take_blocks();
+        let (mut x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.valid().embed(input);
+        for (i, block) in blocks.iter().enumerate() {
+            let block = self.unit(block, &[FIRST_BLOCK + i], false)?.valid();
+            x = root.block_forward(&block, x, &mask);
+        }
+        Ok(self.unit(&root, &self.head_units, false)?.valid().logits(x))
+    }
+
+    /// Where [`Sharded::eval_logits`] takes its input.
+    pub fn eval_device(&self) -> Device {
+        self.inner_device()
+    }
+
     /// The whole model on every rank (sharded parameters are gathered: a collective), for
-    /// evaluation and saving.
+    /// the caller of training.
     pub fn full_model(&self) -> Result<M, ShardError> {
         let model = self.model.as_ref().expect(PRESENT).clone();
         if !self.sharding.parameters {

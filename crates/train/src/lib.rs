@@ -17,4 +17,4 @@ pub use cli::{Offload, OptimizerKind, ReduceDtype, Schedule, Strategy, TrainArgs
 pub use error::TrainError;
 pub use optim::{LrSchedule, ParamOptimizer};
 pub use report::{ModelStateBytes, RankMemory, RunSummary, Throughput};
-pub use runner::{Batch, BatchPart, StepMetrics, TrainTask, train, train_on};
+pub use runner::{Batch, BatchPart, Logits, StepMetrics, TrainTask, train, train_on};

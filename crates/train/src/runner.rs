@@ -13,7 +13,7 @@ use burnscale_collective::threads::DEFAULT_TIMEOUT;
 use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_precision::ScalerConfig;
-use burnscale_shard::Sharded;
+use burnscale_shard::{ShardError, Sharded};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::accelerator::Accelerator;
@@ -24,6 +24,11 @@ use crate::{TrainArgs, TrainError, memory, speed};
 
 /// A micro-batch: what the model's embeddings read, and what its loss compares against.
 pub type Batch<M> = (<M as BlockModel>::Input, <M as BlockModel>::Target);
+
+/// The trained model's logits for a batch, in evaluation mode (the engine's
+/// [`Sharded::eval_logits`]: under ZeRO-3 one unit gathered at a time).
+pub type Logits<'a, M> =
+    dyn FnMut(<M as BlockModel>::Input) -> Result<<M as BlockModel>::Logits, ShardError> + 'a;
 
 /// Which slice of every global batch a rank reads (a distributed sampler): all ranks draw
 /// the same global batch and keep rows `[rank·b, (rank+1)·b)`, so N ranks with micro-batch
@@ -49,8 +54,13 @@ pub trait TrainTask: Clone + Send + Sync {
     fn items(&self, input: &<Self::Model as BlockModel>::Input) -> usize;
     /// Whether `items` counts tokens (else samples).
     fn counts_tokens(&self) -> bool;
-    /// Validation on an eval-mode copy of the model: (loss, accuracy if any).
-    fn evaluate(&mut self, model: &Self::Model) -> (f64, Option<f64>);
+    /// Validation: (loss, accuracy if any), from the model's `logits` for batches built on
+    /// `device`.
+    fn evaluate(
+        &mut self,
+        logits: &mut Logits<'_, Self::Model>,
+        device: &Device,
+    ) -> Result<(f64, Option<f64>), TrainError>;
     /// `Ok` if `model` can read every example: run once before training, on the host, so
     /// that a bad example is an error naming it rather than a failure inside a step. Tasks
     /// whose data cannot mismatch the model (fixed-shape images) keep the default.
@@ -255,7 +265,8 @@ pub fn train_on<T: TrainTask>(
             && step.is_multiple_of(args.eval_interval)
             && step < args.max_steps
         {
-            let (val_loss, acc) = task.evaluate(&engine.full_model()?.valid());
+            let (val_loss, acc) =
+                task.evaluate(&mut |x| engine.eval_logits(x), &engine.eval_device())?;
             if lead {
                 progress.suspend(|| {
                     eprintln!(
@@ -272,8 +283,8 @@ pub fn train_on<T: TrainTask>(
     let elapsed_s = start.elapsed().as_secs_f64();
     let peak_mem = memory::peak_bytes();
 
-    let model = engine.full_model()?;
-    let (val_loss, accuracy) = task.evaluate(&model.valid());
+    let (val_loss, accuracy) =
+        task.evaluate(&mut |x| engine.eval_logits(x), &engine.eval_device())?;
     let model_state = ModelStateBytes {
         params: engine.param_bytes(),
         grads: engine.grad_bytes(),
@@ -321,7 +332,9 @@ pub fn train_on<T: TrainTask>(
     if let Some(path) = args.summary_json.as_ref().filter(|_| lead) {
         summary.write_json(path)?;
     }
-    Ok((model, summary))
+    // The caller's copy, once every figure is taken: under ZeRO-3 the one moment a rank
+    // holds the whole model.
+    Ok((engine.full_model()?, summary))
 }
 
 /// Flag values that cannot run, and a precision `device` cannot honour.

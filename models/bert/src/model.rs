@@ -338,6 +338,7 @@ impl BlockModel for Bert {
     /// Class ids `[b]` for classification; token ids `[b·t]` for masked LM, -1 where a
     /// position is not predicted.
     type Target = Tensor<1, Int>;
+    type Logits = Tensor<2>;
 
     fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
         Bert::embed(self, input)
@@ -353,6 +354,10 @@ impl BlockModel for Bert {
             "a base BERT has no head to train: build it with a classification or masked-LM head"
         );
         burnscale_nn::cross_entropy(self.logits(x), target)
+    }
+
+    fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+        Bert::logits(self, x)
     }
 
     fn embedding_params(&self) -> Vec<ParamId> {

@@ -92,6 +92,7 @@ impl BlockModel for BigBird {
     type Input = BertInput;
     /// Class ids `[b]`.
     type Target = Tensor<1, Int>;
+    type Logits = Tensor<2>;
 
     fn embed(&self, input: BertInput) -> (Tensor<3>, Mask) {
         self.embeddings.embed(input)
@@ -110,6 +111,10 @@ impl BlockModel for BigBird {
 
     fn head_loss(&self, x: Tensor<3>, target: Tensor<1, Int>) -> Tensor<1> {
         burnscale_nn::cross_entropy(self.logits(x), target)
+    }
+
+    fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+        BigBird::logits(self, x)
     }
 
     fn embedding_params(&self) -> Vec<ParamId> {

@@ -200,6 +200,7 @@ impl BlockModel for Gpt {
     type Block = Block;
     type Input = Tensor<2, Int>;
     type Target = Tensor<2, Int>;
+    type Logits = Tensor<3>;
 
     /// Causality is each block's own mask; there is no padding.
     fn embed(&self, idx: Tensor<2, Int>) -> (Tensor<3>, Mask) {
@@ -212,6 +213,10 @@ impl BlockModel for Gpt {
 
     fn head_loss(&self, x: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
         cross_entropy(self.head(x), targets)
+    }
+
+    fn logits(&self, x: Tensor<3>) -> Tensor<3> {
+        Gpt::head(self, x)
     }
 
     fn embedding_params(&self) -> Vec<ParamId> {

@@ -215,6 +215,7 @@ impl BlockModel for Vit {
     type Block = Layer;
     type Input = Tensor<4>;
     type Target = Tensor<1, Int>;
+    type Logits = Tensor<2>;
 
     /// Every patch is visible.
     fn embed(&self, pixels: Tensor<4>) -> (Tensor<3>, Mask) {
@@ -227,6 +228,10 @@ impl BlockModel for Vit {
 
     fn head_loss(&self, x: Tensor<3>, labels: Tensor<1, Int>) -> Tensor<1> {
         burnscale_nn::cross_entropy(self.head(x), labels)
+    }
+
+    fn logits(&self, x: Tensor<3>) -> Tensor<2> {
+        Vit::head(self, x)
     }
 
     fn embedding_params(&self) -> Vec<ParamId> {
