@@ -213,3 +213,14 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
     let sharded = train(Strategy::Zero3, 2);
     assert_same(&single, &sharded, "zero3 masked LM");
 }
+
+/// Checking examples reads shapes only: a lazily built model stays uninitialised (under
+/// ZeRO-3 rank 0 initialises it one parameter at a time as it shards it).
+#[test]
+fn checking_examples_leaves_a_lazy_model_uninitialised() {
+    let config = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let model = Bert::new(&config, &Device::default()).unwrap();
+    model.embeddings.check_ids(&[2, 5, 3]).unwrap();
+    assert!(!model.embeddings.word_embeddings.weight.is_initialized());
+    assert!(!model.embeddings.position_embeddings.weight.is_initialized());
+}

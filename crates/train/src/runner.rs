@@ -90,7 +90,7 @@ pub fn train<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
-    check_run(args, device, task, &model)?;
+    check_args(args, device)?;
     let model = if args.init_on_device {
         burnscale_precision::init_in(model, args.precision.param_dtype())
     } else {
@@ -151,7 +151,9 @@ pub fn train_on<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(T::Model, RunSummary), TrainError> {
-    check_run(args, device, task, &model)?;
+    check_args(args, device)?;
+    // Each rank checks the examples it was given, before its first collective.
+    task.check(&model)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     let strategy = match args.strategy {
         Strategy::Single if world > 1 => {
@@ -336,17 +338,11 @@ pub fn train_on<T: TrainTask>(
     Ok((engine.full_model()?, summary))
 }
 
-/// Flag values that cannot run, a precision `device` cannot honour, and examples `model`
-/// cannot read.
-fn check_run<T: TrainTask>(
-    args: &TrainArgs,
-    device: &Device,
-    task: &T,
-    model: &T::Model,
-) -> Result<(), TrainError> {
+/// Flag values that cannot run, and a precision `device` cannot honour.
+fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.validate()?;
     args.precision.check_device(device)?;
-    task.check(model)
+    Ok(())
 }
 
 fn median(values: &mut [f64]) -> f64 {

@@ -48,9 +48,10 @@ impl Embeddings {
 
     /// `Ok` if a sequence of these token ids fits the position table and the vocabulary:
     /// for data on the host, checked once where it is loaded (the runner's `TrainTask::check`).
+    /// Reads shapes only, so a lazily initialised model stays uninitialised.
     pub fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
         self.check_len(ids.len())?;
-        let [vocab, _] = self.word_embeddings.weight.dims();
+        let [vocab, _] = self.word_embeddings.weight.lazy_shape().dims();
         match ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
             Some(&id) => Err(BertError::TokenOutOfRange { id, vocab }),
             None => Ok(()),
@@ -70,7 +71,7 @@ impl Embeddings {
     }
 
     fn check_len(&self, len: usize) -> Result<(), BertError> {
-        let [max, _] = self.position_embeddings.weight.dims();
+        let [max, _] = self.position_embeddings.weight.lazy_shape().dims();
         match len > max {
             true => Err(BertError::SequenceTooLong { len, max }),
             false => Ok(()),
