@@ -289,10 +289,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             };
             sum_sq = self.comm.all_reduce_tensor(sum_sq, op)?;
         }
-        // Only a loss scaler decides on the host, before the update.
+        // Only a loss scaler decides on the host, before the update (and that read serves
+        // the report too).
+        let mut read_sum_sq = None;
         if let Some(scaler) = self.scaler.as_mut() {
-            let finite = sum_sq.clone().into_scalar::<f32>().is_finite();
-            if !scaler.update(!finite)? {
+            let value = sum_sq.clone().into_scalar::<f32>();
+            read_sum_sq = Some(value);
+            if !scaler.update(!value.is_finite())? {
                 return Ok(StepOutcome {
                     loss: self.step_loss(),
                     grad_norm: f64::INFINITY,
@@ -326,7 +329,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
         });
         // Read when the whole step is queued: the device never waits for the host.
-        let grad_norm = (sum_sq.into_scalar::<f32>() as f64).sqrt();
+        let sum_sq = read_sum_sq.unwrap_or_else(|| sum_sq.into_scalar::<f32>());
+        let grad_norm = (sum_sq as f64).sqrt();
         Ok(StepOutcome {
             loss: self.step_loss(),
             grad_norm,
