@@ -47,15 +47,13 @@ struct Cli {
     /// Validation batches per evaluation.
     #[arg(long, default_value_t = 20)]
     eval_batches: usize,
-    /// Characters to sample after training (0: none).
+    /// Characters to sample after training (0: none). Under zero3 sampling gathers the
+    /// whole model on every rank first.
     #[arg(long, default_value_t = 300)]
     sample_len: usize,
     /// Start from these GPT-2-layout safetensors weights (e.g. an earlier `--save`).
     #[arg(long)]
     weights: Option<PathBuf>,
-    /// Save the trained weights as GPT-2-layout safetensors.
-    #[arg(long)]
-    save: Option<PathBuf>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -152,14 +150,17 @@ fn run() -> Result<()> {
         cli.train.seed,
     )?
     .with_validation(tokens[split..].to_vec(), cli.block_size, cli.eval_batches)?;
-    let (model, summary) = train(model, &mut task, &cli.train, &device)?;
+    // Sampling reads the whole model: under zero3 it is gathered for it.
+    let mut args = cli.train.clone();
+    args.gather_model = cli.sample_len > 0;
+    let (model, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());
     }
     print!("{}", summary.table());
 
-    let model = model.valid();
-    if cli.sample_len > 0 {
+    if let Some(model) = model.filter(|_| cli.sample_len > 0) {
+        let model = model.valid();
         let mut rng = rand::rngs::StdRng::seed_from_u64(cli.train.seed);
         let prompt = vocab.encode("O God, O God!");
         let prompt: Vec<usize> = prompt.iter().map(|&t| t as usize).collect();
@@ -170,10 +171,6 @@ fn run() -> Result<()> {
         let device = device.inner();
         let out = model.generate(&prompt, cli.sample_len, sampling, &mut rng, &device);
         println!("--- sample ---\n{}\n--------------", vocab.decode(&out));
-    }
-    if let Some(path) = &cli.save {
-        loader::save(&model, path)?;
-        println!("saved weights to {}", path.display());
     }
     Ok(())
 }

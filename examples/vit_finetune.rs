@@ -6,10 +6,7 @@
 //!     cargo run --release --example vit_finetune -- --weights none        # from scratch
 //!     cargo run --release --example vit_finetune -- --data cifar10:~/cifar-10-batches-bin --image-size 112
 
-use std::path::PathBuf;
-
 use anyhow::{Result, bail};
-use burn::prelude::*;
 use burnscale::collective::launcher_rank;
 use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
@@ -48,9 +45,6 @@ struct Cli {
     /// Dropout of attention and hidden layers.
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
-    /// Save the finetuned model as HF ViT safetensors.
-    #[arg(long)]
-    save: Option<PathBuf>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -123,15 +117,11 @@ fn run() -> Result<()> {
         cli.eval_batch,
         cli.train.seed,
     )?;
-    let (model, summary) = train(model, &mut task, &cli.train, &device)?;
+    let (_, summary) = train(model, &mut task, &cli.train, &device)?;
     if !lead {
         return Ok(());
     }
     print!("{}", summary.table());
-    if let Some(path) = &cli.save {
-        loader::save(&model.valid(), path)?;
-        println!("saved weights to {}", path.display());
-    }
     // The article's closing lines.
     println!("Time elapsed {:.2} min", summary.elapsed_s / 60.0);
     println!(

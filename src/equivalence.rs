@@ -5,13 +5,16 @@
 //! `examples/shard_check.rs` runs it under mpirun.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burnscale_collective::{Communicator, DType};
 use burnscale_mingpt::{Gpt, GptConfig};
+use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{self, Weight};
 use burnscale_train::{OptimizerKind, TrainArgs, TrainError, train_on};
 
@@ -109,9 +112,14 @@ pub fn check_with_dropout(
         "--schedule",
         "constant",
     ];
-    let args = TrainArgs::from_flags(&[&base[..], flags].concat())
+    let mut args = TrainArgs::from_flags(&[&base[..], flags].concat())
         .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
     let plain = PlainConfig::from_args(&args).map_err(TrainError::InvalidArgs)?;
+    // The trained model is compared whole (under zero3 gathered), and rank 0 also saves it
+    // unit by unit, which must give the same values.
+    args.gather_model = true;
+    let saved = SavedFile::new(comm.rank());
+    args.save = Some(saved.path.clone());
 
     let config = GptConfig::tiny().with_dropout(dropout);
     config
@@ -122,6 +130,7 @@ pub fn check_with_dropout(
     let device = Device::default().autodiff();
     let initial = weights::collect(&model());
     let (engine, summary) = train_on(comm, model(), &mut task(args.batch_size)?, &args, &device)?;
+    let engine = engine.expect("asked for the whole model");
     // The dropout stream rank 0 of a run with this seed draws.
     burnscale_nn::dropout::seed(SEED);
     let (expected, plain) = plain.train(model(), &mut task(GLOBAL_BATCH)?, &device);
@@ -165,6 +174,9 @@ pub fn check_with_dropout(
         config.n_embd,
     );
     differences.extend(params);
+    if comm.rank() == 0 {
+        differences.extend(saved.differences_from(&engine)?);
+    }
     Ok(Comparison {
         differences,
         worst: worse(worst, params_worst),
@@ -277,6 +289,68 @@ fn parameter_differences(
         }
     }
     (differences, worst)
+}
+
+/// Where rank 0 of a check saves the trained model (`--save`): a file of its own in the
+/// temporary directory, removed when the check ends.
+struct SavedFile {
+    path: PathBuf,
+}
+
+impl SavedFile {
+    fn new(rank: usize) -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let name = format!(
+            "burnscale-check-{}-{}-{rank}.safetensors",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        Self {
+            path: std::env::temp_dir().join(name),
+        }
+    }
+
+    /// What differs between the file and `model` saved under its own keys: the streamed
+    /// save must hold exactly the trained values.
+    fn differences_from(&self, model: &Gpt) -> Result<Vec<String>, TrainError> {
+        let file = weights::read_safetensors(&self.path).map_err(TrainError::Save)?;
+        let mut file: BTreeMap<String, Weight> =
+            file.into_iter().map(|w| (w.key.clone(), w)).collect();
+        let keys = model.checkpoint_keys();
+        let mut differences = Vec::new();
+        for (path, weight) in weights::collect(model) {
+            for saved in keys.saved_as(&path, &weight.shape) {
+                let want = match saved.transposed {
+                    true => weight.clone().transposed(),
+                    false => weight.clone(),
+                };
+                match file.remove(&saved.key) {
+                    Some(got) if got.shape == want.shape && got.values == want.values => {}
+                    Some(_) => differences.push(format!(
+                        "saved {}: `{}` differs from the trained model's",
+                        self.path.display(),
+                        saved.key
+                    )),
+                    None => differences.push(format!(
+                        "saved {}: `{}` is missing",
+                        self.path.display(),
+                        saved.key
+                    )),
+                }
+            }
+        }
+        differences.extend(
+            file.keys()
+                .map(|key| format!("saved {}: unexpected `{key}`", self.path.display())),
+        );
+        Ok(differences)
+    }
+}
+
+impl Drop for SavedFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
 
 /// The larger of two fractions of the tolerance, NaN counting as the worst.

@@ -113,7 +113,7 @@ fn bad_input_gives_errors_that_name_the_problem() {
     let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, &device).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.safetensors");
-    loader::save(&model, Layout::Bert, &good).unwrap();
+    loader::save(&model, &good).unwrap();
     let load = |config: &BertConfig, head| {
         loader::load(&good, config, head, &device)
             .unwrap_err()

@@ -48,11 +48,12 @@ fn run_task<M: SequenceClassifier>(
     test_set: Vec<(Vec<i64>, i64)>,
     flags: &[&str],
 ) -> (M, Option<f64>) {
-    let args = TrainArgs::from_flags(flags).unwrap();
+    let mut args = TrainArgs::from_flags(flags).unwrap();
+    args.gather_model = true;
     let mut task = TextClassification::new(train_set, test_set, 0, args.batch_size, 3).unwrap();
     let device = Device::default().autodiff();
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
-    (model, summary.accuracy)
+    (model.expect("asked for the whole model"), summary.accuracy)
 }
 
 #[test]

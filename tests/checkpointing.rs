@@ -62,7 +62,8 @@ fn check<T: TrainTask>(name: &str, model: impl Fn() -> T::Model, task: T) {
     let device = Device::default().autodiff();
     let run = |flags: &[&str]| {
         let args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
-        weights::collect(&train(model(), &mut task.clone(), &args, &device).unwrap().0)
+        let (trained, _) = train(model(), &mut task.clone(), &args, &device).unwrap();
+        weights::collect(&trained.expect("these strategies keep the whole model"))
     };
     let start = weights::collect(&model());
     let args = TrainArgs::from_flags(&ONE_GRADIENT_STEP).unwrap();
@@ -175,7 +176,8 @@ fn burn_device_checkpointing_trains_through_the_runner() {
         let tokens: Vec<i64> = (0..2000).map(|i| (i * 5 % 11) as i64).collect();
         let mut task = NextToken::new(tokens, 8, 4, 9).unwrap();
         let args = TrainArgs::from_flags(&["--max-steps", "3", "--optimizer", "sgd"]).unwrap();
-        train(model, &mut task, &args, &device).unwrap().0
+        let (trained, _) = train(model, &mut task, &args, &device).unwrap();
+        trained.expect("one device holds the whole model")
     };
     let plain = run(Device::default().autodiff());
     let balanced = run(Device::default().autodiff().gradient_checkpointing());

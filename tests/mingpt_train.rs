@@ -22,13 +22,15 @@ fn run(extra: &[&str]) -> (Gpt, RunSummary) {
     let device = Device::default().autodiff();
     device.seed(7);
     let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
-    let args = args(extra);
+    let mut args = args(extra);
+    args.gather_model = true;
     // A repeating pattern a model can learn in a few steps.
     let tokens: Vec<i64> = (0..2000).map(|i| (i * 7 % 11) as i64).collect();
     let mut task = NextToken::new(tokens.clone(), 8, args.batch_size, 7)
         .and_then(|t| t.with_validation(tokens, 8, 1))
         .unwrap();
-    train(model, &mut task, &args, &device).unwrap()
+    let (model, summary) = train(model, &mut task, &args, &device).unwrap();
+    (model.expect("asked for the whole model"), summary)
 }
 
 fn params(model: &Gpt) -> Vec<f32> {

@@ -47,6 +47,7 @@ fn run(precision: &str, steps: usize, dir: &Path) -> Result<(Vec<f64>, Gpt), Tra
     .unwrap();
     let mut task = NextToken::new(tokens(), 8, 8, 3).unwrap();
     let (model, _) = train(model, &mut task, &args, &Device::default().autodiff())?;
+    let model = model.expect("one device holds the whole model");
     let losses = std::fs::read_to_string(&csv)
         .unwrap()
         .lines()

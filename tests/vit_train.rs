@@ -18,7 +18,8 @@ fn config() -> VitConfig {
 }
 
 fn run(flags: &[&str]) -> (Vit, Option<f64>) {
-    let args = TrainArgs::from_flags(flags).unwrap();
+    let mut args = TrainArgs::from_flags(flags).unwrap();
+    args.gather_model = true;
     let device = Device::default().autodiff();
     let model = seeded_model(5, |device| Vit::new(&config(), device).unwrap());
     let (train_set, test_set) = images::load("digits", 0.2, 0).unwrap();
@@ -30,7 +31,7 @@ fn run(flags: &[&str]) -> (Vit, Option<f64>) {
     let mut task =
         ImageClassification::new(train_set, test_set, prep, args.batch_size, 256, 5).unwrap();
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
-    (model, summary.accuracy)
+    (model.expect("asked for the whole model"), summary.accuracy)
 }
 
 #[test]

@@ -5,6 +5,8 @@
 use burn::module::{Module, ParamId, list_param_ids};
 use burn::prelude::*;
 
+use crate::weights::{KeyMap, OwnNames};
+
 /// What blocks read besides the activations: an additive attention bias `[batch, 1, 1, seq]`
 /// (0 for keys that may be attended, a large negative value for padding), or `None` when
 /// every key is visible.
@@ -63,6 +65,12 @@ pub trait BlockModel: Module {
     /// The plain forward to the logits.
     fn logits_of(&self, input: Self::Input) -> Self::Logits {
         self.logits(self.last_hidden(input))
+    }
+
+    /// The names and layouts the model is saved under (its checkpoint's, as its loader
+    /// reads them back); by default its own parameter paths.
+    fn checkpoint_keys(&self) -> Box<dyn KeyMap> {
+        Box::new(OwnNames)
     }
 
     /// The last block's output.

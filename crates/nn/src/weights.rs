@@ -4,10 +4,13 @@
 //! shape on the way.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
+use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
 /// Everything that can go wrong reading, applying or writing weights.
@@ -125,24 +128,236 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Weight>, WeightError> {
 
 /// Writes f32 tensors as a safetensors file.
 pub fn write_safetensors(path: &Path, tensors: &[Weight]) -> Result<(), WeightError> {
-    let save_error = |reason: String| WeightError::Save {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let bytes: Vec<Vec<u8>> = tensors
+    let plan: Vec<(String, Vec<usize>)> = tensors
         .iter()
-        .map(|w| w.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+        .map(|w| (w.key.clone(), w.shape.clone()))
         .collect();
-    let views = tensors
-        .iter()
-        .zip(&bytes)
-        .map(|(w, bytes)| {
-            safetensors::tensor::TensorView::new(Dtype::F32, w.shape.clone(), bytes)
-                .map(|view| (w.key.clone(), view))
-                .map_err(|e| save_error(e.to_string()))
+    let mut writer = SafetensorsWriter::create(path, &plan)?;
+    for w in tensors {
+        writer.write(&w.key, &w.values)?;
+    }
+    writer.finish()
+}
+
+/// A safetensors file (f32) written one tensor at a time, in any order: the header is fixed
+/// up front from every tensor's key and shape, so nothing waits in memory for the tensors
+/// before it. The bytes go to `<path>.partial`, renamed to `path` by [`finish`] once every
+/// tensor is there and synced: an interrupted save never leaves a file that looks whole.
+///
+/// [`finish`]: SafetensorsWriter::finish
+pub struct SafetensorsWriter {
+    path: PathBuf,
+    partial: PathBuf,
+    file: Option<File>,
+    data_start: u64,
+    /// Each key's element count, byte offset in the data, and whether it was written.
+    entries: HashMap<String, (usize, u64, bool)>,
+}
+
+impl SafetensorsWriter {
+    /// Starts `path` for the tensors `plan` names (key, shape), laid out in that order.
+    pub fn create(path: &Path, plan: &[(String, Vec<usize>)]) -> Result<Self, WeightError> {
+        let save_error = |reason: String| WeightError::Save {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut infos = Vec::with_capacity(plan.len());
+        let mut entries = HashMap::with_capacity(plan.len());
+        let mut offset = 0;
+        for (key, shape) in plan {
+            let numel: usize = shape.iter().product();
+            let bytes = numel * 4;
+            if entries
+                .insert(key.clone(), (numel, offset as u64, false))
+                .is_some()
+            {
+                return Err(save_error(format!("tensor `{key}` is planned twice")));
+            }
+            let info = TensorInfo {
+                dtype: Dtype::F32,
+                shape: shape.clone(),
+                data_offsets: (offset, offset + bytes),
+            };
+            infos.push((key.clone(), info));
+            offset += bytes;
+        }
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let header = Metadata::new(Some(metadata), infos)
+            .map_err(|e| save_error(e.to_string()))
+            .and_then(|m| serde_json::to_vec(&m).map_err(|e| save_error(e.to_string())))?;
+        // Data starts 8-byte aligned, as safetensors' own writer pads it.
+        let mut header = header;
+        header.resize(header.len().next_multiple_of(8), b' ');
+        let mut name = path.file_name().unwrap_or_default().to_os_string();
+        name.push(".partial");
+        let partial = path.with_file_name(name);
+        let io = |source| WeightError::Io {
+            path: partial.clone(),
+            source,
+        };
+        let mut file = File::create(&partial).map_err(io)?;
+        file.write_all(&(header.len() as u64).to_le_bytes())
+            .and_then(|_| file.write_all(&header))
+            .map_err(io)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            data_start: 8 + header.len() as u64,
+            partial,
+            file: Some(file),
+            entries,
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    safetensors::serialize_to_file(views, None, path).map_err(|e| save_error(e.to_string()))
+    }
+
+    /// Writes the values of the planned tensor `key` (row-major, its planned element count).
+    pub fn write(&mut self, key: &str, values: &[f32]) -> Result<(), WeightError> {
+        let save_error = |reason: String| WeightError::Save {
+            path: self.path.clone(),
+            reason,
+        };
+        let Some((numel, offset, written)) = self.entries.get_mut(key) else {
+            return Err(save_error(format!(
+                "tensor `{key}` is not in the file's plan"
+            )));
+        };
+        if values.len() != *numel || *written {
+            return Err(save_error(format!(
+                "tensor `{key}`: {} values for {numel} planned{}",
+                values.len(),
+                if *written { ", written before" } else { "" }
+            )));
+        }
+        *written = true;
+        let file = self.file.as_mut().expect("open until finished");
+        let io = |source| WeightError::Io {
+            path: self.partial.clone(),
+            source,
+        };
+        file.seek(SeekFrom::Start(self.data_start + *offset))
+            .map_err(io)?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        for v in values {
+            out.write_all(&v.to_le_bytes()).map_err(io)?;
+        }
+        out.flush().map_err(io)
+    }
+
+    /// Checks every planned tensor was written, syncs the file and moves it to its path.
+    pub fn finish(mut self) -> Result<(), WeightError> {
+        let mut missing: Vec<String> = self
+            .entries
+            .iter()
+            .filter(|(_, (_, _, written))| !written)
+            .map(|(key, _)| key.clone())
+            .collect();
+        if !missing.is_empty() {
+            missing.sort();
+            return Err(WeightError::Save {
+                path: self.path.clone(),
+                reason: format!("never written: {}", missing.join(", ")),
+            });
+        }
+        let file = self.file.take().expect("open until finished");
+        file.sync_all().map_err(|source| WeightError::Io {
+            path: self.partial.clone(),
+            source,
+        })?;
+        drop(file);
+        std::fs::rename(&self.partial, &self.path).map_err(|source| WeightError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for SafetensorsWriter {
+    fn drop(&mut self) {
+        // Unfinished: the partial file is no checkpoint.
+        if self.file.take().is_some() {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
+}
+
+/// One file tensor a parameter is saved as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Saved {
+    pub key: String,
+    /// Stored `[cols, rows]` (PyTorch's `nn.Linear` layout).
+    pub transposed: bool,
+}
+
+/// Saves a model's parameters under its loader's names and layouts (the HF checkpoint's, as
+/// [`KeyMap::saved_as`] says), as they arrive: one parameter's values at a time.
+pub struct Saver<'k> {
+    writer: SafetensorsWriter,
+    keys: &'k dyn KeyMap,
+}
+
+impl<'k> Saver<'k> {
+    /// Starts `path` for the parameters `params` names (path, dims), in that order.
+    pub fn create(
+        path: &Path,
+        keys: &'k dyn KeyMap,
+        params: &[(String, Vec<usize>)],
+    ) -> Result<Self, WeightError> {
+        let plan: Vec<(String, Vec<usize>)> = params
+            .iter()
+            .flat_map(|(param, dims)| {
+                keys.saved_as(param, dims).into_iter().map(|saved| {
+                    let mut shape = dims.clone();
+                    if saved.transposed {
+                        shape.reverse();
+                    }
+                    (saved.key, shape)
+                })
+            })
+            .collect();
+        Ok(Self {
+            writer: SafetensorsWriter::create(path, &plan)?,
+            keys,
+        })
+    }
+
+    /// Writes the parameter at `path` (its `dims`, row-major `values`).
+    pub fn put(&mut self, path: &str, dims: &[usize], values: Vec<f32>) -> Result<(), WeightError> {
+        let weight = Weight {
+            key: String::new(),
+            shape: dims.to_vec(),
+            values,
+        };
+        let saved = self.keys.saved_as(path, dims);
+        let transposed = saved
+            .iter()
+            .any(|s| s.transposed)
+            .then(|| weight.clone().transposed());
+        for s in saved {
+            let w = match s.transposed {
+                true => transposed.as_ref().expect("transposed above"),
+                false => &weight,
+            };
+            self.writer.write(&s.key, &w.values)?;
+        }
+        Ok(())
+    }
+
+    /// Completes the file (see [`SafetensorsWriter::finish`]).
+    pub fn finish(self) -> Result<(), WeightError> {
+        self.writer.finish()
+    }
+}
+
+/// Writes every float parameter of `model` to `path` under `keys`' names and layouts, one
+/// parameter at a time.
+pub fn save<M: Module>(model: &M, keys: &dyn KeyMap, path: &Path) -> Result<(), WeightError> {
+    let mut saver = Saver::create(path, keys, &param_shapes(model))?;
+    let mut result = Ok(());
+    for_each_param(model, |param, dims, values| {
+        if result.is_ok() {
+            result = saver.put(param, &dims, values);
+        }
+    });
+    result?;
+    saver.finish()
 }
 
 /// A loader's key-mapping table: rows of (file key, parameter path) templates, where `{i}`
@@ -203,6 +418,24 @@ pub trait KeyMap {
     fn shape_hint(&self, _path: &str) -> &'static str {
         ""
     }
+    /// The file tensors the parameter at `path` (of `dims`) is saved as: usually one, under
+    /// its file key; a weight the file repeats (a tied decoder) more.
+    fn saved_as(&self, path: &str, _dims: &[usize]) -> Vec<Saved> {
+        vec![Saved {
+            key: self.file_key(path),
+            transposed: false,
+        }]
+    }
+}
+
+/// Parameter paths as file keys, unchanged: a model saved in its own names.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OwnNames;
+
+impl KeyMap for OwnNames {
+    fn file_key(&self, path: &str) -> String {
+        path.to_string()
+    }
 }
 
 /// Swaps every parameter of `model` for the weight under its path in `weights`. Every
@@ -248,9 +481,32 @@ pub fn apply<M: Module>(
 
 /// Every float parameter of `model`, keyed by parameter path, as f32.
 pub fn collect<M: Module>(model: &M) -> BTreeMap<String, Weight> {
-    let mut collector = Collector::default();
-    model.visit(&mut collector);
-    collector.tensors
+    let mut tensors = BTreeMap::new();
+    for_each_param(model, |path, shape, values| {
+        let key = path.to_string();
+        tensors.insert(key.clone(), Weight { key, shape, values });
+    });
+    tensors
+}
+
+/// Calls `f` with the path, dims and values (as f32) of every float parameter of `model`, in
+/// visit order, one parameter at a time.
+pub fn for_each_param<M: Module>(model: &M, f: impl FnMut(&str, Vec<usize>, Vec<f32>)) {
+    model.visit(&mut Visitor {
+        path: Vec::new(),
+        f,
+    });
+}
+
+/// The path and dims of every float parameter of `model`, in visit order (read from its
+/// shape: a lazy parameter stays uninitialised).
+pub fn param_shapes<M: Module>(model: &M) -> Vec<(String, Vec<usize>)> {
+    let mut shapes = Vec::new();
+    model.visit(&mut ShapeVisitor {
+        path: Vec::new(),
+        shapes: &mut shapes,
+    });
+    shapes
 }
 
 struct LoadMapper<'a> {
@@ -299,13 +555,12 @@ impl ModuleMapper for LoadMapper<'_> {
     }
 }
 
-#[derive(Default)]
-struct Collector {
+struct Visitor<F> {
     path: Vec<String>,
-    tensors: BTreeMap<String, Weight>,
+    f: F,
 }
 
-impl ModuleVisitor for Collector {
+impl<F: FnMut(&str, Vec<usize>, Vec<f32>)> ModuleVisitor for Visitor<F> {
     fn enter_module(&mut self, name: &str, _container_type: &str) {
         self.path.push(name.to_string());
     }
@@ -315,21 +570,33 @@ impl ModuleVisitor for Collector {
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let path = self.path.join(".");
         let tensor = param.val();
         let shape = tensor.dims().to_vec();
         let values: Vec<f32> = tensor
             .into_data()
             .try_into_vec_as::<f32>()
             .unwrap_or_default();
-        self.tensors.insert(
-            path.clone(),
-            Weight {
-                key: path,
-                shape,
-                values,
-            },
-        );
+        (self.f)(&self.path.join("."), shape, values);
+    }
+}
+
+struct ShapeVisitor<'a> {
+    path: Vec<String>,
+    shapes: &'a mut Vec<(String, Vec<usize>)>,
+}
+
+impl ModuleVisitor for ShapeVisitor<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let dims = param.lazy_shape().dims::<D>().to_vec();
+        self.shapes.push((self.path.join("."), dims));
     }
 }
 
@@ -371,5 +638,91 @@ mod tests {
             None
         );
         assert_eq!(TABLE.to_path("classifier.weight"), None);
+    }
+
+    fn temp_path(name: &str) -> PathBuf {
+        std::env::temp_dir().join(format!("burnscale-weights-{}-{name}", std::process::id()))
+    }
+
+    struct Transposing;
+
+    impl KeyMap for Transposing {
+        fn file_key(&self, path: &str) -> String {
+            format!("file.{path}")
+        }
+
+        fn saved_as(&self, path: &str, _dims: &[usize]) -> Vec<Saved> {
+            let saved = Saved {
+                key: self.file_key(path),
+                transposed: path == "w",
+            };
+            match path {
+                "w" => vec![
+                    saved.clone(),
+                    Saved {
+                        key: "tied".into(),
+                        ..saved
+                    },
+                ],
+                _ => vec![saved],
+            }
+        }
+    }
+
+    #[test]
+    fn a_streamed_file_reads_back_whatever_order_its_tensors_came_in() {
+        let path = temp_path("stream.safetensors");
+        let params = [("b".to_string(), vec![3]), ("w".to_string(), vec![2, 3])];
+        let mut saver = Saver::create(&path, &Transposing, &params).unwrap();
+        saver
+            .put("w", &[2, 3], vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
+            .unwrap();
+        saver.put("b", &[3], vec![-1.0, 0.5, 7.0]).unwrap();
+        saver.finish().unwrap();
+        let mut read = read_safetensors(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        read.sort_by(|a, b| a.key.cmp(&b.key));
+        let transposed = vec![1.0, 4.0, 2.0, 5.0, 3.0, 6.0];
+        assert_eq!(
+            read,
+            vec![
+                Weight {
+                    key: "file.b".into(),
+                    shape: vec![3],
+                    values: vec![-1.0, 0.5, 7.0]
+                },
+                Weight {
+                    key: "file.w".into(),
+                    shape: vec![3, 2],
+                    values: transposed.clone()
+                },
+                Weight {
+                    key: "tied".into(),
+                    shape: vec![3, 2],
+                    values: transposed
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unfinished_file_is_never_left_under_its_name() {
+        let path = temp_path("unfinished.safetensors");
+        let partial = temp_path("unfinished.safetensors.partial");
+        let plan = [("a".to_string(), vec![2]), ("b".to_string(), vec![1])];
+        let mut writer = SafetensorsWriter::create(&path, &plan).unwrap();
+        writer.write("a", &[1.0, 2.0]).unwrap();
+        assert!(partial.exists());
+        let err = writer.finish().unwrap_err().to_string();
+        assert!(err.contains("never written: b"), "{err}");
+        assert!(!path.exists() && !partial.exists());
+
+        let mut writer = SafetensorsWriter::create(&path, &plan).unwrap();
+        let err = writer.write("a", &[1.0]).unwrap_err().to_string();
+        assert!(err.contains("`a`: 1 values for 2 planned"), "{err}");
+        let err = writer.write("c", &[1.0]).unwrap_err().to_string();
+        assert!(err.contains("`c` is not in the file's plan"), "{err}");
+        drop(writer);
+        assert!(!path.exists() && !partial.exists());
     }
 }

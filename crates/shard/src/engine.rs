@@ -379,7 +379,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// The whole model on every rank (sharded parameters are gathered: a collective), for
-    /// the caller of training.
+    /// a caller of training that asks for it.
     pub fn full_model(&self) -> Result<M, ShardError> {
         let model = self.model.as_ref().expect(PRESENT).clone();
         if !self.sharding.parameters {
@@ -387,6 +387,52 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         let shards = self.shards_on_device(&model, None);
         self.gather(model, shards, self.all_buckets(), true)
+    }
+
+    /// Whether every rank holds the whole model (not only shards of it).
+    pub fn holds_whole_model(&self) -> bool {
+        !self.sharding.parameters
+    }
+
+    /// Every parameter's path and dims, in the order [`Sharded::for_each_full_parameter`]
+    /// visits them.
+    pub fn parameter_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.units
+            .iter()
+            .flatten()
+            .map(|&i| (self.slots[i].path.clone(), self.slots[i].dims.clone()))
+            .collect()
+    }
+
+    /// Calls `visit` with every parameter's path, dims and full value (flat, f32), one unit
+    /// at a time: sharded parameters are gathered unit by unit (a collective every rank
+    /// joins), so beside its shards a rank holds one unit's full values at a time, never the
+    /// whole model.
+    pub fn for_each_full_parameter(
+        &self,
+        mut visit: impl FnMut(&str, &[usize], Tensor<1>),
+    ) -> Result<(), ShardError> {
+        let model = self.model.as_ref().expect(PRESENT);
+        for unit in 0..self.units.len() {
+            let ids: Vec<ParamId> = self.units[unit].iter().map(|&i| self.slots[i].id).collect();
+            let full = match self.sharding.parameters {
+                true => {
+                    let mut shards = self.shards_on_device(model, Some(&ids));
+                    self.gathered(&mut shards, Group::Unit(unit))?
+                }
+                false => {
+                    let mut values = params::values(model, Some(&ids));
+                    self.group(Group::Unit(unit))
+                        .into_iter()
+                        .map(|s| (s, values.remove(&s.id).expect("a value per parameter")))
+                        .collect()
+                }
+            };
+            for (slot, value) in full {
+                visit(&slot.path, &slot.dims, value.cast(TensorDType::F32));
+            }
+        }
+        Ok(())
     }
 
     /// Bytes of parameters this rank holds between steps.
@@ -540,47 +586,52 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         groups: impl IntoIterator<Item = Group>,
         require_grad: bool,
     ) -> Result<U, ShardError> {
-        let world = self.comm.world_size();
         for group in groups {
-            let slots = self.group(group);
-            if slots.is_empty() {
-                continue;
-            }
-            let mut mine: Vec<Tensor<1>> = slots
-                .iter()
-                .map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
-                .collect();
-            // Alone, a shard is the whole parameter: nothing to pack or move.
-            if world == 1 {
-                let full = slots
-                    .iter()
-                    .zip(mine.drain(..))
-                    .map(|(s, v)| (s.id, (v, s.dims.clone())))
-                    .collect();
-                module = params::set_values(module, full, &self.device, require_grad);
-                continue;
-            }
-            let mine = Tensor::cat(mine, 0);
-            let expected = world * mine.dims()[0];
-            let gathered = self.comm.all_gather_tensor(mine)?;
-            if gathered.dims()[0] != expected {
-                return Err(ShardError::ModelMismatch {
-                    rank: self.comm.rank(),
-                    detail: format!(
-                        "gathered {} values for parameters {}.., expected {expected}",
-                        gathered.dims()[0],
-                        slots[0].path
-                    ),
-                });
-            }
-            let full = slots
-                .iter()
-                .zip(layout::unpack_gathered(&slots, gathered, world))
+            let full = self
+                .gathered(&mut shards, group)?
+                .into_iter()
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
             module = params::set_values(module, full, &self.device, require_grad);
         }
         Ok(module)
+    }
+
+    /// The full values (flat) of `group`'s parameters, all-gathered from every rank's
+    /// `shards` (taken out of it, in their dtype) in one collective.
+    fn gathered(
+        &self,
+        shards: &mut Flat,
+        group: Group,
+    ) -> Result<Vec<(&Slot, Tensor<1>)>, ShardError> {
+        let world = self.comm.world_size();
+        let slots = self.group(group);
+        if slots.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mine: Vec<Tensor<1>> = slots
+            .iter()
+            .map(|s| shards.remove(&s.id).expect("a shard for every parameter"))
+            .collect();
+        // Alone, a shard is the whole parameter: nothing to pack or move.
+        if world == 1 {
+            return Ok(slots.into_iter().zip(mine).collect());
+        }
+        let mine = Tensor::cat(mine, 0);
+        let expected = world * mine.dims()[0];
+        let gathered = self.comm.all_gather_tensor(mine)?;
+        if gathered.dims()[0] != expected {
+            return Err(ShardError::ModelMismatch {
+                rank: self.comm.rank(),
+                detail: format!(
+                    "gathered {} values for parameters {}.., expected {expected}",
+                    gathered.dims()[0],
+                    slots[0].path
+                ),
+            });
+        }
+        let full = layout::unpack_gathered(&slots, gathered, world);
+        Ok(slots.into_iter().zip(full).collect())
     }
 
     /// Averages the local gradients of one group over the ranks: all-reduce, or

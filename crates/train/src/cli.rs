@@ -158,6 +158,15 @@ pub struct TrainArgs {
     /// Write one CSV row of metrics per optimizer step here.
     #[arg(long)]
     pub metrics_csv: Option<PathBuf>,
+    /// Save the trained model here as safetensors, in the layout its loader reads (`--weights`;
+    /// HF names). Rank 0 writes it one unit at a time: under zero3 no rank holds the whole model.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Hand the trained model back whole from `train` under zero3 too (a gather of the whole
+    /// model on every rank, for programs that use it after training). The other strategies
+    /// always hand back their replica.
+    #[arg(skip)]
+    pub gather_model: bool,
 }
 
 impl TrainArgs {
@@ -243,6 +252,20 @@ impl TrainArgs {
         }
         if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
             return invalid("--grad-clip and --weight-decay must not be negative".into());
+        }
+        // Checked before training, not found out after it.
+        if let Some(path) = &self.save {
+            let dir = match path.parent() {
+                Some(dir) if !dir.as_os_str().is_empty() => dir,
+                _ => std::path::Path::new("."),
+            };
+            if !dir.is_dir() || path.is_dir() {
+                return invalid(format!(
+                    "--save {}: {} is not a directory",
+                    path.display(),
+                    if path.is_dir() { path } else { dir }.display()
+                ));
+            }
         }
         Ok(())
     }

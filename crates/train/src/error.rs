@@ -35,6 +35,8 @@ pub enum TrainError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Save(#[from] burnscale_nn::weights::WeightError),
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,

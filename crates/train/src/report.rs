@@ -126,6 +126,21 @@ pub struct RunSummary {
     /// 6·P·tokens/s over `world_size · peak_flops` (token models only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
+    /// What `--save` took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub save: Option<SaveReport>,
+}
+
+/// The end-of-training save (`--save`), as this rank saw it.
+#[derive(Debug, Clone, Serialize)]
+pub struct SaveReport {
+    pub path: std::path::PathBuf,
+    pub seconds: f64,
+    /// This process's peak live heap while saving, and what was live when it began: the
+    /// difference is what saving added (one unit's full values, and rank 0's one-parameter
+    /// write buffer).
+    pub peak_mem_bytes: usize,
+    pub live_before_bytes: usize,
 }
 
 impl RunSummary {
@@ -179,6 +194,7 @@ impl RunSummary {
             host_transfer_bytes_per_step: 0,
             peak_flops,
             mfu,
+            save: None,
             history,
         }
     }
@@ -264,6 +280,18 @@ impl RunSummary {
                     100.0 * mfu,
                     self.peak_flops / 1e9,
                     burn::tensor::DType::from(self.precision.compute_dtype()).name()
+                ),
+            ));
+        }
+        if let Some(save) = &self.save {
+            rows.push((
+                "saved",
+                format!(
+                    "{} in {:.2} s (peak {} while saving, {} more than before)",
+                    save.path.display(),
+                    save.seconds,
+                    human_bytes(save.peak_mem_bytes),
+                    human_bytes(save.peak_mem_bytes.saturating_sub(save.live_before_bytes))
                 ),
             ));
         }

@@ -12,6 +12,7 @@ use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
 use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
+use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
 use burnscale_shard::{ShardError, Sharded};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -19,7 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::accelerator::Accelerator;
 use crate::cli::{Offload, Strategy};
 use crate::optim::{LrSchedule, ParamOptimizer};
-use crate::report::{ModelStateBytes, RankMemory, RunSummary, Throughput};
+use crate::report::{ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput};
 use crate::{TrainArgs, TrainError, memory, speed};
 
 /// A micro-batch: what the model's embeddings read, and what its loss compares against.
@@ -83,13 +84,13 @@ pub struct StepMetrics {
 /// Trains `model` (built on `device`) on `task` as `args` say: on `--devices` in-process
 /// ranks, on the MPI world when started by mpirun, or on this thread; with `--accelerator
 /// cuda` rank i runs on GPU i (`device`'s autodiff settings kept). Returns the trained model
-/// and the summary of this process's first rank.
+/// (see [`train_on`]) and the summary of this process's first rank.
 pub fn train<T: TrainTask>(
     model: T::Model,
     task: &mut T,
     args: &TrainArgs,
     device: &Device,
-) -> Result<(T::Model, RunSummary), TrainError> {
+) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     let model = if args.init_on_device {
         burnscale_precision::init_in(model, args.precision.param_dtype())
@@ -143,14 +144,16 @@ pub fn train<T: TrainTask>(
 }
 
 /// Trains as one rank of `comm`'s group (for embedding the runner in a program that owns
-/// its process group). Every rank calls it with the same model, task and arguments.
+/// its process group). Every rank calls it with the same model, task and arguments. Returns
+/// the trained model when the strategy keeps it whole on every rank, or under zero3 when
+/// `args.gather_model` asks for it (`None` otherwise), with this rank's summary.
 pub fn train_on<T: TrainTask>(
     comm: &dyn Communicator,
     model: T::Model,
     task: &mut T,
     args: &TrainArgs,
     device: &Device,
-) -> Result<(T::Model, RunSummary), TrainError> {
+) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
@@ -169,6 +172,7 @@ pub fn train_on<T: TrainTask>(
     let lead = rank == 0;
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
+    let keys = model.checkpoint_keys();
     let mut optim = ParamOptimizer::new(args, rank)?;
     let mut schedule = LrSchedule::new(args)?;
     let mut csv = match &args.metrics_csv {
@@ -300,6 +304,10 @@ pub fn train_on<T: TrainTask>(
             memory::device_peak_bytes(device),
         ],
     )?;
+    let saved = match &args.save {
+        Some(path) => Some(save(&engine, path, &*keys, lead)?),
+        None => None,
+    };
     // After the memory figures: the probe's matrices are no part of training's peak.
     let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype());
     let items_per_s = items as f64 / train_s;
@@ -330,12 +338,58 @@ pub fn train_on<T: TrainTask>(
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
     }
+    summary.save = saved;
     if let Some(path) = args.summary_json.as_ref().filter(|_| lead) {
         summary.write_json(path)?;
     }
-    // The caller's copy, once every figure is taken: under ZeRO-3 the one moment a rank
-    // holds the whole model.
-    Ok((engine.full_model()?, summary))
+    // The caller's copy, once every figure is taken: under ZeRO-3 only when asked for (the
+    // one moment a rank holds the whole model).
+    let model = match engine.holds_whole_model() || args.gather_model {
+        true => Some(engine.full_model()?),
+        false => None,
+    };
+    Ok((model, summary))
+}
+
+/// Writes the trained model to `path` under `keys`' names: every rank joins the unit-by-unit
+/// gathers, rank 0 (`lead`) writes each parameter as it arrives. Returns what the save took.
+fn save<M: BlockModel>(
+    engine: &Sharded<'_, M>,
+    path: &std::path::Path,
+    keys: &dyn KeyMap,
+    lead: bool,
+) -> Result<SaveReport, TrainError> {
+    let start = Instant::now();
+    let before = memory::live_bytes();
+    memory::reset_peak();
+    let mut saver = match lead {
+        true => Some(Saver::create(path, keys, &engine.parameter_shapes())?),
+        false => None,
+    };
+    // A failed write stops the writing, not the gathers the other ranks are in.
+    let mut written = Ok(());
+    engine.for_each_full_parameter(|param, dims, value| {
+        if let (Some(saver), Ok(())) = (saver.as_mut(), &written) {
+            written = value
+                .into_data()
+                .try_into_vec::<f32>()
+                .map_err(|e| WeightError::Save {
+                    path: path.to_path_buf(),
+                    reason: format!("{param}: {e:?}"),
+                })
+                .and_then(|values| saver.put(param, dims, values));
+        }
+    })?;
+    written?;
+    if let Some(saver) = saver {
+        saver.finish()?;
+    }
+    Ok(SaveReport {
+        path: path.to_path_buf(),
+        seconds: start.elapsed().as_secs_f64(),
+        peak_mem_bytes: memory::peak_bytes(),
+        live_before_bytes: before,
+    })
 }
 
 /// Flag values that cannot run, and a precision `device` cannot honour.

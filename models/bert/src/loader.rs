@@ -26,12 +26,15 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use burn::prelude::*;
-use burnscale_nn::weights::{self, KeyMap, KeyTable, Weight};
+use burnscale_nn::weights::{self, KeyMap, KeyTable, Saved, Weight};
 
 use burn::module::Module;
 use burnscale_nn::weights::WeightError;
 
 use crate::{Bert, BertConfig, BertError, Layout};
+
+/// The word embeddings' parameter path.
+const WORD_EMBEDDINGS: &str = "embeddings.word_embeddings.weight";
 
 /// BERT's encoder (embeddings, layers, pooler); BigBird's too.
 #[rustfmt::skip]
@@ -127,6 +130,8 @@ pub struct Checkpoint {
     pub prefix: &'static str,
     pub heads: &'static [&'static str],
     pub head: Head,
+    /// The file key of a decoder tied to the word embeddings, which saving writes out.
+    pub tied_decoder: Option<&'static str>,
 }
 
 impl Checkpoint {
@@ -140,6 +145,7 @@ impl Checkpoint {
             prefix,
             heads: &["classifier.", "mlm."],
             head,
+            tied_decoder: None,
         }
     }
 
@@ -178,24 +184,6 @@ impl Checkpoint {
         }
         weights::apply(model, weights, self, file, device)
     }
-
-    /// Every parameter of `model` under its HF key, in HF's layout.
-    pub fn tensors<M: Module>(&self, model: &M) -> Vec<Weight> {
-        weights::collect(model)
-            .into_iter()
-            .map(|(path, w)| {
-                let w = if is_linear(&path, &w.shape) {
-                    w.transposed()
-                } else {
-                    w
-                };
-                Weight {
-                    key: self.file_key(&path),
-                    ..w
-                }
-            })
-            .collect()
-    }
 }
 
 impl KeyMap for Checkpoint {
@@ -215,6 +203,23 @@ impl KeyMap for Checkpoint {
 
     fn may_stay_initialised(&self, path: &str) -> bool {
         self.head == Head::Fresh && self.is_head(path)
+    }
+
+    fn saved_as(&self, path: &str, dims: &[usize]) -> Vec<Saved> {
+        let saved = Saved {
+            key: self.file_key(path),
+            transposed: is_linear(path, dims),
+        };
+        match self.tied_decoder {
+            Some(decoder) if path == WORD_EMBEDDINGS => vec![
+                saved.clone(),
+                Saved {
+                    key: decoder.to_string(),
+                    ..saved
+                },
+            ],
+            _ => vec![saved],
+        }
     }
 
     fn shape_hint(&self, path: &str) -> &'static str {
@@ -251,27 +256,24 @@ pub fn load_weights(
     Ok(Checkpoint::for_layout(config.layout, head).load_into(model, tensors, path, device)?)
 }
 
-/// Writes `model` as an HF safetensors file of `layout` (`*ForSequenceClassification`,
-/// `*ForMaskedLM` or the base model, by its head), with the tied decoder written out.
-pub fn save(model: &Bert, layout: Layout, path: &Path) -> Result<(), BertError> {
-    let mut tensors = Checkpoint::for_layout(layout, Head::Load).tensors(model);
+/// Writes `model` as an HF safetensors file of its layout (`*ForSequenceClassification`,
+/// `*ForMaskedLM` or the base model, by its head), with the tied decoder written out; one
+/// parameter at a time.
+pub fn save(model: &Bert, path: &Path) -> Result<(), BertError> {
+    Ok(weights::save(model, &checkpoint_keys(model), path)?)
+}
+
+/// How `model` is saved: its layout's HF names, with the masked-LM decoder (tied to the word
+/// embeddings) written out when it has that head.
+pub fn checkpoint_keys(model: &Bert) -> Checkpoint {
+    let mut keys = Checkpoint::for_layout(model.layout, Head::Load);
     if model.mlm.is_some() {
-        let words = format!(
-            "{}embeddings.word_embeddings.weight",
-            Checkpoint::for_layout(layout, Head::Load).prefix
-        );
-        let decoder = match layout {
+        keys.tied_decoder = Some(match model.layout {
             Layout::Bert => "cls.predictions.decoder.weight",
             Layout::DistilBert => "vocab_projector.weight",
-        };
-        if let Some(w) = tensors.iter().find(|w| w.key == words).cloned() {
-            tensors.push(Weight {
-                key: decoder.to_string(),
-                ..w
-            });
-        }
+        });
     }
-    Ok(weights::write_safetensors(path, &tensors)?)
+    keys
 }
 
 /// `nn.Linear` weights, stored `[out, in]` by PyTorch (embeddings are not transposed).

@@ -236,6 +236,9 @@ pub struct Bert {
     pub pooler: Option<Linear>,
     pub classifier: Option<Classifier>,
     pub mlm: Option<MaskedLmHead>,
+    /// Whose checkpoint names and heads the model follows (for saving).
+    #[module(skip)]
+    pub layout: Layout,
 }
 
 impl Bert {
@@ -268,6 +271,7 @@ impl Bert {
                 .then(|| linear(d, d, INITIALIZER_RANGE, device)),
             classifier,
             mlm,
+            layout: config.layout,
         })
     }
 
@@ -380,4 +384,8 @@ impl BlockModel for Bert {
     }
 
     burnscale_nn::block_list!(layer);
+
+    fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
+        Box::new(crate::loader::checkpoint_keys(self))
+    }
 }

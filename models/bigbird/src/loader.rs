@@ -38,6 +38,7 @@ fn checkpoint(head: Head) -> Checkpoint {
         prefix: "bert.",
         heads: &["classifier."],
         head,
+        tied_decoder: None,
     }
 }
 
@@ -63,10 +64,12 @@ pub fn load_weights(
     Ok(checkpoint(head).load_into(model, tensors, path, device)?)
 }
 
-/// Writes `model` as an HF BigBird safetensors file.
+/// Writes `model` as an HF BigBird safetensors file, one parameter at a time.
 pub fn save(model: &BigBird, path: &Path) -> Result<(), BertError> {
-    Ok(weights::write_safetensors(
-        path,
-        &checkpoint(Head::Load).tensors(model),
-    )?)
+    Ok(weights::save(model, &checkpoint_keys(), path)?)
+}
+
+/// How a BigBird model is saved: HF BigBird's names.
+pub fn checkpoint_keys() -> Checkpoint {
+    checkpoint(Head::Load)
 }

@@ -130,4 +130,8 @@ impl BlockModel for BigBird {
     }
 
     burnscale_nn::block_list!(layer);
+
+    fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
+        Box::new(crate::loader::checkpoint_keys())
+    }
 }

@@ -18,7 +18,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use burn::prelude::*;
-use burnscale_nn::weights::{self, KeyMap, Weight};
+use burnscale_nn::weights::{self, KeyMap, Saved, Weight};
 
 use crate::{Gpt, GptConfig, GptError};
 
@@ -57,11 +57,20 @@ fn is_layer_norm(module: &str) -> bool {
     module.ends_with("ln_1") || module.ends_with("ln_2") || module == "ln_f"
 }
 
-struct Gpt2Keys;
+/// GPT-2's HF names and layouts (the language-model head stored transposed).
+#[derive(Debug, Clone, Copy)]
+pub struct Gpt2Keys;
 
 impl KeyMap for Gpt2Keys {
     fn file_key(&self, path: &str) -> String {
         burn_to_hf(path)
+    }
+
+    fn saved_as(&self, path: &str, _dims: &[usize]) -> Vec<Saved> {
+        vec![Saved {
+            key: burn_to_hf(path),
+            transposed: path == LM_HEAD,
+        }]
     }
 
     fn shape_hint(&self, path: &str) -> &'static str {
@@ -100,17 +109,7 @@ pub fn load(path: &Path, config: &GptConfig, device: &Device) -> Result<Gpt, Gpt
 
 /// Writes `model` as a GPT-2-layout safetensors file (with an explicit `lm_head.weight`).
 pub fn save(model: &Gpt, path: &Path) -> Result<(), GptError> {
-    let tensors: Vec<Weight> = weights::collect(model)
-        .into_iter()
-        .map(|(path, w)| {
-            let w = if path == LM_HEAD { w.transposed() } else { w };
-            Weight {
-                key: burn_to_hf(&path),
-                ..w
-            }
-        })
-        .collect();
-    Ok(weights::write_safetensors(path, &tensors)?)
+    Ok(weights::save(model, &Gpt2Keys, path)?)
 }
 
 #[cfg(test)]

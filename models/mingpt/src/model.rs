@@ -228,4 +228,8 @@ impl BlockModel for Gpt {
     }
 
     burnscale_nn::block_list!(h);
+
+    fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
+        Box::new(crate::loader::Gpt2Keys)
+    }
 }

@@ -24,7 +24,7 @@ use std::path::Path;
 use burn::prelude::*;
 use burn::tensor::module::interpolate;
 use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
-use burnscale_nn::weights::{self, KeyMap, Weight};
+use burnscale_nn::weights::{self, KeyMap, Saved, Weight};
 
 use crate::{Vit, VitConfig, VitError};
 
@@ -138,13 +138,22 @@ fn is_linear_weight(path: &str, shape: &[usize]) -> bool {
     shape.len() == 2 && path.ends_with(".weight")
 }
 
-struct VitKeys {
-    head: Head,
+/// HF ViT's names and layouts (`nn.Linear` weights stored transposed).
+#[derive(Debug, Clone, Copy)]
+pub struct VitKeys {
+    pub head: Head,
 }
 
 impl KeyMap for VitKeys {
     fn file_key(&self, path: &str) -> String {
         burn_to_hf(path)
+    }
+
+    fn saved_as(&self, path: &str, dims: &[usize]) -> Vec<Saved> {
+        vec![Saved {
+            key: burn_to_hf(path),
+            transposed: is_linear_weight(path, dims),
+        }]
     }
 
     fn may_stay_initialised(&self, path: &str) -> bool {
@@ -204,21 +213,7 @@ pub fn load_weights(
 
 /// Writes `model` as an HF `ViTForImageClassification` safetensors file.
 pub fn save(model: &Vit, path: &Path) -> Result<(), VitError> {
-    let tensors: Vec<Weight> = weights::collect(model)
-        .into_iter()
-        .map(|(path, w)| {
-            let w = if is_linear_weight(&path, &w.shape) {
-                w.transposed()
-            } else {
-                w
-            };
-            Weight {
-                key: burn_to_hf(&path),
-                ..w
-            }
-        })
-        .collect();
-    Ok(weights::write_safetensors(path, &tensors)?)
+    Ok(weights::save(model, &VitKeys { head: Head::Load }, path)?)
 }
 
 /// Position embeddings for another grid, resampled bicubically (PyTorch's `bicubic`,

@@ -247,4 +247,10 @@ impl BlockModel for Vit {
     }
 
     burnscale_nn::block_list!(layer);
+
+    fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
+        Box::new(crate::loader::VitKeys {
+            head: crate::loader::Head::Load,
+        })
+    }
 }
