@@ -47,7 +47,7 @@ pub fn seed(seed: u64) {
 /// Where this thread's dropout stream stands; [`rewind`] to it to draw the same masks again
 /// (a block recomputed in backward must drop what its forward dropped).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct StreamPosition(u64, u64);
+pub struct StreamPosition(pub u64, pub u64);
 
 pub fn position() -> StreamPosition {
     let (seed, call) = STREAM.with(Cell::get);

@@ -150,13 +150,48 @@ pub struct SafetensorsWriter {
     partial: PathBuf,
     file: Option<File>,
     data_start: u64,
-    /// Each key's element count, byte offset in the data, and whether it was written.
-    entries: HashMap<String, (usize, u64, bool)>,
+    entries: HashMap<String, Entry>,
+}
+
+/// A tensor a [`SafetensorsWriter`] will write.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Planned {
+    pub key: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+}
+
+/// Where a planned tensor goes in the data, and whether it was written.
+struct Entry {
+    dtype: Dtype,
+    bytes: usize,
+    offset: u64,
+    written: bool,
 }
 
 impl SafetensorsWriter {
-    /// Starts `path` for the tensors `plan` names (key, shape), laid out in that order.
+    /// Starts `path` for the f32 tensors `plan` names (key, shape), laid out in that order,
+    /// with HF's `{"format": "pt"}` metadata.
     pub fn create(path: &Path, plan: &[(String, Vec<usize>)]) -> Result<Self, WeightError> {
+        let plan: Vec<Planned> = plan
+            .iter()
+            .map(|(key, shape)| Planned {
+                key: key.clone(),
+                dtype: Dtype::F32,
+                shape: shape.clone(),
+            })
+            .collect();
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        Self::create_with(path, &plan, metadata)
+    }
+
+    /// Starts `path` for the tensors `plan` names, laid out in that order, with `metadata`
+    /// in the header.
+    pub fn create_with(
+        path: &Path,
+        plan: &[Planned],
+        metadata: HashMap<String, String>,
+    ) -> Result<Self, WeightError> {
         let save_error = |reason: String| WeightError::Save {
             path: path.to_path_buf(),
             reason,
@@ -164,24 +199,25 @@ impl SafetensorsWriter {
         let mut infos = Vec::with_capacity(plan.len());
         let mut entries = HashMap::with_capacity(plan.len());
         let mut offset = 0;
-        for (key, shape) in plan {
-            let numel: usize = shape.iter().product();
-            let bytes = numel * 4;
-            if entries
-                .insert(key.clone(), (numel, offset as u64, false))
-                .is_some()
-            {
+        for Planned { key, dtype, shape } in plan {
+            let bytes = shape.iter().product::<usize>() * dtype.bitsize() / 8;
+            let entry = Entry {
+                dtype: *dtype,
+                bytes,
+                offset: offset as u64,
+                written: false,
+            };
+            if entries.insert(key.clone(), entry).is_some() {
                 return Err(save_error(format!("tensor `{key}` is planned twice")));
             }
             let info = TensorInfo {
-                dtype: Dtype::F32,
+                dtype: *dtype,
                 shape: shape.clone(),
                 data_offsets: (offset, offset + bytes),
             };
             infos.push((key.clone(), info));
             offset += bytes;
         }
-        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         let header = Metadata::new(Some(metadata), infos)
             .map_err(|e| save_error(e.to_string()))
             .and_then(|m| serde_json::to_vec(&m).map_err(|e| save_error(e.to_string())))?;
@@ -208,37 +244,67 @@ impl SafetensorsWriter {
         })
     }
 
-    /// Writes the values of the planned tensor `key` (row-major, its planned element count).
+    /// Writes the values of the planned f32 tensor `key` (row-major, its planned count).
     pub fn write(&mut self, key: &str, values: &[f32]) -> Result<(), WeightError> {
-        let save_error = |reason: String| WeightError::Save {
+        if let Some(entry) = self.entries.get(key).filter(|e| e.dtype != Dtype::F32) {
+            return Err(self.error(format!("tensor `{key}` is planned as {:?}", entry.dtype)));
+        }
+        self.write_with(key, values.len() * 4, |out| {
+            values
+                .iter()
+                .try_for_each(|v| out.write_all(&v.to_le_bytes()))
+        })
+    }
+
+    /// Writes the planned tensor `key` as raw little-endian `bytes` of its dtype.
+    pub fn write_bytes(&mut self, key: &str, bytes: &[u8]) -> Result<(), WeightError> {
+        self.write_with(key, bytes.len(), |out| out.write_all(bytes))
+    }
+
+    fn error(&self, reason: String) -> WeightError {
+        WeightError::Save {
             path: self.path.clone(),
             reason,
+        }
+    }
+
+    /// Checks `len` bytes fit `key`'s plan, and has `fill` write them at its offset.
+    fn write_with(
+        &mut self,
+        key: &str,
+        len: usize,
+        fill: impl FnOnce(&mut BufWriter<&mut File>) -> std::io::Result<()>,
+    ) -> Result<(), WeightError> {
+        let Some(entry) = self.entries.get(key) else {
+            return Err(self.error(format!("tensor `{key}` is not in the file's plan")));
         };
-        let Some((numel, offset, written)) = self.entries.get_mut(key) else {
-            return Err(save_error(format!(
-                "tensor `{key}` is not in the file's plan"
-            )));
-        };
-        if values.len() != *numel || *written {
-            return Err(save_error(format!(
-                "tensor `{key}`: {} values for {numel} planned{}",
-                values.len(),
-                if *written { ", written before" } else { "" }
+        if len != entry.bytes || entry.written {
+            let size = entry.dtype.bitsize() / 8;
+            return Err(self.error(format!(
+                "tensor `{key}`: {} values for {} planned{}",
+                len / size,
+                entry.bytes / size,
+                if entry.written {
+                    ", written before"
+                } else {
+                    ""
+                }
             )));
         }
-        *written = true;
-        let file = self.file.as_mut().expect("open until finished");
+        let offset = self.data_start + entry.offset;
+        let partial = self.partial.clone();
         let io = |source| WeightError::Io {
-            path: self.partial.clone(),
+            path: partial.clone(),
             source,
         };
-        file.seek(SeekFrom::Start(self.data_start + *offset))
-            .map_err(io)?;
+        let file = self.file.as_mut().expect("open until finished");
+        file.seek(SeekFrom::Start(offset)).map_err(io)?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        for v in values {
-            out.write_all(&v.to_le_bytes()).map_err(io)?;
+        fill(&mut out).and_then(|()| out.flush()).map_err(io)?;
+        if let Some(entry) = self.entries.get_mut(key) {
+            entry.written = true;
         }
-        out.flush().map_err(io)
+        Ok(())
     }
 
     /// Checks every planned tensor was written, syncs the file and moves it to its path.
@@ -246,7 +312,7 @@ impl SafetensorsWriter {
         let mut missing: Vec<String> = self
             .entries
             .iter()
-            .filter(|(_, (_, _, written))| !written)
+            .filter(|(_, entry)| !entry.written)
             .map(|(key, _)| key.clone())
             .collect();
         if !missing.is_empty() {

@@ -8,7 +8,7 @@
 use crate::{Precision, PrecisionError};
 
 /// The scaler's settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ScalerConfig {
     pub init_scale: f64,
     pub growth_factor: f64,
@@ -45,7 +45,7 @@ impl Default for ScalerConfig {
     }
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LossScaler {
     config: ScalerConfig,
     scale: f64,
@@ -63,6 +63,15 @@ impl LossScaler {
             skipped: 0,
             consecutive_skips: 0,
         }
+    }
+
+    /// Continues where `saved` (a checkpoint's scaler) stopped: its scale and counters, this
+    /// scaler's configuration.
+    pub fn resume_from(&mut self, saved: &LossScaler) {
+        *self = LossScaler {
+            config: self.config,
+            ..saved.clone()
+        };
     }
 
     /// What the loss is multiplied by before backward.

@@ -435,6 +435,63 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
+    /// Every parameter's place in the layout, in visit order.
+    pub fn slots(&self) -> &[Slot] {
+        &self.slots
+    }
+
+    /// Which model states each rank keeps only its shard of.
+    pub fn sharding(&self) -> Sharding {
+        self.sharding
+    }
+
+    /// What this rank holds of every parameter (by id), flat, in the dtype it is stored in:
+    /// its shard (zero-padded rows) when parameters are sharded, else the whole value.
+    pub fn held_parameters(&self) -> Flat {
+        params::values(self.model.as_ref().expect(PRESENT), None)
+    }
+
+    /// Replaces what this rank holds of the parameters in `values` (by id, flat, as
+    /// [`Sharded::held_parameters`] gives them), cast to the dtype each is stored in.
+    pub fn set_held_parameters(&mut self, values: Flat) {
+        let model = self.model.take().expect(PRESENT);
+        let by_id: HashMap<ParamId, &Slot> = self.slots.iter().map(|s| (s.id, s)).collect();
+        let sharded = self.sharding.parameters;
+        // Shards stay plain tensors where they live (the host when offloaded); a replica's
+        // parameters are tracked on the autodiff device.
+        let home = match sharded {
+            true => self.home.clone().unwrap_or_else(|| self.inner_device()),
+            false => self.inner_device(),
+        };
+        let shaped: HashMap<ParamId, (Tensor<1>, Vec<usize>)> = values
+            .into_iter()
+            .map(|(id, v)| {
+                let slot = by_id[&id];
+                let dims = match sharded {
+                    true => slot.shard_dims(),
+                    false => slot.dims.clone(),
+                };
+                (id, (v.to_device(&home), dims))
+            })
+            .collect();
+        self.model = Some(match sharded {
+            true => params::set_values(model, shaped, &home, false),
+            false => params::set_values(model, shaped, &self.device, true),
+        });
+    }
+
+    /// The loss scaler (`16-mixed`), for a checkpoint ([`Sharded::restore_scaler`]).
+    pub fn scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Continues from `saved` (a checkpoint's loss scaler), when this run scales the loss.
+    pub fn restore_scaler(&mut self, saved: &LossScaler) {
+        if let Some(own) = self.scaler.as_mut() {
+            own.resume_from(saved);
+        }
+    }
+
     /// Bytes of parameters this rank holds between steps.
     pub fn param_bytes(&self) -> usize {
         params::param_bytes(self.model.as_ref().expect(PRESENT))

@@ -162,6 +162,21 @@ pub struct TrainArgs {
     /// HF names). Rank 0 writes it one unit at a time: under zero3 no rank holds the whole model.
     #[arg(long)]
     pub save: Option<PathBuf>,
+    /// Write sharded checkpoints (every rank its rows of the parameters and optimizer state,
+    /// with the step, schedule, scaler, data and dropout positions) under this directory.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every N optimizer steps (0: only at the end of training).
+    #[arg(long, default_value_t = 0)]
+    pub checkpoint_every: usize,
+    /// Keep only the newest K complete checkpoints (older ones are removed once a new one is
+    /// complete).
+    #[arg(long)]
+    pub keep_checkpoints: Option<usize>,
+    /// Continue from the newest complete checkpoint in --checkpoint-dir (at any world size and
+    /// strategy); without one, start from step 0.
+    #[arg(long)]
+    pub resume: bool,
     /// Hand the trained model back whole from `train` under zero3 too (a gather of the whole
     /// model on every rank, for programs that use it after training). The other strategies
     /// always hand back their replica.
@@ -252,6 +267,23 @@ impl TrainArgs {
         }
         if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
             return invalid("--grad-clip and --weight-decay must not be negative".into());
+        }
+        if self.checkpoint_dir.is_none() && (self.resume || self.checkpoint_every > 0) {
+            return invalid("--resume and --checkpoint-every need --checkpoint-dir".into());
+        }
+        if self.keep_checkpoints == Some(0) {
+            return invalid("--keep-checkpoints must be at least 1".into());
+        }
+        // The directory may not exist yet, but what exists of its path must be directories.
+        if let Some(dir) = &self.checkpoint_dir
+            && let Some(existing) = dir.ancestors().find(|a| a.exists())
+            && !existing.is_dir()
+        {
+            return invalid(format!(
+                "--checkpoint-dir {}: {} is not a directory",
+                dir.display(),
+                existing.display()
+            ));
         }
         // Checked before training, not found out after it.
         if let Some(path) = &self.save {

@@ -4,6 +4,8 @@ use burnscale_collective::CollectiveError;
 use burnscale_precision::Precision;
 use burnscale_shard::ShardError;
 
+use crate::checkpoint::CheckpointError;
+
 /// Errors of the training runner.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
@@ -37,6 +39,8 @@ pub enum TrainError {
     },
     #[error(transparent)]
     Save(#[from] burnscale_nn::weights::WeightError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,
@@ -49,6 +53,7 @@ impl TrainError {
     pub fn is_peer_failure(&self) -> bool {
         let collective = match self {
             TrainError::Collective(e) | TrainError::Shard(ShardError::Collective(e)) => e,
+            TrainError::Checkpoint(CheckpointError::PeerWrite { .. }) => return true,
             _ => return false,
         };
         matches!(

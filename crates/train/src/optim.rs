@@ -8,11 +8,13 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
-use burn::optim::momentum::MomentumConfig;
+use burn::optim::momentum::{MomentumConfig, MomentumState};
 use burn::optim::{
-    AdamConfig, AdamWConfig, DynOptimizer, DynState, GradientsParams, SgdConfig, StateSink,
+    AdamConfig, AdamState, AdamWConfig, AdamWState, AdaptiveMomentumState, DynOptimizer, DynState,
+    GradientsParams, RecordState, SgdConfig, SgdState, StateSink, StateSource,
 };
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 
 use crate::TrainError;
 use crate::cli::{Offload, OptimizerKind, Schedule, TrainArgs, value_name};
@@ -24,6 +26,7 @@ use crate::offload::DiskStates;
 /// Under `--offload` the state lives in host memory and each parameter is stepped there (on a
 /// CPU-only run the host is the device); under `--offload-dir` it lives on disk between steps.
 pub struct ParamOptimizer {
+    kind: OptimizerKind,
     decay: Arc<dyn DynOptimizer>,
     no_decay: Arc<dyn DynOptimizer>,
     states: HashMap<String, DynState>,
@@ -80,6 +83,7 @@ impl ParamOptimizer {
         };
         let offload = args.offload != Offload::None || disk.is_some();
         Ok(Self {
+            kind: args.optimizer,
             decay: build(args.weight_decay)?,
             no_decay: build(0.0)?,
             states: HashMap::new(),
@@ -107,6 +111,82 @@ impl ParamOptimizer {
         };
         let model = model.map(&mut mapper);
         (model, mapper.error.map_or(Ok(()), Err))
+    }
+
+    /// Calls `visit` with each parameter's path and its state flattened (tensors by name,
+    /// scalars), from memory or from `--offload-dir`, one parameter at a time, in path order.
+    pub fn for_each_state(
+        &self,
+        mut visit: impl FnMut(&str, StateSink) -> Result<(), TrainError>,
+    ) -> Result<(), TrainError> {
+        let mut paths: Vec<&String> = self.states.keys().collect();
+        if let Some(disk) = &self.disk {
+            paths.extend(disk.paths());
+        }
+        paths.sort();
+        paths.dedup();
+        for path in paths {
+            let sink = match self.states.get(path) {
+                Some(state) => {
+                    let mut sink = StateSink::default();
+                    self.for_rank(state.rank())
+                        .state_flatten(path, state, &mut sink);
+                    sink
+                }
+                None => match &self.disk {
+                    Some(disk) => disk.flattened(path)?,
+                    None => continue,
+                },
+            };
+            visit(path, sink)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the state of the `rank`-dimensional parameter at `path` from `source` (as
+    /// [`ParamOptimizer::for_each_state`] gave it, possibly re-sliced), kept where this
+    /// optimizer keeps state: the host when offloaded, else `device`.
+    pub fn restore_state(
+        &mut self,
+        rank: usize,
+        path: &str,
+        saved: StateSink,
+        device: &Device,
+    ) -> Result<(), TrainError> {
+        let device = self.host.clone().unwrap_or_else(|| device.clone());
+        let state = self.unflatten(rank, path, saved, &device).ok_or_else(|| {
+            TrainError::InvalidData(format!(
+                "the saved optimizer state of `{path}` does not fit this optimizer"
+            ))
+        })?;
+        self.put_state(rank, path.to_string(), state)
+    }
+
+    /// The state of the `rank`-dimensional parameter at `path` from its flattened form, on
+    /// `device`, in the dtype it was saved in. (burn-optim's `state_unflatten` builds every
+    /// tensor in the device's default float dtype, f32: a 16-bit parameter's state would come
+    /// back f32 and its next step would mix dtypes, so the state is cast back.)
+    fn unflatten(
+        &self,
+        rank: usize,
+        path: &str,
+        saved: StateSink,
+        device: &Device,
+    ) -> Option<DynState> {
+        let dtype = saved.tensors.first().map(|(_, data)| data.dtype());
+        let mut source = StateSource::new(saved.scalars.into_iter().collect());
+        for (name, data) in saved.tensors {
+            source.insert_tensor(name, data);
+        }
+        let state = self
+            .for_rank(rank)
+            .state_unflatten(rank, path, &mut source, device)?;
+        match dtype.map(FloatDType::try_from) {
+            Some(Ok(dtype)) if dtype != FloatDType::F32 => {
+                cast_state(self.kind, state, dtype, device)
+            }
+            _ => Some(state),
+        }
     }
 
     /// Bytes of optimizer state held in memory (moments, momentum buffers).
@@ -148,10 +228,19 @@ impl ParamOptimizer {
         if let Some(state) = self.states.remove(path) {
             return Ok(Some(state));
         }
-        match &self.disk {
-            Some(disk) => disk.load(self.for_rank(rank).as_ref(), rank, path, device),
-            None => Ok(None),
+        let Some(saved) = self.disk.as_ref().map(|d| d.flattened(path)).transpose()? else {
+            return Ok(None);
+        };
+        if saved.tensors.is_empty() && saved.scalars.is_empty() {
+            return Ok(None);
         }
+        self.unflatten(rank, path, saved, device)
+            .map(Some)
+            .ok_or_else(|| {
+                TrainError::InvalidData(format!(
+                    "the optimizer state of `{path}` on disk does not fit this optimizer"
+                ))
+            })
     }
 
     /// Keeps `state` of the parameter at `path`: on disk under `--offload-dir` (in memory if
@@ -238,6 +327,57 @@ impl ModuleMapper for StepMapper<'_> {
             updated = updated.require_grad();
         }
         Param::from_mapped_value(id, updated, mapper)
+    }
+}
+
+/// `state` (of one of the runner's optimizers) with its tensors cast to `dtype`; `None` for a
+/// parameter of a rank no model here has (above 4).
+fn cast_state(
+    kind: OptimizerKind,
+    state: DynState,
+    dtype: FloatDType,
+    device: &Device,
+) -> Option<DynState> {
+    Some(match state.rank() {
+        1 => cast_ranked::<1>(kind, state, dtype, device),
+        2 => cast_ranked::<2>(kind, state, dtype, device),
+        3 => cast_ranked::<3>(kind, state, dtype, device),
+        4 => cast_ranked::<4>(kind, state, dtype, device),
+        _ => return None,
+    })
+}
+
+fn cast_ranked<const D: usize>(
+    kind: OptimizerKind,
+    state: DynState,
+    dtype: FloatDType,
+    device: &Device,
+) -> DynState {
+    let adaptive = |m: AdaptiveMomentumState<D>| AdaptiveMomentumState {
+        time: m.time,
+        moment_1: m.moment_1.cast(dtype),
+        moment_2: m.moment_2.cast(dtype),
+        max_moment_2: m.max_moment_2.map(|t| t.cast(dtype)),
+    };
+    match kind {
+        OptimizerKind::Adam => {
+            let momentum = adaptive(state.downcast::<AdamState<D>>().momentum);
+            DynState::create(AdamState { momentum }, D)
+        }
+        OptimizerKind::Sgd => {
+            // The velocity is private: read back through its own flattening.
+            let momentum = state.downcast::<SgdState<D>>().momentum.map(|m| {
+                let mut sink = StateSink::default();
+                m.state_flatten("", &mut sink);
+                let (_, velocity) = sink.tensors.remove(0);
+                MomentumState::new(Tensor::<D>::from_data(velocity, device).cast(dtype))
+            });
+            DynState::create(SgdState { momentum }, D)
+        }
+        _ => {
+            let momentum = adaptive(state.downcast::<AdamWState<D>>().momentum);
+            DynState::create(AdamWState { momentum }, D)
+        }
     }
 }
 

@@ -18,6 +18,7 @@ use burnscale_shard::{ShardError, Sharded};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::accelerator::Accelerator;
+use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Offload, Strategy};
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::report::{ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput};
@@ -67,6 +68,14 @@ pub trait TrainTask: Clone + Send + Sync {
     /// whose data cannot mismatch the model (fixed-shape images) keep the default.
     fn check(&self, _model: &Self::Model) -> Result<(), TrainError> {
         Ok(())
+    }
+    /// Moves past the next `micro_batches` micro-batches, as if drawn (a resumed run's data
+    /// position). By default draws them on `device` and drops them; tasks whose sampler can
+    /// jump ahead override it.
+    fn skip(&mut self, micro_batches: usize, device: &Device, part: BatchPart) {
+        for _ in 0..micro_batches {
+            self.next_batch(device, part);
+        }
     }
 }
 
@@ -196,6 +205,36 @@ pub fn train_on<T: TrainTask>(
     if args.offload == Offload::Params {
         engine = engine.offload_params(Device::flex())?;
     }
+    let mut first_step = 1;
+    if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
+        match Checkpoint::latest(dir)? {
+            Some(ckpt) => {
+                let resumed = checkpoint::restore(
+                    ckpt,
+                    comm,
+                    &mut engine,
+                    &mut optim,
+                    &mut schedule,
+                    task,
+                    args,
+                    device,
+                )?;
+                first_step = resumed.step + 1;
+                if lead {
+                    eprintln!(
+                        "resuming from {} (step {})",
+                        resumed.dir.display(),
+                        resumed.step
+                    );
+                }
+            }
+            None if lead => eprintln!(
+                "no complete checkpoint in {}: starting from step 0",
+                dir.display()
+            ),
+            None => {}
+        }
+    }
     memory::reset_peak();
     let start = Instant::now();
     let mut items = 0usize;
@@ -206,7 +245,7 @@ pub fn train_on<T: TrainTask>(
     let mut history = Vec::with_capacity(args.max_steps);
     // Host transfers in training steps, without evaluations.
     let mut transferred = 0;
-    for step in 1..=args.max_steps {
+    for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
         let mut step_items = 0;
@@ -238,7 +277,7 @@ pub fn train_on<T: TrainTask>(
         let step_s = step_start.elapsed().as_secs_f64();
         // Throughput counts steady-state steps: the first compiles and tunes kernels on a
         // GPU, and is reported apart (`warmup_s`); a one-step run has only that one.
-        if step > 1 || args.max_steps == 1 {
+        if step > first_step || first_step == args.max_steps {
             items += step_items;
             train_s += step_s;
         }
@@ -253,6 +292,20 @@ pub fn train_on<T: TrainTask>(
         };
         if let Some(csv) = csv.as_mut() {
             csv.write(&last)?;
+        }
+        if let Some(dir) = &args.checkpoint_dir
+            && (step == args.max_steps
+                || (args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every)))
+        {
+            checkpoint::save(
+                comm,
+                dir,
+                step,
+                &engine,
+                &optim,
+                args,
+                args.keep_checkpoints,
+            )?;
         }
         history.push(last);
         progress.set_position(step as u64);
@@ -332,7 +385,7 @@ pub fn train_on<T: TrainTask>(
         throughput,
         peak_flops,
     );
-    summary.host_transfer_bytes_per_step = transferred / args.max_steps as u64;
+    summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
@@ -419,25 +472,36 @@ fn every_rank_memory(
     comm: &dyn Communicator,
     mine: [usize; 3],
 ) -> Result<Vec<RankMemory>, TrainError> {
-    // Byte counts as 24-bit pieces, which f32 holds exactly.
-    let split = |v: usize| {
-        [
-            (v >> 48) as f32,
-            ((v >> 24) & 0xFF_FFFF) as f32,
-            (v & 0xFF_FFFF) as f32,
-        ]
-    };
-    let join = |p: &[f32]| ((p[0] as usize) << 48) | ((p[1] as usize) << 24) | p[2] as usize;
-    let mine = Buffer::F32(mine.iter().flat_map(|&v| split(v)).collect());
-    let all = comm.all_gather(&mine)?.to_f32();
+    let all = gather_u64s(comm, &mine.map(|v| v as u64))?;
     Ok(all
-        .chunks(9)
+        .iter()
         .enumerate()
-        .map(|(rank, p)| RankMemory {
+        .map(|(rank, v)| RankMemory {
             rank,
-            model_state_bytes: join(&p[..3]),
-            peak_mem_bytes: join(&p[3..6]),
-            device_peak_mem_bytes: join(&p[6..]),
+            model_state_bytes: v[0] as usize,
+            peak_mem_bytes: v[1] as usize,
+            device_peak_mem_bytes: v[2] as usize,
+        })
+        .collect())
+}
+
+/// Every rank's `mine` (the same count on every rank), in rank order: an all-gather.
+pub(crate) fn gather_u64s(
+    comm: &dyn Communicator,
+    mine: &[u64],
+) -> Result<Vec<Vec<u64>>, TrainError> {
+    // As 16-bit pieces, which f32 holds exactly.
+    let pieces: Vec<f32> = mine
+        .iter()
+        .flat_map(|&v| (0..4).rev().map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32))
+        .collect();
+    let all = comm.all_gather(&Buffer::F32(pieces))?.to_f32();
+    Ok(all
+        .chunks(4 * mine.len())
+        .map(|rank| {
+            rank.chunks(4)
+                .map(|p| p.iter().fold(0u64, |v, &piece| (v << 16) | piece as u64))
+                .collect()
         })
         .collect())
 }

@@ -1,0 +1,836 @@
+//! Sharded checkpoints (`--checkpoint-dir`), laid out as PyTorch DCP lays them out: every rank
+//! writes what it holds of the model states, sliced to the rows it owns in the layout (so the
+//! ranks together write each row once, whatever the strategy), to a safetensors file of its
+//! own whose tensors are named by parameter path and row range (`param/h.0.mlp.c_fc.weight/
+//! 0:96`, `optim/h.0.mlp.c_fc.weight.moment_1/0:96`); rank 0 then writes `meta.json` (the
+//! step, the data, dropout and loss-scaler positions, the run's configuration, the parameter
+//! table and every file's size and CRC-32). A checkpoint is written into `.step-N.partial/`,
+//! synced, and renamed to `step-N/` once `meta.json` is in it: a reader never sees a
+//! half-written checkpoint as complete. Loading re-slices: a rank reads the rows it needs
+//! (its shard or whole tensors, as its strategy holds them) from the files that have them, at
+//! any world size.
+
+use std::collections::HashMap;
+use std::fs::{self, File};
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use burn::optim::StateSink;
+use burn::prelude::*;
+use burn::store::burn_pack::Scalar;
+use burn::tensor::DType as TensorDType;
+use burnscale_collective::Communicator;
+use burnscale_nn::weights::{Planned, SafetensorsWriter};
+use burnscale_nn::{BlockModel, dropout};
+use burnscale_precision::LossScaler;
+use burnscale_shard::Sharded;
+use burnscale_shard::layout::Slot;
+use memmap2::Mmap;
+use safetensors::tensor::Metadata;
+use safetensors::{Dtype, SafeTensors};
+use serde::{Deserialize, Serialize};
+
+use crate::TrainError;
+use crate::cli::{TrainArgs, value_name};
+use crate::optim::{LrSchedule, ParamOptimizer};
+use crate::runner::{BatchPart, TrainTask, gather_u64s};
+
+/// The layout version `meta.json` records; another one is refused.
+const FORMAT: u32 = 1;
+const META: &str = "meta.json";
+
+/// Everything that can go wrong finding, reading or writing a checkpoint.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("checkpoint {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a complete checkpoint (no {META}: an interrupted save?)")]
+    Incomplete { path: PathBuf },
+    #[error("checkpoint file {path} is damaged: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("checkpoint {path} does not fit this run: {detail}")]
+    Mismatch { path: PathBuf, detail: String },
+    #[error(
+        "rank {rank} could not write its part of checkpoint step {step} (its own error says why)"
+    )]
+    PeerWrite { rank: usize, step: usize },
+}
+
+/// A checkpoint's `meta.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Meta {
+    pub format: u32,
+    /// Optimizer steps taken.
+    pub step: usize,
+    /// Micro-batches each rank drew (the data sampler's position).
+    pub micro_batches: usize,
+    /// Samples per micro-step over all ranks (what the data position counts in).
+    pub global_batch: usize,
+    pub world_size: usize,
+    pub strategy: String,
+    pub precision: String,
+    /// What the weights (and so the optimizer state) are stored in.
+    pub param_dtype: String,
+    pub optimizer: String,
+    pub seed: u64,
+    pub loss_scaler: Option<LossScaler>,
+    /// Each rank's dropout stream: (seed, calls drawn).
+    pub dropout: Vec<(u64, u64)>,
+    pub params: Vec<SavedTensor>,
+    pub states: Vec<SavedState>,
+    pub files: Vec<SavedFile>,
+}
+
+/// A tensor as the checkpoint holds it whole (its rows spread over the files).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SavedTensor {
+    pub name: String,
+    pub dims: Vec<usize>,
+    pub dtype: String,
+}
+
+/// One parameter's optimizer state: tensors shaped as the parameter, and scalars (a step
+/// count).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavedState {
+    pub param: String,
+    pub tensors: Vec<SavedTensor>,
+    pub scalars: Vec<(String, String)>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SavedFile {
+    pub name: String,
+    pub bytes: u64,
+    pub crc32: u32,
+}
+
+fn step_dir(root: &Path, step: usize) -> PathBuf {
+    root.join(format!("step-{step:08}"))
+}
+
+fn rank_file(rank: usize) -> String {
+    format!("rank-{rank:05}.safetensors")
+}
+
+fn io_error(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Writes a checkpoint of the run after `step` into `root` (every rank calls it; rank 0
+/// completes it and prunes all but the newest `keep`). Returns the checkpoint's directory.
+#[allow(clippy::too_many_arguments)]
+pub fn save<M: BlockModel>(
+    comm: &dyn Communicator,
+    root: &Path,
+    step: usize,
+    engine: &Sharded<'_, M>,
+    optim: &ParamOptimizer,
+    args: &TrainArgs,
+    keep: Option<usize>,
+) -> Result<PathBuf, TrainError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let partial = root.join(format!(".step-{step:08}.partial"));
+    let prepared = match rank {
+        0 => fs::create_dir_all(root)
+            .and_then(|()| match partial.exists() {
+                true => fs::remove_dir_all(&partial),
+                false => Ok(()),
+            })
+            .and_then(|()| fs::create_dir(&partial))
+            .map_err(|e| io_error(&partial)(e).into()),
+        _ => Ok(()),
+    };
+    agree(comm, step, prepared, &[])?;
+    let written = write_rank_file(&partial.join(rank_file(rank)), rank, engine, optim);
+    let position = dropout::position();
+    let mine = match &written {
+        Ok((bytes, crc, _)) => [*bytes, *crc as u64, position.0, position.1],
+        Err(_) => [0; 4],
+    };
+    let ((_, _, states), all) = agree(comm, step, written, &mine)?;
+    let done = step_dir(root, step);
+    let completed = match rank {
+        0 => {
+            let held = engine.held_parameters();
+            let meta = Meta {
+                format: FORMAT,
+                step,
+                micro_batches: step * args.accumulate,
+                global_batch: world * args.batch_size,
+                world_size: world,
+                strategy: value_name(args.strategy),
+                precision: args.precision.to_string(),
+                param_dtype: format!("{:?}", args.precision.param_dtype()),
+                optimizer: value_name(args.optimizer),
+                seed: args.seed,
+                loss_scaler: engine.scaler().cloned(),
+                dropout: all.iter().map(|r| (r[2], r[3])).collect(),
+                params: engine
+                    .slots()
+                    .iter()
+                    .map(|s| SavedTensor {
+                        name: s.path.clone(),
+                        dims: s.dims.clone(),
+                        dtype: dtype_name(held[&s.id].dtype()),
+                    })
+                    .collect(),
+                states,
+                files: all
+                    .iter()
+                    .enumerate()
+                    .map(|(r, info)| SavedFile {
+                        name: rank_file(r),
+                        bytes: info[0],
+                        crc32: info[1] as u32,
+                    })
+                    .collect(),
+            };
+            complete(&partial, &done, &meta)
+                .and_then(|()| prune(root, keep))
+                .map_err(TrainError::from)
+        }
+        _ => Ok(()),
+    };
+    agree(comm, step, completed, &[])?;
+    Ok(done)
+}
+
+/// Every rank's `mine` once each has its `outcome` of a stage of saving `step` (a
+/// collective): this rank's error if it failed, else an error naming the first rank that
+/// did, so that all ranks stop alike and none waits for another.
+fn agree<T>(
+    comm: &dyn Communicator,
+    step: usize,
+    outcome: Result<T, TrainError>,
+    mine: &[u64],
+) -> Result<(T, Vec<Vec<u64>>), TrainError> {
+    let flagged: Vec<u64> = std::iter::once(outcome.is_ok() as u64)
+        .chain(mine.iter().copied())
+        .collect();
+    let all = gather_u64s(comm, &flagged)?;
+    let value = outcome?;
+    if let Some(rank) = all.iter().position(|r| r[0] == 0) {
+        return Err(CheckpointError::PeerWrite { rank, step }.into());
+    }
+    Ok((value, all.into_iter().map(|r| r[1..].to_vec()).collect()))
+}
+
+/// Writes `meta.json` last into the synced `partial` directory and renames it to `done`.
+fn complete(partial: &Path, done: &Path, meta: &Meta) -> Result<(), CheckpointError> {
+    let meta_path = partial.join(META);
+    let io = io_error(partial);
+    let json = serde_json::to_vec_pretty(meta).map_err(|e| io(std::io::Error::other(e)))?;
+    File::create(&meta_path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, &json).and_then(|()| f.sync_all()))
+        .and_then(|()| File::open(partial)?.sync_all())
+        .map_err(&io)?;
+    if done.exists() {
+        fs::remove_dir_all(done).map_err(io_error(done))?;
+    }
+    fs::rename(partial, done).map_err(io_error(done))?;
+    let root = done.parent().unwrap_or(Path::new("."));
+    File::open(root)
+        .and_then(|d| d.sync_all())
+        .map_err(io_error(root))
+}
+
+/// Removes all but the newest `keep` complete checkpoints under `root`, and what interrupted
+/// saves left there.
+fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
+    let entries = fs::read_dir(root).map_err(io_error(root))?;
+    let mut complete = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(".step-") && name.ends_with(".partial") {
+            let path = entry.path();
+            match path.is_dir() {
+                true => fs::remove_dir_all(&path),
+                false => fs::remove_file(&path),
+            }
+            .map_err(io_error(&path))?;
+        } else if let Some(step) = complete_step(&entry.path()) {
+            complete.push((step, entry.path()));
+        }
+    }
+    complete.sort();
+    let excess = complete.len().saturating_sub(keep.unwrap_or(usize::MAX));
+    for (_, path) in complete.into_iter().take(excess) {
+        fs::remove_dir_all(&path).map_err(io_error(&path))?;
+    }
+    Ok(())
+}
+
+/// The step of the complete checkpoint at `path` (`step-N` holding `meta.json`).
+fn complete_step(path: &Path) -> Option<usize> {
+    let name = path.file_name()?.to_str()?;
+    let step = name.strip_prefix("step-")?.parse().ok()?;
+    path.join(META).is_file().then_some(step)
+}
+
+/// This rank's file: the rows it owns of every parameter and optimizer state tensor. Returns
+/// its size, its CRC-32 and (for `meta.json`) the optimizer states' table.
+fn write_rank_file<M: BlockModel>(
+    path: &Path,
+    rank: usize,
+    engine: &Sharded<'_, M>,
+    optim: &ParamOptimizer,
+) -> Result<(u64, u32, Vec<SavedState>), TrainError> {
+    let slots: HashMap<&str, &Slot> = engine
+        .slots()
+        .iter()
+        .map(|s| (s.path.as_str(), s))
+        .collect();
+    let held = engine.held_parameters();
+    // The plan first (names, shapes, dtypes), then the values one tensor at a time.
+    let mut plan = Vec::new();
+    for slot in engine.slots() {
+        let (start, real) = slot.owned_rows(rank);
+        if real > 0 {
+            plan.push(planned(
+                &format!("param/{}", slot.path),
+                slot,
+                start,
+                real,
+                held[&slot.id].dtype(),
+            )?);
+        }
+    }
+    let mut states = Vec::new();
+    optim.for_each_state(|param, sink| {
+        let slot = slots.get(param).ok_or_else(|| {
+            TrainError::InvalidData(format!("optimizer state for `{param}`, no parameter"))
+        })?;
+        let (start, real) = slot.owned_rows(rank);
+        let mut tensors = Vec::new();
+        for (name, data) in &sink.tensors {
+            let mut dims: Vec<usize> = data.shape().iter().copied().collect();
+            check_rows(name, &dims, slot)?;
+            dims[0] = slot.dims[0];
+            if real > 0 {
+                plan.push(planned(
+                    &format!("optim/{name}"),
+                    slot,
+                    start,
+                    real,
+                    data.dtype(),
+                )?);
+            }
+            tensors.push(SavedTensor {
+                name: name.clone(),
+                dims,
+                dtype: dtype_name(data.dtype()),
+            });
+        }
+        let scalars = sink
+            .scalars
+            .iter()
+            .map(|(n, s)| (n.clone(), encode(s)))
+            .collect();
+        states.push(SavedState {
+            param: param.to_string(),
+            tensors,
+            scalars,
+        });
+        Ok(())
+    })?;
+    let mut writer = SafetensorsWriter::create_with(path, &plan, HashMap::new())?;
+    for slot in engine.slots() {
+        let (start, real) = slot.owned_rows(rank);
+        if real == 0 {
+            continue;
+        }
+        let value = held[&slot.id].clone();
+        let row = slot.numel() / slot.dims[0];
+        // A replica holds every row, a shard its own from 0.
+        let first = if value.dims()[0] == slot.numel() {
+            start
+        } else {
+            0
+        };
+        let rows = value.narrow(0, first * row, real * row).into_data();
+        writer.write_bytes(
+            &range_key(&format!("param/{}", slot.path), start, real),
+            rows.as_bytes(),
+        )?;
+    }
+    optim.for_each_state(|param, sink| {
+        let slot = slots[param];
+        let (start, real) = slot.owned_rows(rank);
+        if real == 0 {
+            return Ok(());
+        }
+        for (name, data) in &sink.tensors {
+            let row_bytes = data.as_bytes().len() / data.shape()[0];
+            let first = if data.shape()[0] == slot.dims[0] {
+                start
+            } else {
+                0
+            };
+            let bytes = &data.as_bytes()[first * row_bytes..(first + real) * row_bytes];
+            writer.write_bytes(&range_key(&format!("optim/{name}"), start, real), bytes)?;
+        }
+        Ok(())
+    })?;
+    writer.finish()?;
+    let (bytes, crc) = checksum(path)?;
+    Ok((bytes, crc, states))
+}
+
+/// An optimizer state tensor must be shaped as its parameter (or its shard) along dim 0 to
+/// be sliced by rows.
+fn check_rows(name: &str, dims: &[usize], slot: &Slot) -> Result<(), TrainError> {
+    let rest_matches = dims.get(1..) == slot.dims.get(1..);
+    if dims.is_empty() || !(dims[0] == slot.dims[0] || dims[0] == slot.rows) || !rest_matches {
+        return Err(TrainError::InvalidData(format!(
+            "optimizer state `{name}` has shape {dims:?}, not its parameter's rows ({:?}): it cannot be checkpointed by rows",
+            slot.dims
+        )));
+    }
+    Ok(())
+}
+
+fn planned(
+    prefix: &str,
+    slot: &Slot,
+    start: usize,
+    real: usize,
+    dtype: TensorDType,
+) -> Result<Planned, TrainError> {
+    let mut shape = slot.dims.clone();
+    shape[0] = real;
+    Ok(Planned {
+        key: range_key(prefix, start, real),
+        dtype: st_dtype(dtype)?,
+        shape,
+    })
+}
+
+fn range_key(prefix: &str, start: usize, real: usize) -> String {
+    format!("{prefix}/{start}:{}", start + real)
+}
+
+/// A file's size and CRC-32, read back from disk (what a later load will check).
+fn checksum(path: &Path) -> Result<(u64, u32), CheckpointError> {
+    let io = io_error(path);
+    let mut reader = BufReader::with_capacity(1 << 20, File::open(path).map_err(&io)?);
+    let (mut hasher, mut bytes) = (crc32fast::Hasher::new(), 0u64);
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut buf).map_err(&io)?;
+        if n == 0 {
+            return Ok((bytes, hasher.finalize()));
+        }
+        hasher.update(&buf[..n]);
+        bytes += n as u64;
+    }
+}
+
+fn dtype_name(dtype: TensorDType) -> String {
+    format!("{dtype:?}")
+}
+
+fn parse_dtype(name: &str) -> Option<TensorDType> {
+    [
+        TensorDType::F32,
+        TensorDType::F16,
+        TensorDType::BF16,
+        TensorDType::F64,
+    ]
+    .into_iter()
+    .find(|d| dtype_name(*d) == name)
+}
+
+fn st_dtype(dtype: TensorDType) -> Result<Dtype, TrainError> {
+    Ok(match dtype {
+        TensorDType::F32 => Dtype::F32,
+        TensorDType::F16 => Dtype::F16,
+        TensorDType::BF16 => Dtype::BF16,
+        TensorDType::F64 => Dtype::F64,
+        other => {
+            return Err(TrainError::InvalidData(format!(
+                "cannot checkpoint a {other:?} tensor"
+            )));
+        }
+    })
+}
+
+fn tensor_dtype(dtype: Dtype) -> Option<TensorDType> {
+    Some(match dtype {
+        Dtype::F32 => TensorDType::F32,
+        Dtype::F16 => TensorDType::F16,
+        Dtype::BF16 => TensorDType::BF16,
+        Dtype::F64 => TensorDType::F64,
+        _ => return None,
+    })
+}
+
+/// A scalar as text that parses back to the same value (floats by their bits).
+fn encode(scalar: &Scalar) -> String {
+    match scalar {
+        Scalar::Int(v) => format!("i{v}"),
+        Scalar::UInt(v) => format!("u{v}"),
+        Scalar::Float(v) => format!("f{:016x}", v.to_bits()),
+        Scalar::Bool(v) => format!("b{v}"),
+    }
+}
+
+fn decode(text: &str) -> Option<Scalar> {
+    let (kind, value) = text.split_at_checked(1)?;
+    Some(match kind {
+        "i" => Scalar::Int(value.parse().ok()?),
+        "u" => Scalar::UInt(value.parse().ok()?),
+        "f" => Scalar::Float(f64::from_bits(u64::from_str_radix(value, 16).ok()?)),
+        "b" => Scalar::Bool(value.parse().ok()?),
+        _ => return None,
+    })
+}
+
+/// A complete checkpoint, opened for reading: its `meta.json`, and each rank file once read
+/// (checked against its size and CRC-32 the first time).
+pub struct Checkpoint {
+    pub dir: PathBuf,
+    pub meta: Meta,
+    files: Vec<Option<RankFile>>,
+}
+
+struct RankFile {
+    map: Mmap,
+    data_start: usize,
+    header: Metadata,
+}
+
+impl Checkpoint {
+    /// The newest complete checkpoint under `root`, if any.
+    pub fn latest(root: &Path) -> Result<Option<Self>, CheckpointError> {
+        if !root.exists() {
+            return Ok(None);
+        }
+        let entries = fs::read_dir(root).map_err(io_error(root))?;
+        let newest = entries
+            .flatten()
+            .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
+            .max();
+        newest.map(|(_, path)| Self::open(&path)).transpose()
+    }
+
+    /// The checkpoint in `dir`.
+    pub fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        let path = dir.join(META);
+        if !path.is_file() {
+            return Err(CheckpointError::Incomplete {
+                path: dir.to_path_buf(),
+            });
+        }
+        let text = fs::read(&path).map_err(io_error(&path))?;
+        let meta: Meta = serde_json::from_slice(&text).map_err(|e| CheckpointError::Corrupt {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        if meta.format != FORMAT || meta.files.len() != meta.world_size {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!(
+                    "format {} with {} files for {} ranks (this build reads format {FORMAT})",
+                    meta.format,
+                    meta.files.len(),
+                    meta.world_size
+                ),
+            });
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            files: (0..meta.world_size).map(|_| None).collect(),
+            meta,
+        })
+    }
+
+    fn mismatch(&self, detail: String) -> CheckpointError {
+        CheckpointError::Mismatch {
+            path: self.dir.clone(),
+            detail,
+        }
+    }
+
+    /// `Ok` if the checkpoint holds exactly the parameters `slots` lay out, with their shapes;
+    /// else an error naming what differs.
+    pub fn check_model(&self, slots: &[Slot]) -> Result<(), CheckpointError> {
+        let saved: HashMap<&str, &Vec<usize>> = self
+            .meta
+            .params
+            .iter()
+            .map(|p| (p.name.as_str(), &p.dims))
+            .collect();
+        let mut problems = Vec::new();
+        for slot in slots {
+            match saved.get(slot.path.as_str()) {
+                None => problems.push(format!("`{}` is missing", slot.path)),
+                Some(dims) if **dims != slot.dims => problems.push(format!(
+                    "`{}` has shape {dims:?}, the model {:?}",
+                    slot.path, slot.dims
+                )),
+                Some(_) => {}
+            }
+        }
+        let ours: Vec<&str> = slots.iter().map(|s| s.path.as_str()).collect();
+        problems.extend(
+            self.meta
+                .params
+                .iter()
+                .filter(|p| !ours.contains(&p.name.as_str()))
+                .map(|p| format!("`{}` is not in the model", p.name)),
+        );
+        match problems.is_empty() {
+            true => Ok(()),
+            false => Err(self.mismatch(format!(
+                "another model or configuration: {}",
+                problems.join("; ")
+            ))),
+        }
+    }
+
+    /// Rank `r`'s file, read and checked the first time it is needed.
+    fn file(&mut self, r: usize) -> Result<&RankFile, CheckpointError> {
+        if self.files[r].is_none() {
+            let saved = &self.meta.files[r];
+            let path = self.dir.join(&saved.name);
+            let corrupt = |reason: String| CheckpointError::Corrupt {
+                path: path.clone(),
+                reason,
+            };
+            let (bytes, crc) = checksum(&path)?;
+            if bytes != saved.bytes {
+                return Err(corrupt(format!(
+                    "{bytes} bytes, {META} says {} (truncated?)",
+                    saved.bytes
+                )));
+            }
+            if crc != saved.crc32 {
+                return Err(corrupt(format!(
+                    "CRC-32 {crc:08x}, {META} says {:08x}",
+                    saved.crc32
+                )));
+            }
+            // SAFETY: a complete checkpoint's files are not written again.
+            let map = File::open(&path)
+                .and_then(|f| unsafe { Mmap::map(&f) })
+                .map_err(io_error(&path))?;
+            let (n, header) =
+                SafeTensors::read_metadata(&map).map_err(|e| corrupt(e.to_string()))?;
+            self.files[r] = Some(RankFile {
+                data_start: 8 + n,
+                map,
+                header,
+            });
+        }
+        Ok(self.files[r].as_ref().expect("read above"))
+    }
+
+    /// Rows `[from, from + count)` of `tensor` (saved under `prefix`: `param` or `optim`),
+    /// read from the files that hold them, with zero rows appended up to `pad_to` rows (a
+    /// shard's padding).
+    fn rows(
+        &mut self,
+        prefix: &str,
+        tensor: &SavedTensor,
+        from: usize,
+        count: usize,
+        pad_to: usize,
+    ) -> Result<TensorData, CheckpointError> {
+        let dims = &tensor.dims;
+        let dtype = parse_dtype(&tensor.dtype).ok_or_else(|| {
+            self.mismatch(format!("`{}` is stored as {}", tensor.name, tensor.dtype))
+        })?;
+        let row = dims[1..].iter().product::<usize>() * dtype.size();
+        let name = format!("{prefix}/{}", tensor.name);
+        let (world, per_rank) = (self.meta.world_size, dims[0].div_ceil(self.meta.world_size));
+        let mut bytes = Vec::with_capacity(pad_to.max(count) * row);
+        for r in 0..world {
+            let start = (r * per_rank).min(dims[0]);
+            let real = ((r + 1) * per_rank).min(dims[0]) - start;
+            let (lo, hi) = (from.max(start), (from + count).min(start + real));
+            if lo >= hi {
+                continue;
+            }
+            let key = range_key(&name, start, real);
+            let path = self.dir.join(rank_file(r));
+            let file = self.file(r)?;
+            let info = file.header.info(&key).filter(|i| {
+                tensor_dtype(i.dtype) == Some(dtype)
+                    && i.data_offsets.1 - i.data_offsets.0 == real * row
+            });
+            let Some(info) = info else {
+                return Err(CheckpointError::Corrupt {
+                    path,
+                    reason: format!("no {} tensor `{key}` of {real} rows", tensor.dtype),
+                });
+            };
+            let data = &file.map[file.data_start + info.data_offsets.0..][..real * row];
+            bytes.extend_from_slice(&data[(lo - start) * row..(hi - start) * row]);
+        }
+        bytes.resize(pad_to.max(count) * row, 0);
+        let mut shape = dims.clone();
+        shape[0] = pad_to.max(count);
+        Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
+    }
+}
+
+/// Where a resumed run continues: the checkpoint's step.
+pub struct Resumed {
+    pub dir: PathBuf,
+    pub step: usize,
+}
+
+/// Continues from `ckpt` on this rank: its parameters and optimizer state (the rows this
+/// rank's strategy holds), the loss scaler, the schedule, the data position and (at the same
+/// world size) the dropout stream. Checks first that the checkpoint fits the run.
+#[allow(clippy::too_many_arguments)]
+pub fn restore<T: TrainTask>(
+    mut ckpt: Checkpoint,
+    comm: &dyn Communicator,
+    engine: &mut Sharded<'_, T::Model>,
+    optim: &mut ParamOptimizer,
+    schedule: &mut LrSchedule,
+    task: &mut T,
+    args: &TrainArgs,
+    device: &Device,
+) -> Result<Resumed, TrainError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    ckpt.check_model(engine.slots())?;
+    let meta = ckpt.meta.clone();
+    let global_batch = world * args.batch_size;
+    let differs = |what: &str, saved: String, ours: String| {
+        (saved != ours).then(|| format!("{what} {saved}, this run {ours}"))
+    };
+    let problems: Vec<String> = [
+        differs(
+            "optimizer",
+            meta.optimizer.clone(),
+            value_name(args.optimizer),
+        ),
+        differs(
+            "samples per micro-step",
+            meta.global_batch.to_string(),
+            global_batch.to_string(),
+        ),
+        differs(
+            "weights stored in",
+            meta.param_dtype.clone(),
+            format!("{:?}", args.precision.param_dtype()),
+        ),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !problems.is_empty() {
+        return Err(ckpt.mismatch(problems.join("; ")).into());
+    }
+    if meta.step >= args.max_steps {
+        return Err(TrainError::InvalidArgs(format!(
+            "the checkpoint in {} is at step {}; --max-steps {} leaves nothing to train (raise it to continue)",
+            ckpt.dir.display(),
+            meta.step,
+            args.max_steps
+        )));
+    }
+    let sharding = engine.sharding();
+    let inner = device.clone().inner();
+    // The rows of a tensor shaped as `slot` this rank holds: its shard, or all of them.
+    let wanted = |slot: &Slot, sharded: bool| match sharded {
+        true => {
+            let (start, real) = slot.owned_rows(rank);
+            (start, real, slot.rows)
+        }
+        false => (0, slot.dims[0], slot.dims[0]),
+    };
+    let mut values = HashMap::new();
+    let saved: HashMap<&str, &SavedTensor> =
+        meta.params.iter().map(|p| (p.name.as_str(), p)).collect();
+    for slot in engine.slots() {
+        // check_model made sure every parameter is saved, with its shape.
+        let (from, count, pad) = wanted(slot, sharding.parameters);
+        let data = ckpt.rows("param", saved[slot.path.as_str()], from, count, pad)?;
+        values.insert(slot.id, flat(data, &inner));
+    }
+    engine.set_held_parameters(values);
+    let slots: HashMap<String, Slot> = engine
+        .slots()
+        .iter()
+        .map(|s| (s.path.clone(), s.clone()))
+        .collect();
+    for state in &meta.states {
+        let slot = &slots[&state.param];
+        let (from, count, pad) = wanted(slot, sharding.optimizer_state);
+        let scalars = state
+            .scalars
+            .iter()
+            .map(|(name, text)| {
+                decode(text)
+                    .map(|s| (name.clone(), s))
+                    .ok_or_else(|| ckpt.mismatch(format!("scalar `{name}` = {text:?}")))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut saved = StateSink {
+            scalars,
+            ..StateSink::default()
+        };
+        for t in &state.tensors {
+            let data = ckpt.rows("optim", t, from, count, pad)?;
+            saved.tensors.push((t.name.clone(), data));
+        }
+        optim.restore_state(slot.dims.len(), &state.param, saved, &inner)?;
+    }
+    if let Some(saved) = &meta.loss_scaler {
+        engine.restore_scaler(saved);
+    }
+    for _ in 0..meta.step {
+        schedule.next_lr();
+    }
+    task.skip(meta.micro_batches, device, BatchPart { rank, world });
+    // Another world size draws other masks anyway (each rank has its own stream).
+    if meta.world_size == world {
+        let (seed, calls) = meta.dropout[rank];
+        dropout::rewind(dropout::StreamPosition(seed, calls));
+    }
+    Ok(Resumed {
+        dir: ckpt.dir,
+        step: meta.step,
+    })
+}
+
+/// `data` (any shape) as a flat tensor on `device`, in its dtype.
+fn flat(data: TensorData, device: &Device) -> Tensor<1> {
+    let n = data.num_elements();
+    let dtype = data.dtype();
+    let bytes = data.into_bytes();
+    Tensor::from_data(
+        TensorData::from_bytes_vec(bytes.to_vec(), vec![n], dtype),
+        (device, dtype),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalars_round_trip_exactly() {
+        for s in [
+            Scalar::Int(-3),
+            Scalar::UInt(7),
+            Scalar::Float(0.1),
+            Scalar::Float(f64::NAN),
+            Scalar::Bool(true),
+        ] {
+            let back = decode(&encode(&s)).unwrap();
+            assert_eq!(format!("{back:?}"), format!("{s:?}"));
+        }
+        assert!(decode("x1").is_none() && decode("").is_none());
+    }
+}

@@ -1,0 +1,289 @@
+//! Sharded checkpoints: a run stopped at a checkpoint and resumed takes exactly the steps the
+//! uninterrupted run took (same world size and strategy, bit for bit, dropout included); a
+//! checkpoint resumes at another world size and strategy to f32 rounding; a damaged or
+//! foreign checkpoint is an error naming what is wrong; an interrupted save is never taken
+//! for a checkpoint.
+
+mod common;
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::nn::weights;
+use burnscale::tasks::NextToken;
+use burnscale::train::{RunSummary, TrainArgs, TrainError, train};
+use common::seeded_model;
+
+/// A directory of the test's own, empty.
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("burnscale-ckpt-{}-{name}", std::process::id()));
+    let _ = fs::remove_dir_all(&dir);
+    dir
+}
+
+fn tokens() -> Vec<i64> {
+    (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect()
+}
+
+/// Trains minGPT-tiny on the global batch of 12 samples per micro-step, `world` ranks
+/// reading 12/world each, for 9 steps (cosine schedule after a warm-up, AdamW, clipping),
+/// checkpointing into `dir` every 3.
+fn run(
+    dir: &Path,
+    strategy: &str,
+    world: usize,
+    dropout: f64,
+    extra: &[&str],
+) -> Result<(Gpt, RunSummary), TrainError> {
+    let (batch, devices) = ((12 / world).to_string(), world.to_string());
+    let base = [
+        "--strategy",
+        strategy,
+        "--devices",
+        &devices,
+        "--batch-size",
+        &batch,
+        "--max-steps",
+        "9",
+        "--warmup-steps",
+        "2",
+        "--lr",
+        "1e-2",
+        "--checkpoint-dir",
+        dir.to_str().unwrap(),
+        "--checkpoint-every",
+        "3",
+    ];
+    let mut args = TrainArgs::from_flags(&[&base[..], extra].concat()).unwrap();
+    args.gather_model = true;
+    let config = GptConfig::tiny().with_dropout(dropout);
+    let model = seeded_model(5, |device| Gpt::new(&config, device).unwrap());
+    let mut task = NextToken::new(tokens(), 8, args.batch_size, 5).unwrap();
+    let (model, summary) = train(model, &mut task, &args, &model_device())?;
+    Ok((model.expect("asked for the model"), summary))
+}
+
+fn model_device() -> burn::prelude::Device {
+    burn::prelude::Device::default().autodiff()
+}
+
+fn steps(summary: &RunSummary) -> Vec<(usize, f64, f64)> {
+    summary
+        .history
+        .iter()
+        .map(|m| (m.step, m.loss, m.grad_norm))
+        .collect()
+}
+
+/// Leaves only the checkpoint of `step` in `dir`.
+fn keep_only(dir: &Path, step: usize) {
+    for entry in fs::read_dir(dir).unwrap().flatten() {
+        if entry.file_name() != format!("step-{step:08}").as_str() {
+            fs::remove_dir_all(entry.path()).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
+    let offload_dir = scratch("offload-dir");
+    let offload_dir = offload_dir.to_str().unwrap();
+    for (strategy, world, extra) in [
+        ("single", 1, &[][..]),
+        ("ddp", 2, &[]),
+        ("zero1", 2, &[]),
+        ("zero2", 2, &["--accumulate", "2"]),
+        ("zero3", 2, &[]),
+        ("zero3", 2, &["--precision", "16-mixed"]),
+        ("zero2", 2, &["--precision", "bf16-true"]),
+        ("zero1", 2, &["--offload", "optimizer"]),
+        // The state read back from disk keeps its 16 bits (burn-optim's own reading gives f32).
+        (
+            "single",
+            1,
+            &["--precision", "bf16-true", "--offload-dir", offload_dir],
+        ),
+    ] {
+        let name = format!("{strategy}{world}{}", extra.join("").replace('/', "_"));
+        let dir = scratch(&name);
+        let (whole, uninterrupted) = run(&dir, strategy, world, 0.1, extra).unwrap();
+        keep_only(&dir, 6);
+        let mut flags = extra.to_vec();
+        flags.push("--resume");
+        let (resumed_model, resumed) = run(&dir, strategy, world, 0.1, &flags).unwrap();
+        fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            steps(&resumed),
+            steps(&uninterrupted)[6..],
+            "{name}: the resumed steps"
+        );
+        assert_eq!(
+            weights::collect(&resumed_model),
+            weights::collect(&whole),
+            "{name}: the final parameters"
+        );
+    }
+}
+
+#[test]
+fn a_checkpoint_resumes_at_another_world_size_and_strategy() {
+    let (a, b) = (scratch("reshard-a"), scratch("reshard-b"));
+    let (whole, uninterrupted) = run(&a, "zero3", 4, 0.0, &[]).unwrap();
+    fs::create_dir_all(&b).unwrap();
+    fs::rename(a.join("step-00000003"), b.join("step-00000003")).unwrap();
+    fs::remove_dir_all(&a).unwrap();
+    let (_, as_zero2) = run(&b, "zero2", 2, 0.0, &["--resume"]).unwrap();
+    keep_only(&b, 6);
+    let (single_model, as_single) = run(&b, "single", 1, 0.0, &["--resume"]).unwrap();
+    fs::remove_dir_all(&b).unwrap();
+
+    let expected = steps(&uninterrupted);
+    let got: Vec<_> = steps(&as_zero2)[..3]
+        .iter()
+        .chain(&steps(&as_single))
+        .copied()
+        .collect();
+    assert_eq!(got.len(), 6);
+    for ((step, loss, norm), (want_step, want_loss, want_norm)) in got.iter().zip(&expected[3..]) {
+        assert_eq!(step, want_step);
+        // Each world size sums the batch in its own order: f32 rounding, not more.
+        for (what, got, want) in [("loss", loss, want_loss), ("norm", norm, want_norm)] {
+            let relative = (got - want).abs() / want.abs();
+            assert!(
+                relative < 1e-5,
+                "step {step}: {what} {got}, uninterrupted {want}"
+            );
+        }
+    }
+    let (got, want) = (weights::collect(&single_model), weights::collect(&whole));
+    for (path, w) in &want {
+        let g = &got[path];
+        let (diff, norm) = g
+            .values
+            .iter()
+            .zip(&w.values)
+            .fold((0f64, 0f64), |(d, n), (a, b)| {
+                (d + ((a - b) as f64).powi(2), n + (*b as f64).powi(2))
+            });
+        assert!(
+            diff.sqrt() <= 1e-4 * norm.sqrt().max(1e-3),
+            "{path}: {diff:e} of {norm:e}"
+        );
+    }
+}
+
+#[test]
+fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
+    let dir = scratch("faults");
+    run(&dir, "zero2", 2, 0.0, &["--max-steps", "3"]).unwrap();
+    let file = dir.join("step-00000003/rank-00001.safetensors");
+    let pristine = fs::read(&file).unwrap();
+
+    // A flipped byte.
+    let mut bytes = pristine.clone();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x40;
+    fs::write(&file, &bytes).unwrap();
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rank-00001.safetensors") && err.contains("CRC-32"),
+        "{err}"
+    );
+
+    // A truncated file.
+    fs::write(&file, &pristine[..pristine.len() / 2]).unwrap();
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rank-00001.safetensors") && err.contains("truncated"),
+        "{err}"
+    );
+    fs::write(&file, &pristine).unwrap();
+
+    // Another model: wider, so every matrix differs.
+    let args = TrainArgs::from_flags(&[
+        "--resume",
+        "--checkpoint-dir",
+        dir.to_str().unwrap(),
+        "--batch-size",
+        "12",
+        "--max-steps",
+        "9",
+    ])
+    .unwrap();
+    let model = seeded_model(5, |device| {
+        Gpt::new(&GptConfig::new(2, 2, 32, 11, 8), device).unwrap()
+    });
+    let mut task = NextToken::new(tokens(), 8, 12, 5).unwrap();
+    let err = train(model, &mut task, &args, &model_device())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("another model")
+            && err.contains("`wte.weight` has shape [11, 16], the model [11, 32]"),
+        "{err}"
+    );
+
+    // Another optimizer.
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume", "--optimizer", "sgd"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("optimizer adamw, this run sgd"), "{err}");
+
+    // An interrupted save (no meta.json) is not a checkpoint, and the next save clears it.
+    fs::create_dir_all(dir.join(".step-00000006.partial")).unwrap();
+    fs::create_dir_all(dir.join("step-00000006")).unwrap();
+    fs::write(dir.join("step-00000006/rank-00000.safetensors"), b"half").unwrap();
+    let (_, resumed) = run(&dir, "zero2", 2, 0.0, &["--resume", "--max-steps", "4"]).unwrap();
+    assert_eq!(
+        resumed.history.first().map(|m| m.step),
+        Some(4),
+        "resumed from step 3"
+    );
+    assert!(!dir.join(".step-00000006.partial").exists());
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn old_checkpoints_go_only_once_a_new_one_is_complete() {
+    let dir = scratch("keep");
+    run(
+        &dir,
+        "zero1",
+        2,
+        0.0,
+        &["--checkpoint-every", "2", "--keep-checkpoints", "2"],
+    )
+    .unwrap();
+    let mut left: Vec<String> = fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["step-00000008", "step-00000009"]);
+
+    // A save that fails as it completes (a file where its directory goes): every rank
+    // stops with the error, and the checkpoint before it stays whole.
+    let failing = scratch("failing");
+    fs::create_dir_all(&failing).unwrap();
+    fs::write(failing.join("step-00000006"), b"in the way").unwrap();
+    let err = run(&failing, "zero3", 2, 0.0, &[]).unwrap_err().to_string();
+    assert!(err.contains("step-00000006"), "{err}");
+    let (_, resumed) = run(&failing, "zero3", 2, 0.0, &["--resume", "--max-steps", "4"]).unwrap();
+    assert_eq!(resumed.history.first().map(|m| m.step), Some(4));
+    fs::remove_dir_all(&failing).unwrap();
+
+    // A directory that cannot be made: an error before anything is lost.
+    let blocked = dir.join("step-00000009/meta.json/sub");
+    let err = run(&blocked, "zero1", 2, 0.0, &["--max-steps", "1"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("meta.json/sub"), "{err}");
+    assert!(dir.join("step-00000009/meta.json").is_file());
+    fs::remove_dir_all(&dir).unwrap();
+}
