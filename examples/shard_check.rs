@@ -5,14 +5,19 @@
 //!     cargo build --release --features mpi --example shard_check
 //!     mpirun --allow-run-as-root --oversubscribe -np 2 target/release/examples/shard_check
 //!
+//! With `--checkpoint-dir DIR` (the same path for every rank), also checks that each
+//! strategy resumed from a checkpoint takes the uninterrupted run's steps bit for bit.
+//!
 //! Exits non-zero if any strategy differs on any rank.
 
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use burnscale::check_ranks;
 use burnscale::collective::Communicator;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAMW, SGD, check};
+use burnscale::equivalence::{ADAMW, Comparison, SGD, check, check_resume};
+use burnscale::train::TrainError;
 use clap::Parser;
 
 #[derive(Parser)]
@@ -20,6 +25,9 @@ struct Cli {
     /// Ranks to run as threads [default: 2] (not under mpirun, where the world comes from MPI).
     #[arg(long)]
     devices: Option<usize>,
+    /// Also check resuming from a checkpoint written here (removed after).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
 }
 
 /// SGD (scale-sensitive) alone, with accumulation, and reducing in bf16 (16-bit values on
@@ -32,31 +40,42 @@ const SETTINGS: [(&[&str], &[&str]); 4] = [
 ];
 
 /// Prints this rank's results; returns how many failed.
-fn report(comm: &dyn Communicator) -> usize {
+fn report(comm: &dyn Communicator, checkpoint_dir: Option<&Path>) -> usize {
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut failed = 0;
+    let mut outcome = |case: String, found: Result<Comparison, TrainError>| match found {
+        Ok(found) if found.agrees() => {
+            println!("PASS {case} (used {:.1e} of the tolerance)", found.worst)
+        }
+        Ok(found) => {
+            failed += 1;
+            println!("FAIL {case}:\n  {}", found.differences.join("\n  "));
+        }
+        Err(e) => {
+            failed += 1;
+            println!("FAIL {case}: {e}");
+        }
+    };
     for strategy in ["ddp", "zero1", "zero2", "zero3"] {
         for (optimizer, extra) in SETTINGS {
             let flags = [optimizer, extra].concat();
             let case = format!("[rank {rank}/{world}] {strategy} {}", flags.join(" "));
-            match check(comm, strategy, &flags) {
-                Ok(found) if found.agrees() => {
-                    println!("PASS {case} (used {:.1e} of the tolerance)", found.worst)
-                }
-                Ok(found) => {
-                    failed += 1;
-                    println!("FAIL {case}:\n  {}", found.differences.join("\n  "));
-                }
-                Err(e) => {
-                    failed += 1;
-                    println!("FAIL {case}: {e}");
-                }
-            }
+            outcome(case, check(comm, strategy, &flags));
+        }
+        if let Some(dir) = checkpoint_dir {
+            let case = format!("[rank {rank}/{world}] {strategy} resumed from a checkpoint");
+            outcome(
+                case,
+                check_resume(comm, strategy, &dir.join(strategy), ADAMW),
+            );
         }
     }
     failed
 }
 
 fn main() -> ExitCode {
-    check_ranks(Cli::parse().devices, DEFAULT_TIMEOUT, report)
+    let cli = Cli::parse();
+    check_ranks(cli.devices, DEFAULT_TIMEOUT, |comm| {
+        report(comm, cli.checkpoint_dir.as_deref())
+    })
 }

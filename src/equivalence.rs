@@ -5,7 +5,7 @@
 //! `examples/shard_check.rs` runs it under mpirun.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -16,7 +16,7 @@ use burnscale_collective::{Communicator, DType};
 use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{self, Weight};
-use burnscale_train::{OptimizerKind, TrainArgs, TrainError, train_on};
+use burnscale_train::{OptimizerKind, RunSummary, TrainArgs, TrainError, train_on};
 
 use crate::reference::PlainConfig;
 use crate::tasks::NextToken;
@@ -180,6 +180,84 @@ pub fn check_with_dropout(
     Ok(Comparison {
         differences,
         worst: worse(worst, params_worst),
+    })
+}
+
+/// Trains a tiny minGPT with dropout for 6 steps under `strategy` on `comm`, checkpointing
+/// into `dir` (the same path on every rank) every 3 steps, then again from the step-3
+/// checkpoint (`--resume`): the resumed run must take the uninterrupted run's last 3 steps
+/// (loss, gradient norm) and end with its parameters, bit for bit. `dir` is removed after.
+pub fn check_resume(
+    comm: &dyn Communicator,
+    strategy: &str,
+    dir: &Path,
+    flags: &[&str],
+) -> Result<Comparison, TrainError> {
+    let batch = (GLOBAL_BATCH / comm.world_size()).to_string();
+    let seed = SEED.to_string();
+    let dir_flag = dir.to_string_lossy();
+    let base = [
+        "--strategy",
+        strategy,
+        "--batch-size",
+        &batch,
+        "--max-steps",
+        "6",
+        "--warmup-steps",
+        "2",
+        "--seed",
+        &seed,
+        "--checkpoint-dir",
+        &dir_flag,
+        "--checkpoint-every",
+        "3",
+    ];
+    let mut args = TrainArgs::from_flags(&[&base[..], flags].concat())
+        .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
+    args.gather_model = true;
+    let config = GptConfig::tiny().with_dropout(0.1);
+    let model = || seeded_model(SEED, |device| Gpt::new(&config, device).expect("valid"));
+    let task = || NextToken::new(tokens(), BLOCK, args.batch_size, SEED);
+    let device = Device::default().autodiff();
+    let (whole, uninterrupted) = train_on(comm, model(), &mut task()?, &args, &device)?;
+    let io = |e: std::io::Error| TrainError::InvalidData(format!("{}: {e}", dir.display()));
+    comm.barrier()?;
+    if comm.rank() == 0 {
+        std::fs::remove_dir_all(dir.join("step-00000006")).map_err(io)?;
+    }
+    comm.barrier()?;
+    args.resume = true;
+    let (resumed_model, resumed) = train_on(comm, model(), &mut task()?, &args, &device)?;
+    comm.barrier()?;
+    if comm.rank() == 0 {
+        std::fs::remove_dir_all(dir).map_err(io)?;
+    }
+    let steps = |s: &RunSummary| -> Vec<(usize, f64, f64)> {
+        s.history
+            .iter()
+            .map(|m| (m.step, m.loss, m.grad_norm))
+            .collect()
+    };
+    let mut differences = Vec::new();
+    let (want, got) = (steps(&uninterrupted), steps(&resumed));
+    if got[..] != want[3..] {
+        differences.push(format!(
+            "resumed steps {got:?}, uninterrupted {:?}",
+            &want[3..]
+        ));
+    }
+    let (want, got) = (
+        weights::collect(&whole.expect("asked for")),
+        weights::collect(&resumed_model.expect("asked for")),
+    );
+    differences.extend(
+        want.iter()
+            .filter(|(path, w)| got.get(*path) != Some(w))
+            .map(|(path, _)| format!("{path} differs after resuming")),
+    );
+    Ok(Comparison {
+        differences,
+        worst: 0.0,
     })
 }
 

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
+use burnscale::train::checkpoint::Checkpoint;
 use burnscale::train::{RunSummary, TrainArgs, TrainError, train};
 use common::seeded_model;
 
@@ -285,5 +286,39 @@ fn old_checkpoints_go_only_once_a_new_one_is_complete() {
         .to_string();
     assert!(err.contains("meta.json/sub"), "{err}");
     assert!(dir.join("step-00000009/meta.json").is_file());
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_consolidated_checkpoint_is_the_saved_model() {
+    let dir = scratch("consolidate");
+    let saved = dir.with_extension("saved.safetensors");
+    let (_, summary) = run(
+        &dir,
+        "zero3",
+        2,
+        0.0,
+        &["--max-steps", "3", "--save", saved.to_str().unwrap()],
+    )
+    .unwrap();
+    assert_eq!(summary.steps, 3);
+    let mut ckpt = Checkpoint::find(&dir).unwrap();
+    assert!(ckpt.describe().contains("step 3"), "{}", ckpt.describe());
+    let out = dir.join("consolidated.safetensors");
+    ckpt.consolidate(&out, false).unwrap();
+    let sorted = |path: &Path| {
+        let mut w = weights::read_safetensors(path).unwrap();
+        w.sort_by(|a, b| a.key.cmp(&b.key));
+        w
+    };
+    // The end-of-training --save streams the same values in the same (GPT-2) layout.
+    assert_eq!(sorted(&out), sorted(&saved));
+    burnscale::mingpt::loader::load(&out, &GptConfig::tiny(), &model_device()).unwrap();
+
+    let with_state = dir.join("with-optimizer.safetensors");
+    let count = ckpt.consolidate(&with_state, true).unwrap();
+    let params = weights::read_safetensors(&saved).unwrap().len();
+    assert_eq!(count, 3 * params, "AdamW's two moments per parameter");
+    fs::remove_file(&saved).unwrap();
     fs::remove_dir_all(&dir).unwrap();
 }

@@ -20,7 +20,7 @@ use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::DType as TensorDType;
 use burnscale_collective::Communicator;
-use burnscale_nn::weights::{Planned, SafetensorsWriter};
+use burnscale_nn::weights::{KeyMap, Planned, SafetensorsWriter, Weight};
 use burnscale_nn::{BlockModel, dropout};
 use burnscale_precision::LossScaler;
 use burnscale_shard::Sharded;
@@ -90,6 +90,10 @@ pub struct SavedTensor {
     pub name: String,
     pub dims: Vec<usize>,
     pub dtype: String,
+    /// A parameter's file keys in the model's own checkpoint layout (HF's), and whether each
+    /// is stored transposed: what consolidation writes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub export: Vec<(String, bool)>,
 }
 
 /// One parameter's optimizer state: tensors shaped as the parameter, and scalars (a step
@@ -124,16 +128,17 @@ fn io_error(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
 }
 
 /// Writes a checkpoint of the run after `step` into `root` (every rank calls it; rank 0
-/// completes it and prunes all but the newest `keep`). Returns the checkpoint's directory.
-#[allow(clippy::too_many_arguments)]
+/// completes it and prunes all but the newest `--keep-checkpoints`). `keys` name the
+/// parameters in the model's own layout, for consolidation. Returns the checkpoint's
+/// directory.
 pub fn save<M: BlockModel>(
     comm: &dyn Communicator,
     root: &Path,
     step: usize,
     engine: &Sharded<'_, M>,
     optim: &ParamOptimizer,
+    keys: &dyn KeyMap,
     args: &TrainArgs,
-    keep: Option<usize>,
 ) -> Result<PathBuf, TrainError> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let partial = root.join(format!(".step-{step:08}.partial"));
@@ -148,7 +153,7 @@ pub fn save<M: BlockModel>(
         _ => Ok(()),
     };
     agree(comm, step, prepared, &[])?;
-    let written = write_rank_file(&partial.join(rank_file(rank)), rank, engine, optim);
+    let written = write_rank_file(&partial.join(rank_file(rank)), step, rank, engine, optim);
     let position = dropout::position();
     let mine = match &written {
         Ok((bytes, crc, _)) => [*bytes, *crc as u64, position.0, position.1],
@@ -179,6 +184,11 @@ pub fn save<M: BlockModel>(
                         name: s.path.clone(),
                         dims: s.dims.clone(),
                         dtype: dtype_name(held[&s.id].dtype()),
+                        export: keys
+                            .saved_as(&s.path, &s.dims)
+                            .into_iter()
+                            .map(|saved| (saved.key, saved.transposed))
+                            .collect(),
                     })
                     .collect(),
                 states,
@@ -193,7 +203,7 @@ pub fn save<M: BlockModel>(
                     .collect(),
             };
             complete(&partial, &done, &meta)
-                .and_then(|()| prune(root, keep))
+                .and_then(|()| prune(root, args.keep_checkpoints))
                 .map_err(TrainError::from)
         }
         _ => Ok(()),
@@ -278,6 +288,7 @@ fn complete_step(path: &Path) -> Option<usize> {
 /// its size, its CRC-32 and (for `meta.json`) the optimizer states' table.
 fn write_rank_file<M: BlockModel>(
     path: &Path,
+    step: usize,
     rank: usize,
     engine: &Sharded<'_, M>,
     optim: &ParamOptimizer,
@@ -326,6 +337,7 @@ fn write_rank_file<M: BlockModel>(
                 name: name.clone(),
                 dims,
                 dtype: dtype_name(data.dtype()),
+                export: Vec::new(),
             });
         }
         let scalars = sink
@@ -360,6 +372,7 @@ fn write_rank_file<M: BlockModel>(
             rows.as_bytes(),
         )?;
     }
+    kill_if_asked(step, rank);
     optim.for_each_state(|param, sink| {
         let slot = slots[param];
         let (start, real) = slot.owned_rows(rank);
@@ -381,6 +394,18 @@ fn write_rank_file<M: BlockModel>(
     writer.finish()?;
     let (bytes, crc) = checksum(path)?;
     Ok((bytes, crc, states))
+}
+
+/// The crash tests' fault injection: with `BURNSCALE_KILL_IN_SAVE=<step>:<rank>` in its
+/// environment, that rank's process kills itself (SIGKILL, as `kill -9` would) with its file
+/// of that step's checkpoint half written.
+fn kill_if_asked(step: usize, rank: usize) {
+    if std::env::var("BURNSCALE_KILL_IN_SAVE").is_ok_and(|v| v == format!("{step}:{rank}")) {
+        let pid = std::process::id().to_string();
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid])
+            .status();
+    }
 }
 
 /// An optimizer state tensor must be shaped as its parameter (or its shard) along dim 0 to
@@ -678,6 +703,153 @@ impl Checkpoint {
         let mut shape = dims.clone();
         shape[0] = pad_to.max(count);
         Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
+    }
+}
+
+impl Checkpoint {
+    /// The newest complete checkpoint under `path`, or the checkpoint `path` is.
+    pub fn find(path: &Path) -> Result<Self, CheckpointError> {
+        if path.join(META).is_file() {
+            return Self::open(path);
+        }
+        Self::latest(path)?.ok_or_else(|| CheckpointError::Incomplete {
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// What the checkpoint holds, one line each.
+    pub fn describe(&self) -> String {
+        let m = &self.meta;
+        let param_bytes: usize = m
+            .params
+            .iter()
+            .map(|p| {
+                p.dims.iter().product::<usize>() * parse_dtype(&p.dtype).map_or(0, |d| d.size())
+            })
+            .sum();
+        let state_bytes: usize = m
+            .states
+            .iter()
+            .flat_map(|s| &s.tensors)
+            .map(|t| {
+                t.dims.iter().product::<usize>() * parse_dtype(&t.dtype).map_or(0, |d| d.size())
+            })
+            .sum();
+        let mut lines = vec![
+            format!("checkpoint {} (format {})", self.dir.display(), m.format),
+            format!(
+                "step {} ({} micro-batches of {} samples drawn), seed {}",
+                m.step, m.micro_batches, m.global_batch, m.seed
+            ),
+            format!(
+                "saved by {} ranks under --strategy {} --precision {} --optimizer {}",
+                m.world_size, m.strategy, m.precision, m.optimizer
+            ),
+            format!(
+                "{} parameters in {} tensors ({} B), optimizer state {} B in {} tensors",
+                m.params
+                    .iter()
+                    .map(|p| p.dims.iter().product::<usize>())
+                    .sum::<usize>(),
+                m.params.len(),
+                param_bytes,
+                state_bytes,
+                m.states.iter().map(|s| s.tensors.len()).sum::<usize>()
+            ),
+        ];
+        if let Some(scaler) = &m.loss_scaler {
+            lines.push(format!("loss scale {}", scaler.scale()));
+        }
+        lines.extend(
+            m.files
+                .iter()
+                .map(|f| format!("  {}: {} B, CRC-32 {:08x}", f.name, f.bytes, f.crc32)),
+        );
+        lines.extend(m.params.iter().map(|p| {
+            let keys: Vec<&str> = p.export.iter().map(|(k, _)| k.as_str()).collect();
+            format!(
+                "  {} {:?} {} -> {}",
+                p.name,
+                p.dims,
+                p.dtype,
+                keys.join(", ")
+            )
+        }));
+        lines.join("\n")
+    }
+
+    /// Writes the whole model to `out` in its own checkpoint layout (HF names and layouts,
+    /// which the loaders' `--weights` read), as f32, one parameter at a time; with
+    /// `with_optimizer`, every optimizer state tensor too (`optimizer.<name>`). Returns the
+    /// number of tensors written.
+    pub fn consolidate(&mut self, out: &Path, with_optimizer: bool) -> Result<usize, TrainError> {
+        let meta = self.meta.clone();
+        let transposed = |dims: &[usize], t: bool| {
+            let mut dims = dims.to_vec();
+            if t {
+                dims.reverse();
+            }
+            dims
+        };
+        let mut plan = Vec::new();
+        for p in &meta.params {
+            if p.export.is_empty() {
+                return Err(self
+                    .mismatch(format!(
+                        "`{}` has no file key (saved by an older build?)",
+                        p.name
+                    ))
+                    .into());
+            }
+            plan.extend(p.export.iter().map(|(key, t)| Planned {
+                key: key.clone(),
+                dtype: Dtype::F32,
+                shape: transposed(&p.dims, *t),
+            }));
+        }
+        let states: Vec<&SavedTensor> = match with_optimizer {
+            true => meta.states.iter().flat_map(|s| &s.tensors).collect(),
+            false => Vec::new(),
+        };
+        plan.extend(states.iter().map(|t| Planned {
+            key: format!("optimizer.{}", t.name),
+            dtype: Dtype::F32,
+            shape: t.dims.clone(),
+        }));
+        let metadata = HashMap::from([
+            ("format".to_string(), "pt".to_string()),
+            ("step".to_string(), meta.step.to_string()),
+        ]);
+        let mut writer = SafetensorsWriter::create_with(out, &plan, metadata)?;
+        for p in &meta.params {
+            let weight = self.whole("param", p)?;
+            for (key, t) in &p.export {
+                match t {
+                    true => writer.write(key, &weight.clone().transposed().values)?,
+                    false => writer.write(key, &weight.values)?,
+                }
+            }
+        }
+        for t in &states {
+            let weight = self.whole("optim", t)?;
+            writer.write(&format!("optimizer.{}", t.name), &weight.values)?;
+        }
+        writer.finish()?;
+        Ok(plan.len())
+    }
+
+    /// The whole of `tensor` (saved under `prefix`) as f32.
+    fn whole(&mut self, prefix: &str, tensor: &SavedTensor) -> Result<Weight, TrainError> {
+        let d0 = tensor.dims[0];
+        let values = self
+            .rows(prefix, tensor, 0, d0, d0)?
+            .try_into_vec_as::<f32>()
+            .map_err(|e| self.mismatch(format!("`{}`: {e:?}", tensor.name)))?;
+        Ok(Weight {
+            key: String::new(),
+            shape: tensor.dims.clone(),
+            values,
+        })
     }
 }
 

@@ -297,15 +297,7 @@ pub fn train_on<T: TrainTask>(
             && (step == args.max_steps
                 || (args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every)))
         {
-            checkpoint::save(
-                comm,
-                dir,
-                step,
-                &engine,
-                &optim,
-                args,
-                args.keep_checkpoints,
-            )?;
+            checkpoint::save(comm, dir, step, &engine, &optim, &*keys, args)?;
         }
         history.push(last);
         progress.set_position(step as u64);
