@@ -129,8 +129,8 @@ fn io_error(path: &Path) -> impl Fn(std::io::Error) -> CheckpointError + '_ {
 
 /// Writes a checkpoint of the run after `step` into `root` (every rank calls it; rank 0
 /// completes it and prunes all but the newest `--keep-checkpoints`). `keys` name the
-/// parameters in the model's own layout, for consolidation. Returns the checkpoint's
-/// directory.
+/// parameters in the model's own layout, for consolidation. Returns the bytes the ranks
+/// wrote.
 pub fn save<M: BlockModel>(
     comm: &dyn Communicator,
     root: &Path,
@@ -139,7 +139,7 @@ pub fn save<M: BlockModel>(
     optim: &ParamOptimizer,
     keys: &dyn KeyMap,
     args: &TrainArgs,
-) -> Result<PathBuf, TrainError> {
+) -> Result<u64, TrainError> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let partial = root.join(format!(".step-{step:08}.partial"));
     let prepared = match rank {
@@ -209,7 +209,7 @@ pub fn save<M: BlockModel>(
         _ => Ok(()),
     };
     agree(comm, step, completed, &[])?;
-    Ok(done)
+    Ok(all.iter().map(|r| r[0]).sum())
 }
 
 /// Every rank's `mine` once each has its `outcome` of a stage of saving `step` (a

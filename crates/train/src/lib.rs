@@ -17,5 +17,7 @@ pub use burnscale_precision::Precision;
 pub use cli::{Offload, OptimizerKind, ReduceDtype, Schedule, Strategy, TrainArgs, value_name};
 pub use error::TrainError;
 pub use optim::{LrSchedule, ParamOptimizer};
-pub use report::{ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput};
+pub use report::{
+    CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
+};
 pub use runner::{Batch, BatchPart, Logits, StepMetrics, TrainTask, train, train_on};

@@ -129,6 +129,24 @@ pub struct RunSummary {
     /// What `--save` took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save: Option<SaveReport>,
+    /// What checkpointing (`--checkpoint-dir`) took.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoints: Option<CheckpointReport>,
+}
+
+/// Checkpoints saved and loaded in a run, as this rank saw them.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct CheckpointReport {
+    /// The step the run resumed from (`--resume`), and the seconds loading took.
+    pub resumed_from: Option<usize>,
+    pub load_s: f64,
+    pub saves: usize,
+    /// Bytes of the last checkpoint, over all ranks' files.
+    pub bytes: u64,
+    /// Seconds spent saving, in all.
+    pub save_s: f64,
+    /// This process's highest live heap while saving (left out of `peak_mem_bytes`).
+    pub save_peak_mem_bytes: usize,
 }
 
 /// The end-of-training save (`--save`), as this rank saw it.
@@ -195,6 +213,7 @@ impl RunSummary {
             peak_flops,
             mfu,
             save: None,
+            checkpoints: None,
             history,
         }
     }
@@ -294,6 +313,27 @@ impl RunSummary {
                     human_bytes(save.peak_mem_bytes.saturating_sub(save.live_before_bytes))
                 ),
             ));
+        }
+        if let Some(c) = &self.checkpoints {
+            if let Some(step) = c.resumed_from {
+                rows.push((
+                    "resumed",
+                    format!("from step {step}, loaded in {:.2} s", c.load_s),
+                ));
+            }
+            if c.saves > 0 {
+                rows.push((
+                    "checkpoints",
+                    format!(
+                        "{} saved in {:.2} s ({} each, {:.2} GB/s), peak {} while saving",
+                        c.saves,
+                        c.save_s,
+                        human_bytes(c.bytes as usize),
+                        (c.saves as f64 * c.bytes as f64) / c.save_s / 1e9,
+                        human_bytes(c.save_peak_mem_bytes)
+                    ),
+                ));
+            }
         }
         let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
         rows.iter()

@@ -21,7 +21,9 @@ use crate::accelerator::Accelerator;
 use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Offload, Strategy};
 use crate::optim::{LrSchedule, ParamOptimizer};
-use crate::report::{ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput};
+use crate::report::{
+    CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
+};
 use crate::{TrainArgs, TrainError, memory, speed};
 
 /// A micro-batch: what the model's embeddings read, and what its loss compares against.
@@ -206,7 +208,9 @@ pub fn train_on<T: TrainTask>(
         engine = engine.offload_params(Device::flex())?;
     }
     let mut first_step = 1;
+    let mut checkpoints = CheckpointReport::default();
     if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
+        let loading = Instant::now();
         match Checkpoint::latest(dir)? {
             Some(ckpt) => {
                 let resumed = checkpoint::restore(
@@ -220,6 +224,8 @@ pub fn train_on<T: TrainTask>(
                     device,
                 )?;
                 first_step = resumed.step + 1;
+                checkpoints.resumed_from = Some(resumed.step);
+                checkpoints.load_s = loading.elapsed().as_secs_f64();
                 if lead {
                     eprintln!(
                         "resuming from {} (step {})",
@@ -245,6 +251,8 @@ pub fn train_on<T: TrainTask>(
     let mut history = Vec::with_capacity(args.max_steps);
     // Host transfers in training steps, without evaluations.
     let mut transferred = 0;
+    // The process peak of training so far, before a checkpoint reset it.
+    let mut training_peak = 0;
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
@@ -297,7 +305,17 @@ pub fn train_on<T: TrainTask>(
             && (step == args.max_steps
                 || (args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every)))
         {
-            checkpoint::save(comm, dir, step, &engine, &optim, &*keys, args)?;
+            // Saving's peak is reported on its own, not as training's.
+            training_peak = training_peak.max(memory::peak_bytes());
+            memory::reset_peak();
+            let saving = Instant::now();
+            let bytes = checkpoint::save(comm, dir, step, &engine, &optim, &*keys, args)?;
+            checkpoints.saves += 1;
+            checkpoints.bytes = bytes;
+            checkpoints.save_s += saving.elapsed().as_secs_f64();
+            checkpoints.save_peak_mem_bytes =
+                checkpoints.save_peak_mem_bytes.max(memory::peak_bytes());
+            memory::reset_peak();
         }
         history.push(last);
         progress.set_position(step as u64);
@@ -331,7 +349,7 @@ pub fn train_on<T: TrainTask>(
     }
     progress.finish_and_clear();
     let elapsed_s = start.elapsed().as_secs_f64();
-    let peak_mem = memory::peak_bytes();
+    let peak_mem = memory::peak_bytes().max(training_peak);
 
     let (val_loss, accuracy) =
         task.evaluate(&mut |x| engine.eval_logits(x), &engine.eval_device())?;
@@ -384,6 +402,8 @@ pub fn train_on<T: TrainTask>(
         summary.skipped_steps = skipped;
     }
     summary.save = saved;
+    summary.checkpoints =
+        (checkpoints.saves > 0 || checkpoints.resumed_from.is_some()).then_some(checkpoints);
     if let Some(path) = args.summary_json.as_ref().filter(|_| lead) {
         summary.write_json(path)?;
     }
