@@ -60,6 +60,10 @@ impl TrainTask for NextToken {
         self.train.batch(self.batch, part, device)
     }
 
+    fn skip(&mut self, micro_batches: usize, _device: &Device, part: BatchPart) {
+        self.train.skip(micro_batches, self.batch * part.world);
+    }
+
     fn items(&self, x: &Tensor<2, Int>) -> usize {
         x.shape().num_elements()
     }
@@ -125,6 +129,10 @@ impl TrainTask for ImageClassification {
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Vit> {
         let mine = self.sampler.next_batch(self.batch, part);
         self.train.batch(&mine, &self.prep, device)
+    }
+
+    fn skip(&mut self, micro_batches: usize, _device: &Device, part: BatchPart) {
+        self.sampler.skip(micro_batches, self.batch, part);
     }
 
     fn items(&self, x: &Tensor<4>) -> usize {
@@ -250,6 +258,10 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
         self.batch_of(&rows, device)
     }
 
+    fn skip(&mut self, micro_batches: usize, _device: &Device, part: BatchPart) {
+        self.sampler.skip(micro_batches, self.batch, part);
+    }
+
     fn items(&self, input: &BertInput) -> usize {
         input.input_ids.dims()[0]
     }
@@ -325,6 +337,13 @@ impl EpochSampler {
     }
 
     /// `part`'s `batch` indices of the next global batch of `batch * part.world`.
+    /// Moves past `batches` micro-batches, as if drawn.
+    fn skip(&mut self, batches: usize, batch: usize, part: BatchPart) {
+        for _ in 0..batches {
+            self.next_batch(batch, part);
+        }
+    }
+
     fn next_batch(&mut self, batch: usize, part: BatchPart) -> Vec<usize> {
         let global: Vec<usize> = (0..batch * part.world)
             .map(|_| {

@@ -43,9 +43,7 @@ impl TokenWindows {
         device: &Device,
     ) -> (Tensor<2, Int>, Tensor<2, Int>) {
         let (mut x, mut y) = (Vec::with_capacity(batch * self.block), Vec::new());
-        let starts: Vec<usize> = (0..batch * part.world)
-            .map(|_| self.rng.random_range(0..self.tokens.len() - self.block))
-            .collect();
+        let starts = self.starts(batch * part.world);
         for &start in &starts[part.rank * batch..(part.rank + 1) * batch] {
             x.extend_from_slice(&self.tokens[start..start + self.block]);
             y.extend_from_slice(&self.tokens[start + 1..start + self.block + 1]);
@@ -55,6 +53,22 @@ impl TokenWindows {
             Tensor::from_data(TensorData::new(x, shape), device),
             Tensor::from_data(TensorData::new(y, shape), device),
         )
+    }
+}
+
+impl TokenWindows {
+    /// Moves past `batches` global batches of `global` windows each, as if drawn.
+    pub fn skip(&mut self, batches: usize, global: usize) {
+        for _ in 0..batches {
+            self.starts(global);
+        }
+    }
+
+    /// The offsets of the next `n` windows.
+    fn starts(&mut self, n: usize) -> Vec<usize> {
+        (0..n)
+            .map(|_| self.rng.random_range(0..self.tokens.len() - self.block))
+            .collect()
     }
 }
 
@@ -71,6 +85,23 @@ mod tests {
         let y: Vec<i64> = y.into_data().try_into_vec_as().unwrap();
         assert!(x.iter().zip(&y).all(|(a, b)| a + 1 == *b));
         assert!(TokenWindows::new((0..8).collect(), 8, 0).is_err());
+    }
+
+    #[test]
+    fn skipping_batches_draws_what_drawing_them_would() {
+        let device = Device::default();
+        let rows = |t: Tensor<2, Int>| -> Vec<i64> { t.into_data().try_into_vec_as().unwrap() };
+        let mut drawn = TokenWindows::new((0..100).collect(), 4, 3).unwrap();
+        let mut skipped = drawn.clone();
+        let part = BatchPart { rank: 1, world: 2 };
+        for _ in 0..3 {
+            drawn.batch(2, part, &device);
+        }
+        skipped.skip(3, 4);
+        assert_eq!(
+            rows(skipped.batch(2, part, &device).0),
+            rows(drawn.batch(2, part, &device).0)
+        );
     }
 
     #[test]
