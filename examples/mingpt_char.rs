@@ -11,7 +11,7 @@ use burnscale::mingpt::{Gpt, GptConfig, Sampling, loader};
 use burnscale::tasks::NextToken;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, train};
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 use rand::SeedableRng;
 
 #[global_allocator]
@@ -91,13 +91,12 @@ fn run() -> Result<()> {
     // Runner defaults for this example that reach val loss < 2.0 in a few minutes on 2 CPU
     // cores (as nanoGPT's CPU recipe for a 4-layer char model: short context, no dropout,
     // a high learning rate after a warm-up).
-    let matches = Cli::command()
-        .mut_arg("lr", |a| a.default_value("2e-3"))
-        .mut_arg("warmup_steps", |a| a.default_value("100"))
-        .mut_arg("max_steps", |a| a.default_value("2500"))
-        .mut_arg("eval_interval", |a| a.default_value("250"))
-        .get_matches();
-    let cli = Cli::from_arg_matches(&matches)?;
+    let cli: Cli = burnscale::parse_with_defaults(&[
+        ("lr", "2e-3"),
+        ("warmup_steps", "100"),
+        ("max_steps", "2500"),
+        ("eval_interval", "250"),
+    ]);
     cli.train.validate()?;
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)

