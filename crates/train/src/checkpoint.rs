@@ -558,7 +558,7 @@ impl Checkpoint {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        if meta.format != FORMAT || meta.files.len() != meta.world_size {
+        if meta.format != FORMAT || meta.world_size == 0 || meta.files.len() != meta.world_size {
             return Err(CheckpointError::Corrupt {
                 path,
                 reason: format!(
@@ -937,7 +937,14 @@ pub fn restore<T: TrainTask>(
         .map(|s| (s.path.clone(), s.clone()))
         .collect();
     for state in &meta.states {
-        let slot = &slots[&state.param];
+        let Some(slot) = slots.get(&state.param) else {
+            return Err(ckpt
+                .mismatch(format!(
+                    "optimizer state for `{}`, no parameter",
+                    state.param
+                ))
+                .into());
+        };
         let (from, count, pad) = wanted(slot, sharding.optimizer_state);
         let scalars = state
             .scalars
@@ -966,8 +973,9 @@ pub fn restore<T: TrainTask>(
     }
     task.skip(meta.micro_batches, device, BatchPart { rank, world });
     // Another world size draws other masks anyway (each rank has its own stream).
-    if meta.world_size == world {
-        let (seed, calls) = meta.dropout[rank];
+    if meta.world_size == world
+        && let Some(&(seed, calls)) = meta.dropout.get(rank)
+    {
         dropout::rewind(dropout::StreamPosition(seed, calls));
     }
     Ok(Resumed {
