@@ -55,6 +55,21 @@ pub const ADAMW: &[&str] = &[
     "0",
 ];
 
+/// 8-bit AdamW as [`ADAMW`], quantizing every matrix of the tiny model with at least 256
+/// elements (the attention and MLP weights; the embeddings keep 32-bit state).
+pub const ADAM8BIT: &[&str] = &[
+    "--optimizer",
+    "adam8bit",
+    "--min-8bit-size",
+    "256",
+    "--lr",
+    "1e-2",
+    "--weight-decay",
+    "0.1",
+    "--grad-clip",
+    "0",
+];
+
 /// What a check found.
 #[derive(Debug, Clone)]
 pub struct Comparison {
@@ -314,8 +329,16 @@ impl Tolerance {
             OptimizerKind::Sgd => 2f64.powi(10),
             _ => 2f64.powi(12),
         };
+        let mut relative = multiple * u;
+        if args.optimizer == OptimizerKind::Adam8bit {
+            // A moment within rounding of a boundary between two codes may be stored as
+            // either: that element then moves by up to one code step of its moment (1.4% to
+            // 100% of it) for the rest of the run. Seen at N = 2, 3: 7e-5 of a tensor's
+            // update; a wrong block or shard moves whole rows.
+            relative = relative.max(2f64.powi(-8));
+        }
         Self {
-            relative: multiple * u,
+            relative,
             storage: 2.0 * roundoff(args.precision.param_dtype()) * STEPS as f64,
         }
     }

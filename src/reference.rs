@@ -12,6 +12,7 @@ use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOpti
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burnscale_nn::BlockModel;
+use burnscale_train::adam8bit::AdamW8bit;
 use burnscale_train::{BatchPart, OptimizerKind, Schedule, TrainArgs, TrainTask};
 
 /// What the plain loop can run: the optimizer settings of `TrainArgs` that a check uses.
@@ -38,6 +39,12 @@ pub enum PlainOptimizer {
         beta1: f64,
         beta2: f64,
     },
+    /// 8-bit AdamW on the matrices of at least `min_size` elements, AdamW on the rest.
+    AdamW8bit {
+        beta1: f64,
+        beta2: f64,
+        min_size: usize,
+    },
 }
 
 /// What a run did at every step, and where it ended.
@@ -60,6 +67,11 @@ impl PlainConfig {
                 beta1: args.beta1,
                 beta2: args.beta2,
             },
+            OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
+                beta1: args.beta1,
+                beta2: args.beta2,
+                min_size: args.min_8bit_size,
+            },
             OptimizerKind::Sgd => {
                 return Err(format!(
                     "the plain reference runs sgd without momentum, not with --momentum {}",
@@ -68,7 +80,7 @@ impl PlainConfig {
             }
             other => {
                 return Err(format!(
-                    "the plain reference runs sgd and adamw, not {other:?}"
+                    "the plain reference runs sgd, adamw and adam8bit (without --embedding-state-32bit), not {other:?}"
                 ));
             }
         };
@@ -127,47 +139,74 @@ impl PlainConfig {
     }
 
     /// One optimizer for the parameters without decay, one with decay for matrices and
-    /// embeddings (Burn's parameter groups).
+    /// embeddings (Burn's parameter groups); under 8-bit AdamW, a third for the matrices it
+    /// quantizes.
     fn optimizer<M: Module>(&self, model: &M) -> ModuleOptimizer {
         let decay =
             (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay as f32));
-        let decayed = ParamGroup::from_ids(matrix_ids(model));
+        let wd = self.weight_decay as f32;
         match self.optimizer {
             PlainOptimizer::Sgd => SgdConfig::new().init().with_group(
-                decayed,
+                ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
                 SgdConfig::new().with_weight_decay(decay).build(),
                 None,
             ),
-            PlainOptimizer::AdamW { beta1, beta2 } => {
-                let adamw = || {
-                    AdamWConfig::new()
-                        .with_beta_1(beta1 as f32)
-                        .with_beta_2(beta2 as f32)
-                        .with_epsilon(1e-8)
-                };
-                adamw().with_weight_decay(0.0).init().with_group(
-                    decayed,
-                    adamw().with_weight_decay(self.weight_decay as f32).build(),
+            PlainOptimizer::AdamW { beta1, beta2 } => adamw(beta1, beta2, 0.0).init().with_group(
+                ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                adamw(beta1, beta2, wd).build(),
+                None,
+            ),
+            PlainOptimizer::AdamW8bit {
+                beta1,
+                beta2,
+                min_size,
+            } => adamw(beta1, beta2, 0.0)
+                .init()
+                .with_group(
+                    ParamGroup::from_ids(matrix_ids(model, min_size)),
+                    adamw(beta1, beta2, wd).build(),
                     None,
                 )
-            }
+                .with_group(
+                    ParamGroup::from_ids(
+                        matrix_ids(model, usize::MAX)
+                            .into_iter()
+                            .filter(|id| !matrix_ids(model, min_size).contains(id))
+                            .collect(),
+                    ),
+                    AdamW8bit {
+                        beta_1: beta1 as f32,
+                        beta_2: beta2 as f32,
+                        epsilon: 1e-8,
+                        weight_decay: wd,
+                    },
+                    None,
+                ),
         }
     }
 }
 
-/// The ids of `model`'s parameters of rank >= 2.
-fn matrix_ids<M: Module>(model: &M) -> Vec<ParamId> {
-    struct Matrices(Vec<ParamId>);
+fn adamw(beta1: f64, beta2: f64, weight_decay: f32) -> AdamWConfig {
+    AdamWConfig::new()
+        .with_beta_1(beta1 as f32)
+        .with_beta_2(beta2 as f32)
+        .with_epsilon(1e-8)
+        .with_weight_decay(weight_decay)
+}
+
+/// The ids of `model`'s parameters of rank >= 2 with fewer than `below` elements.
+fn matrix_ids<M: Module>(model: &M, below: usize) -> Vec<ParamId> {
+    struct Matrices(usize, Vec<ParamId>);
     impl ModuleVisitor for Matrices {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if D >= 2 {
-                self.0.push(param.id);
+            if D >= 2 && param.lazy_shape().num_elements() < self.0 {
+                self.1.push(param.id);
             }
         }
     }
-    let mut visit = Matrices(Vec::new());
+    let mut visit = Matrices(below, Vec::new());
     model.visit(&mut visit);
-    visit.0
+    visit.1
 }
 
 /// The L2 norm of all of `grads` together, summed in f64.

@@ -189,7 +189,6 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
     let train = |strategy: Strategy, world: usize| {
         let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
             let model = seeded_model(5, |device| Bert::new(&config, device).unwrap());
-            let mut engine = Sharded::new(strategy, model, comm, &device).unwrap();
             let sgd = [
                 "--optimizer",
                 "sgd",
@@ -198,7 +197,9 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
                 "--weight-decay",
                 "0",
             ];
-            let mut optim = ParamOptimizer::new(&TrainArgs::from_flags(&sgd).unwrap(), 0).unwrap();
+            let args = TrainArgs::from_flags(&sgd).unwrap();
+            let mut optim = ParamOptimizer::new(&args, 0, &model).unwrap();
+            let mut engine = Sharded::new(strategy, model, comm, &device).unwrap();
             let rows = batch / world;
             for _ in 0..2 {
                 let (input, target) = part(comm.rank() * rows..(comm.rank() + 1) * rows);

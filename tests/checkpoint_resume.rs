@@ -105,6 +105,36 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
             1,
             &["--precision", "bf16-true", "--offload-dir", offload_dir],
         ),
+        // 8-bit AdamW: byte codes and per-block absmax, saved and read back by rows.
+        (
+            "zero3",
+            2,
+            &["--optimizer", "adam8bit", "--min-8bit-size", "256"],
+        ),
+        (
+            "zero2",
+            2,
+            &[
+                "--optimizer",
+                "adam8bit",
+                "--min-8bit-size",
+                "256",
+                "--precision",
+                "bf16-true",
+            ],
+        ),
+        (
+            "single",
+            1,
+            &[
+                "--optimizer",
+                "adam8bit",
+                "--min-8bit-size",
+                "256",
+                "--offload-dir",
+                offload_dir,
+            ],
+        ),
     ] {
         let name = format!("{strategy}{world}{}", extra.join("").replace('/', "_"));
         let dir = scratch(&name);

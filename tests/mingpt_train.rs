@@ -223,3 +223,42 @@ fn evaluation_is_the_same_under_every_strategy() {
         );
     }
 }
+
+/// 8-bit AdamW (every matrix of at least 256 elements quantized: the attention and MLP
+/// weights) trains as f32 AdamW does: over 50 steps, every loss within 0.1% of AdamW's
+/// (measured: 2.5e-5; the quantization error of the moments, under 1% of an update, is
+/// noise the loss barely sees). A 1.5x step on the quantized matrices moves it by 0.9%.
+#[test]
+fn adam8bit_follows_adamw_for_50_steps() {
+    const TOLERANCE: f64 = 1e-3;
+    let steps = ["--max-steps", "50"];
+    let (_, adamw) = run(&steps);
+    let (_, eight) = run(&[
+        &steps[..],
+        &["--optimizer", "adam8bit", "--min-8bit-size", "256"],
+    ]
+    .concat());
+    // Most of the tiny model's parameters are in the quantized matrices.
+    let (state_8bit, state_f32) = (eight.model_state.optimizer, adamw.model_state.optimizer);
+    assert!(
+        2 * state_8bit < state_f32,
+        "state: adam8bit {state_8bit} B, adamw {state_f32} B"
+    );
+    let mut worst = 0f64;
+    for (a, b) in adamw.history.iter().zip(&eight.history) {
+        let relative = (a.loss - b.loss).abs() / a.loss;
+        worst = worst.max(relative);
+        assert!(
+            relative <= TOLERANCE,
+            "step {}: adam8bit loss {}, adamw {}",
+            a.step,
+            b.loss,
+            a.loss
+        );
+    }
+    eprintln!(
+        "adam8bit vs adamw over 50 steps: worst relative loss difference {worst:.2e}; final {} vs {}",
+        eight.final_loss, adamw.final_loss
+    );
+    assert_eq!(eight.history.len(), 50);
+}

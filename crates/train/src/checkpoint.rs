@@ -306,7 +306,7 @@ fn write_rank_file<M: BlockModel>(
         if real > 0 {
             plan.push(planned(
                 &format!("param/{}", slot.path),
-                slot,
+                &slot.dims,
                 start,
                 real,
                 held[&slot.id].dtype(),
@@ -327,7 +327,7 @@ fn write_rank_file<M: BlockModel>(
             if real > 0 {
                 plan.push(planned(
                     &format!("optim/{name}"),
-                    slot,
+                    &dims,
                     start,
                     real,
                     data.dtype(),
@@ -408,11 +408,11 @@ fn kill_if_asked(step: usize, rank: usize) {
     }
 }
 
-/// An optimizer state tensor must be shaped as its parameter (or its shard) along dim 0 to
-/// be sliced by rows.
+/// An optimizer state tensor must have its parameter's rows (or its shard's) along dim 0
+/// to be sliced by rows; its other dims are its own (8-bit AdamW's absmax has one column per
+/// block of a row).
 fn check_rows(name: &str, dims: &[usize], slot: &Slot) -> Result<(), TrainError> {
-    let rest_matches = dims.get(1..) == slot.dims.get(1..);
-    if dims.is_empty() || !(dims[0] == slot.dims[0] || dims[0] == slot.rows) || !rest_matches {
+    if dims.is_empty() || !(dims[0] == slot.dims[0] || dims[0] == slot.rows) {
         return Err(TrainError::InvalidData(format!(
             "optimizer state `{name}` has shape {dims:?}, not its parameter's rows ({:?}): it cannot be checkpointed by rows",
             slot.dims
@@ -421,14 +421,15 @@ fn check_rows(name: &str, dims: &[usize], slot: &Slot) -> Result<(), TrainError>
     Ok(())
 }
 
+/// Rows `start..start + real` of a tensor of `dims`, to be written under `prefix`.
 fn planned(
     prefix: &str,
-    slot: &Slot,
+    dims: &[usize],
     start: usize,
     real: usize,
     dtype: TensorDType,
 ) -> Result<Planned, TrainError> {
-    let mut shape = slot.dims.clone();
+    let mut shape = dims.to_vec();
     shape[0] = real;
     Ok(Planned {
         key: range_key(prefix, start, real),
@@ -467,6 +468,7 @@ fn parse_dtype(name: &str) -> Option<TensorDType> {
         TensorDType::F16,
         TensorDType::BF16,
         TensorDType::F64,
+        TensorDType::U8,
     ]
     .into_iter()
     .find(|d| dtype_name(*d) == name)
@@ -478,6 +480,7 @@ fn st_dtype(dtype: TensorDType) -> Result<Dtype, TrainError> {
         TensorDType::F16 => Dtype::F16,
         TensorDType::BF16 => Dtype::BF16,
         TensorDType::F64 => Dtype::F64,
+        TensorDType::U8 => Dtype::U8,
         other => {
             return Err(TrainError::InvalidData(format!(
                 "cannot checkpoint a {other:?} tensor"
@@ -492,6 +495,7 @@ fn tensor_dtype(dtype: Dtype) -> Option<TensorDType> {
         Dtype::F16 => TensorDType::F16,
         Dtype::BF16 => TensorDType::BF16,
         Dtype::F64 => TensorDType::F64,
+        Dtype::U8 => TensorDType::U8,
         _ => return None,
     })
 }
@@ -780,8 +784,8 @@ impl Checkpoint {
 
     /// Writes the whole model to `out` in its own checkpoint layout (HF names and layouts,
     /// which the loaders' `--weights` read), as f32, one parameter at a time; with
-    /// `with_optimizer`, every optimizer state tensor too (`optimizer.<name>`). Returns the
-    /// number of tensors written.
+    /// `with_optimizer`, every optimizer state tensor too (`optimizer.<name>`, also as f32:
+    /// 8-bit AdamW's codes as their map indices). Returns the number of tensors written.
     pub fn consolidate(&mut self, out: &Path, with_optimizer: bool) -> Result<usize, TrainError> {
         let meta = self.meta.clone();
         let transposed = |dims: &[usize], t: bool| {

@@ -111,8 +111,19 @@ pub struct TrainArgs {
     /// uses a fresh rank<N>-XXXXXX subdirectory, removed at the end.
     #[arg(long)]
     pub offload_dir: Option<PathBuf>,
+    /// adamw, adam, sgd, or adam8bit (AdamW with both moments block-wise quantized to 8
+    /// bits, as bitsandbytes' AdamW8bit; 32-bit state for vectors and for tensors of fewer
+    /// than --min-8bit-size elements).
     #[arg(long, value_enum, default_value = "adamw")]
     pub optimizer: OptimizerKind,
+    /// With --optimizer adam8bit, the fewest elements a matrix has for its state to be
+    /// quantized (bitsandbytes' min_8bit_size).
+    #[arg(long, default_value_t = 4096)]
+    pub min_8bit_size: usize,
+    /// With --optimizer adam8bit, keep embedding tables' state in 32 bits (bitsandbytes'
+    /// advice for its StableEmbedding).
+    #[arg(long)]
+    pub embedding_state_32bit: bool,
     /// Peak learning rate.
     #[arg(long, default_value_t = 5e-4)]
     pub lr: f64,
@@ -208,16 +219,18 @@ impl TrainArgs {
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
         Accelerator::or_default(self.accelerator).check(self.devices)?;
-        if matches!(
-            self.optimizer,
-            OptimizerKind::Adafactor | OptimizerKind::Adam8bit
-        ) {
-            return Err(TrainError::NotYetSupported(format!(
-                "--optimizer {}: lean optimizers are not built yet; use adamw, adam or sgd",
-                value_name(self.optimizer)
-            )));
+        if self.optimizer == OptimizerKind::Adafactor {
+            return Err(TrainError::NotYetSupported(
+                "--optimizer adafactor is not built yet; use adamw, adam8bit, adam or sgd".into(),
+            ));
         }
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
+        if self.embedding_state_32bit && self.optimizer != OptimizerKind::Adam8bit {
+            return invalid(format!(
+                "--embedding-state-32bit keeps embeddings' state out of adam8bit's 8 bits; --optimizer {} has no 8-bit state",
+                value_name(self.optimizer)
+            ));
+        }
         if self.offload == Offload::Params && self.strategy != Strategy::Zero3 {
             return invalid(format!(
                 "--offload params keeps ZeRO-3's parameter shards in host memory between uses, so it needs --strategy zero3 (got {}); --offload optimizer works with every strategy",
@@ -326,12 +339,18 @@ mod tests {
 
     #[test]
     fn unlanded_techniques_are_rejected_not_ignored() {
-        let err = parse(&["--optimizer", "adam8bit"])
+        let err = parse(&["--optimizer", "adafactor"])
             .unwrap()
             .validate()
             .unwrap_err()
             .to_string();
         assert!(err.contains("not yet supported"), "{err}");
+        let err = parse(&["--embedding-state-32bit"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("adam8bit"), "{err}");
     }
 
     #[test]

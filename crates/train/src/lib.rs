@@ -2,6 +2,7 @@
 //! gradient accumulation and clipping, and honest memory and speed reports.
 
 pub mod accelerator;
+pub mod adam8bit;
 pub mod checkpoint;
 mod cli;
 pub mod data;

@@ -1,10 +1,10 @@
 //! Optimizers from burn-optim, stepped parameter by parameter with their state keyed by
 //! parameter path, so the state can be sharded, offloaded and checkpointed by name.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -17,11 +17,15 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 
 use crate::TrainError;
+use crate::adam8bit::AdamW8bit;
 use crate::cli::{Offload, OptimizerKind, Schedule, TrainArgs, value_name};
 use crate::offload::DiskStates;
 
 /// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
 /// embeddings, rank >= 2) and one without decay (biases, norms), as nanoGPT configures AdamW.
+/// Under `--optimizer adam8bit`, the matrices that [`AdamW8bit::quantizes`] (and that are not
+/// embeddings kept in 32 bits by `--embedding-state-32bit`) get 8-bit state; the rest, as in
+/// bitsandbytes, a 32-bit AdamW.
 ///
 /// Under `--offload` the state lives in host memory and each parameter is stepped there (on a
 /// CPU-only run the host is the device); under `--offload-dir` it lives on disk between steps.
@@ -29,6 +33,8 @@ pub struct ParamOptimizer {
     kind: OptimizerKind,
     decay: Arc<dyn DynOptimizer>,
     no_decay: Arc<dyn DynOptimizer>,
+    /// `--optimizer adam8bit`'s 8-bit AdamW, and the paths of the parameters it steps.
+    eight_bit: Option<(Arc<dyn DynOptimizer>, HashSet<String>)>,
     states: HashMap<String, DynState>,
     /// Where parameters are stepped and their state kept; `None`: on the parameter's device.
     host: Option<Device>,
@@ -39,12 +45,14 @@ pub struct ParamOptimizer {
 }
 
 impl ParamOptimizer {
-    /// The optimizer `args` name, for rank `rank` (whose `--offload-dir` files are its own).
-    pub fn new(args: &TrainArgs, rank: usize) -> Result<Self, TrainError> {
+    /// The optimizer `args` name, for rank `rank` (whose `--offload-dir` files are its own),
+    /// for the parameters of `model` (whole, before any sharding).
+    pub fn new<M: Module>(args: &TrainArgs, rank: usize, model: &M) -> Result<Self, TrainError> {
+        let (b1, b2) = (args.beta1 as f32, args.beta2 as f32);
         let build = |weight_decay: f64| -> Result<Arc<dyn DynOptimizer>, TrainError> {
-            let (b1, b2, wd) = (args.beta1 as f32, args.beta2 as f32, weight_decay as f32);
+            let wd = weight_decay as f32;
             Ok(match args.optimizer {
-                OptimizerKind::Adamw => Arc::new(
+                OptimizerKind::Adamw | OptimizerKind::Adam8bit => Arc::new(
                     AdamWConfig::new()
                         .with_beta_1(b1)
                         .with_beta_2(b2)
@@ -82,10 +90,31 @@ impl ParamOptimizer {
             None => None,
         };
         let offload = args.offload != Offload::None || disk.is_some();
+        let eight_bit = (args.optimizer == OptimizerKind::Adam8bit).then(|| {
+            let optim: Arc<dyn DynOptimizer> = Arc::new(AdamW8bit {
+                beta_1: b1,
+                beta_2: b2,
+                epsilon: 1e-8,
+                weight_decay: args.weight_decay as f32,
+            });
+            let kept = match args.embedding_state_32bit {
+                true => embedding_paths(model),
+                false => HashSet::new(),
+            };
+            let paths = burnscale_shard::layout::slots(model, 1)
+                .into_iter()
+                .filter(|s| {
+                    AdamW8bit::quantizes(&s.dims, args.min_8bit_size) && !kept.contains(&s.path)
+                })
+                .map(|s| s.path)
+                .collect();
+            (optim, paths)
+        });
         Ok(Self {
             kind: args.optimizer,
             decay: build(args.weight_decay)?,
             no_decay: build(0.0)?,
+            eight_bit,
             states: HashMap::new(),
             host: offload.then(Device::flex),
             params_on_host: args.offload == Offload::Params,
@@ -129,7 +158,7 @@ impl ParamOptimizer {
             let sink = match self.states.get(path) {
                 Some(state) => {
                     let mut sink = StateSink::default();
-                    self.for_rank(state.rank())
+                    self.optimizer(path, state.rank())
                         .state_flatten(path, state, &mut sink);
                     sink
                 }
@@ -179,12 +208,11 @@ impl ParamOptimizer {
             source.insert_tensor(name, data);
         }
         let state = self
-            .for_rank(rank)
+            .optimizer(path, rank)
             .state_unflatten(rank, path, &mut source, device)?;
-        match dtype.map(FloatDType::try_from) {
-            Some(Ok(dtype)) if dtype != FloatDType::F32 => {
-                cast_state(self.kind, state, dtype, device)
-            }
+        // 8-bit AdamW's state leads with its byte codes and is never cast.
+        match dtype.filter(|d| d.is_float()).map(FloatDType::from) {
+            Some(dtype) if dtype != FloatDType::F32 => cast_state(self.kind, state, dtype, device),
             _ => Some(state),
         }
     }
@@ -195,7 +223,7 @@ impl ParamOptimizer {
             .iter()
             .map(|(path, state)| {
                 let mut sink = StateSink::default();
-                self.for_rank(state.rank())
+                self.optimizer(path, state.rank())
                     .state_flatten(path, state, &mut sink);
                 sink.tensors
                     .iter()
@@ -210,8 +238,14 @@ impl ParamOptimizer {
         self.disk.as_ref().map_or(0, DiskStates::bytes)
     }
 
-    fn for_rank(&self, rank: usize) -> &Arc<dyn DynOptimizer> {
-        if rank >= 2 {
+    /// The optimizer that steps (and keeps the state of) the `rank`-dimensional parameter at
+    /// `path`.
+    fn optimizer(&self, path: &str, rank: usize) -> &Arc<dyn DynOptimizer> {
+        if let Some((optim, paths)) = &self.eight_bit
+            && paths.contains(path)
+        {
+            optim
+        } else if rank >= 2 {
             &self.decay
         } else {
             &self.no_decay
@@ -246,7 +280,7 @@ impl ParamOptimizer {
     /// Keeps `state` of the parameter at `path`: on disk under `--offload-dir` (in memory if
     /// that fails, so that nothing is lost), else in memory.
     fn put_state(&mut self, rank: usize, path: String, state: DynState) -> Result<(), TrainError> {
-        let optim = self.for_rank(rank).clone();
+        let optim = self.optimizer(&path, rank).clone();
         let stored = match &mut self.disk {
             Some(disk) => disk.store(optim.as_ref(), &path, &state),
             None => {
@@ -304,7 +338,7 @@ impl ModuleMapper for StepMapper<'_> {
             true => burnscale_shard::host::transfer(t, device),
             false => t.to_device(device),
         };
-        let optim = self.optim.for_rank(D).clone();
+        let optim = self.optim.optimizer(&path, D).clone();
         let (updated, state) = optim.step_dyn(
             D,
             self.lr,
@@ -328,6 +362,34 @@ impl ModuleMapper for StepMapper<'_> {
         }
         Param::from_mapped_value(id, updated, mapper)
     }
+}
+
+/// The paths of the parameters of `model` that are burn `Embedding` tables.
+fn embedding_paths<M: Module>(model: &M) -> HashSet<String> {
+    #[derive(Default)]
+    struct Find {
+        path: Vec<String>,
+        owners: Vec<String>,
+        found: HashSet<String>,
+    }
+    impl ModuleVisitor for Find {
+        fn enter_module(&mut self, name: &str, container_type: &str) {
+            self.path.push(name.to_string());
+            self.owners.push(container_type.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+            self.owners.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
+            if self.owners.last().is_some_and(|o| o == "Struct:Embedding") {
+                self.found.insert(self.path.join("."));
+            }
+        }
+    }
+    let mut find = Find::default();
+    model.visit(&mut find);
+    find.found
 }
 
 /// `state` (of one of the runner's optimizers) with its tensors cast to `dtype`; `None` for a

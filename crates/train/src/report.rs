@@ -33,19 +33,20 @@ impl ModelStateBytes {
     /// dtype: 4, or 2 for `*-true`; the mixed policies' 16-bit copy lives only during a
     /// micro-step) + 4 of gradients (reduced and held in f32) + the optimizer's state K per
     /// parameter in the weight dtype (Adam/AdamW 2 moments, SGD with momentum 1, plain SGD 0;
-    /// none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
+    /// 8-bit AdamW 2 bytes, not counting its absmax and the 32-bit state of vectors and small
+    /// matrices; none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
     /// part over `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the
     /// gradients, ZeRO-3 everything.
     pub fn predicted(num_params: usize, args: &TrainArgs, world: usize) -> usize {
         let (precision, strategy) = (args.precision, args.strategy);
         let weight = burn::tensor::DType::from(precision.param_dtype()).size();
-        let state = weight
-            * match args.optimizer {
-                _ if args.offload_dir.is_some() => 0,
-                OptimizerKind::Adamw | OptimizerKind::Adam => 2,
-                OptimizerKind::Sgd if args.momentum > 0.0 => 1,
-                _ => 0,
-            };
+        let state = match args.optimizer {
+            _ if args.offload_dir.is_some() => 0,
+            OptimizerKind::Adamw | OptimizerKind::Adam => 2 * weight,
+            OptimizerKind::Adam8bit => 2,
+            OptimizerKind::Sgd if args.momentum > 0.0 => weight,
+            _ => 0,
+        };
         let (replicated, sharded) = match strategy {
             Strategy::Single | Strategy::Ddp => (weight + 4 + state, 0),
             Strategy::Zero1 => (weight + 4, state),

@@ -184,7 +184,7 @@ pub fn train_on<T: TrainTask>(
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
     let keys = model.checkpoint_keys();
-    let mut optim = ParamOptimizer::new(args, rank)?;
+    let mut optim = ParamOptimizer::new(args, rank, &model)?;
     let mut schedule = LrSchedule::new(args)?;
     let mut csv = match &args.metrics_csv {
         Some(path) if lead => Some(MetricsCsv::create(path)?),

@@ -1,0 +1,340 @@
+//! 8-bit AdamW (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022), as
+//! bitsandbytes' `AdamW8bit`: both moments stored as one byte per element, block-wise
+//! dynamic-tree quantized with an f32 absmax per block of 256, dequantized for the update and
+//! re-quantized after it.
+//!
+//! One departure from bitsandbytes, so that a shard's blocks are the full tensor's: blocks
+//! run along rows (the last dims flattened), never across them, because every strategy
+//! splits a parameter between rows. A row of `n` elements is cut into `ceil(n / 256)` blocks
+//! of `min(n, 256)`. The runner keeps bitsandbytes' 32-bit state for tensors of fewer than
+//! `--min-8bit-size` elements (4096) and for vectors ([`AdamW8bit::quantizes`]).
+
+use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
+use burn::prelude::*;
+use burn::store::burn_pack::Scalar;
+use burn::tensor::{DType as TensorDType, FloatDType, IntDType};
+
+/// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
+pub const BLOCK: usize = 256;
+
+/// The dynamic map's exponents, as literals (parsed exactly, as the fixture script's are).
+const SCALES: [f64; 7] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0];
+
+/// The 256 values of bitsandbytes' dynamic tree map (`create_dynamic_map(signed)`): for
+/// exponents 10^-6..10^0, a linear fraction between 0.1 and 1 with more steps the larger the
+/// exponent, plus 0 and 1, sorted. Computed in f64, then rounded to f32.
+pub fn dynamic_map(signed: bool) -> [f32; 256] {
+    let mut data = Vec::with_capacity(256);
+    for (i, scale) in SCALES.into_iter().enumerate() {
+        let items = if signed {
+            (1 << i) + 1
+        } else {
+            (1 << (i + 1)) + 1
+        };
+        // numpy's linspace(0.1, 1, items): start + k * step, the last one exactly 1.
+        let step = 0.9 / (items - 1) as f64;
+        let boundary = |k: usize| {
+            if k == items - 1 {
+                1.0
+            } else {
+                k as f64 * step + 0.1
+            }
+        };
+        for k in 0..items - 1 {
+            let mean = (boundary(k) + boundary(k + 1)) / 2.0;
+            data.push(scale * mean);
+            if signed {
+                data.push(-scale * mean);
+            }
+        }
+    }
+    data.extend([0.0, 1.0]);
+    data.sort_by(f64::total_cmp);
+    let mut map = [0f32; 256];
+    for (slot, value) in map.iter_mut().zip(data) {
+        *slot = value as f32;
+    }
+    map
+}
+
+/// A dynamic map on a device, with what encoding needs: the midpoints between neighbouring
+/// values (and +inf past the last, so a binary search over 256 entries never leaves them).
+struct Codebook {
+    signed: bool,
+    values: Tensor<1>,    // [256]
+    midpoints: Tensor<1>, // [256]
+}
+
+impl Codebook {
+    fn new(signed: bool, device: &Device) -> Self {
+        let map = dynamic_map(signed);
+        let mut midpoints = [f32::INFINITY; 256];
+        for (mid, pair) in midpoints.iter_mut().zip(map.windows(2)) {
+            *mid = (pair[0] + pair[1]) / 2.0;
+        }
+        let f32_on = |v: [f32; 256]| {
+            Tensor::from_data(
+                TensorData::new(v.to_vec(), [256]),
+                (device, TensorDType::F32),
+            )
+        };
+        Self {
+            signed,
+            values: f32_on(map),
+            midpoints: f32_on(midpoints),
+        }
+    }
+
+    /// The code of the nearest map value to each of `x` (in [-1, 1]; ties to the lower), by
+    /// a branch-free binary search over the midpoints. As bitsandbytes, a negative value
+    /// never rounds to zero: it keeps its sign.
+    fn encode(&self, x: Tensor<1>) -> Tensor<1, Int> {
+        let mut code = Tensor::<1, Int>::zeros(x.shape(), &x.device());
+        for step in [128, 64, 32, 16, 8, 4, 2, 1] {
+            let probe = self
+                .midpoints
+                .clone()
+                .select(0, code.clone().add_scalar(step - 1));
+            code = code + probe.lower(x.clone()).int().mul_scalar(step);
+        }
+        if self.signed {
+            let value = self.values.clone().select(0, code.clone());
+            let flip = x.lower_elem(0.0).bool_and(value.greater_equal_elem(0.0));
+            code = code - flip.int();
+        }
+        code.cast(IntDType::U8)
+    }
+
+    fn decode(&self, codes: Tensor<1, Int>) -> Tensor<1> {
+        let index = IntDType::from(Tensor::<1, Int>::zeros([1], &codes.device()).dtype());
+        self.values.clone().select(0, codes.cast(index))
+    }
+}
+
+/// One moment, quantized.
+#[derive(Clone)]
+pub struct Quantized {
+    codes: Tensor<2, Int>, // [rows, row_len], u8
+    absmax: Tensor<2>,     // [rows, blocks], f32
+}
+
+/// How rows of `row_len` elements are cut into blocks.
+#[derive(Clone, Copy)]
+struct Blocks {
+    rows: usize,
+    row_len: usize,
+    len: usize,
+    count: usize,
+}
+
+impl Blocks {
+    fn new(rows: usize, row_len: usize) -> Self {
+        let len = row_len.clamp(1, BLOCK);
+        Self {
+            rows,
+            row_len,
+            len,
+            count: row_len.div_ceil(len),
+        }
+    }
+
+    /// `[rows, row_len]` as `[rows, count, len]`, the last block zero-padded.
+    fn split(&self, x: Tensor<2>) -> Tensor<3> {
+        let pad = self.count * self.len - self.row_len;
+        let x = match pad {
+            0 => x,
+            _ => {
+                let zeros = Tensor::zeros([self.rows, pad], (&x.device(), x.dtype()));
+                Tensor::cat(vec![x, zeros], 1)
+            }
+        };
+        x.reshape([self.rows, self.count, self.len])
+    }
+
+    fn join(&self, x: Tensor<3>) -> Tensor<2> {
+        x.reshape([self.rows, self.count * self.len])
+            .narrow(1, 0, self.row_len)
+    }
+
+    fn quantize(&self, book: &Codebook, x: Tensor<2>) -> Quantized {
+        let blocks = self.split(x);
+        let absmax = blocks.clone().abs().max_dim(2); // [rows, count, 1]
+        // An all-zero block (padding rows of a shard) encodes zeros.
+        let divisor = absmax
+            .clone()
+            .mask_fill(absmax.clone().equal_elem(0.0), 1.0);
+        let normed = self.join(blocks / divisor);
+        let codes = book.encode(normed.reshape([self.rows * self.row_len]));
+        Quantized {
+            codes: codes.reshape([self.rows, self.row_len]),
+            absmax: absmax.reshape([self.rows, self.count]),
+        }
+    }
+
+    fn dequantize(&self, book: &Codebook, q: Quantized) -> Tensor<2> {
+        let values = book
+            .decode(q.codes.reshape([self.rows * self.row_len]))
+            .reshape([self.rows, self.row_len]);
+        self.join(self.split(values) * q.absmax.unsqueeze_dim(2))
+    }
+}
+
+/// 8-bit AdamW's state of one parameter.
+#[derive(Clone)]
+pub struct AdamW8bitState<const D: usize> {
+    time: usize,
+    moment_1: Quantized,
+    moment_2: Quantized,
+}
+
+/// AdamW with both moments in 8 bits. The update itself is computed in f32, as
+/// bitsandbytes' `kOptimizerStatic8bit2StateBlockwise` computes it: bias corrections folded
+/// into the step size and epsilon, then decoupled weight decay.
+#[derive(Clone)]
+pub struct AdamW8bit {
+    pub beta_1: f32,
+    pub beta_2: f32,
+    pub epsilon: f32,
+    pub weight_decay: f32,
+}
+
+impl AdamW8bit {
+    /// Whether a parameter of these (full, unsharded) dims gets 8-bit state: a matrix (or
+    /// higher) of at least `min_size` elements (bitsandbytes' `min_8bit_size`).
+    pub fn quantizes(dims: &[usize], min_size: usize) -> bool {
+        dims.len() >= 2 && dims.iter().product::<usize>() >= min_size
+    }
+}
+
+impl Optimizer for AdamW8bit {
+    type State<const D: usize> = AdamW8bitState<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        let dims = tensor.dims();
+        let rows = dims[0];
+        let blocks = Blocks::new(rows, dims[1..].iter().product());
+        let device = tensor.device();
+        let (signed, unsigned) = (Codebook::new(true, &device), Codebook::new(false, &device));
+        let flat = |t: Tensor<D>| t.cast(FloatDType::F32).reshape([rows, blocks.row_len]);
+        let grad = flat(grad);
+        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
+        let (time, m, v) = match state {
+            Some(s) => (
+                s.time + 1,
+                blocks.dequantize(&signed, s.moment_1) * beta_1 + grad.clone() * (1.0 - beta_1),
+                blocks.dequantize(&unsigned, s.moment_2) * beta_2
+                    + grad.clone().square() * (1.0 - beta_2),
+            ),
+            None => (
+                1,
+                grad.clone() * (1.0 - beta_1),
+                grad.square() * (1.0 - beta_2),
+            ),
+        };
+        // powf, not powi: the fixture script's `**` is C's pow.
+        let correction_1 = 1.0 - beta_1.powf(time as f64);
+        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
+        let step_size = lr * correction_2 / correction_1;
+        let update = m.clone() / (v.clone().sqrt() + correction_2 * f64::from(self.epsilon));
+        let mut updated = flat(tensor.clone()) - update * step_size;
+        let decay = lr * f64::from(self.weight_decay);
+        if decay > 0.0 {
+            updated = updated * (1.0 - decay);
+        }
+        let state = AdamW8bitState {
+            time,
+            moment_1: blocks.quantize(&signed, m),
+            moment_2: blocks.quantize(&unsigned, v),
+        };
+        (updated.reshape(dims).cast(tensor.dtype()), Some(state))
+    }
+
+    fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
+        let moved = |q: Quantized| Quantized {
+            codes: q.codes.to_device(device),
+            absmax: q.absmax.to_device(device),
+        };
+        AdamW8bitState {
+            time: state.time,
+            moment_1: moved(state.moment_1),
+            moment_2: moved(state.moment_2),
+        }
+    }
+}
+
+impl<const D: usize> RecordState for AdamW8bitState<D> {
+    fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
+        out.push_scalar(prefix, "time", Scalar::UInt(self.time as u64));
+        for (name, q) in [("moment_1", &self.moment_1), ("moment_2", &self.moment_2)] {
+            out.push_tensor(prefix, &format!("{name}.codes"), q.codes.to_data());
+            out.push_tensor(prefix, &format!("{name}.absmax"), q.absmax.to_data());
+        }
+    }
+
+    fn state_unflatten(prefix: &str, src: &mut StateSource, device: &Device) -> Option<Self> {
+        let time = match src.take_scalar(prefix, "time")? {
+            Scalar::UInt(t) => t as usize,
+            _ => return None,
+        };
+        let mut moment = |name: &str| {
+            let codes = src.take_tensor(prefix, &format!("{name}.codes"))?;
+            let absmax = src.take_tensor(prefix, &format!("{name}.absmax"))?;
+            let two_dims = codes.shape().len() == 2 && absmax.shape().len() == 2;
+            (two_dims && codes.dtype() == TensorDType::U8).then(|| Quantized {
+                codes: Tensor::from_data(codes, (device, TensorDType::U8)),
+                absmax: Tensor::from_data(absmax, (device, TensorDType::F32)),
+            })
+        };
+        Some(Self {
+            time,
+            moment_1: moment("moment_1")?,
+            moment_2: moment("moment_2")?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_have_256_sorted_values_with_zero_and_one() {
+        for signed in [true, false] {
+            let map = dynamic_map(signed);
+            assert!(map.windows(2).all(|w| w[0] < w[1]), "{map:?}");
+            assert_eq!(map[255], 1.0);
+            assert!(map.contains(&0.0));
+            assert_eq!(map[0], if signed { -0.992_968_75 } else { 0.0 }, "{signed}");
+        }
+    }
+
+    #[test]
+    fn quantization_round_trip_stays_within_one_step_of_the_map() {
+        let device = Device::flex();
+        let book = Codebook::new(true, &device);
+        let blocks = Blocks::new(3, 300); // two blocks per row: 256 and 44 (zero-padded)
+        let values: Vec<f32> = (0..900)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)
+            .collect();
+        let x = Tensor::<2>::from_data(TensorData::new(values.clone(), [3, 300]), &device);
+        let q = blocks.quantize(&book, x);
+        assert_eq!(q.codes.dtype(), TensorDType::U8);
+        assert_eq!(q.absmax.dims(), [3, 2]);
+        let back: Vec<f32> = blocks
+            .dequantize(&book, q)
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        for (x, y) in values.iter().zip(&back) {
+            // At most half the map's coarsest step (0.9 / 64, near 1) times the absmax (0.5).
+            assert!((x - y).abs() <= 0.5 * 0.9 / 64.0 * 0.5 + 1e-6, "{x} -> {y}");
+            assert!(*x >= 0.0 || *y < 0.0, "negative {x} kept its sign: {y}");
+        }
+    }
+}
