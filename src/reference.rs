@@ -8,12 +8,15 @@
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::optim::{
+    AdafactorConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
+};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burnscale_nn::BlockModel;
+use burnscale_train::adafactor::Adafactor;
 use burnscale_train::adam8bit::AdamW8bit;
-use burnscale_train::{BatchPart, OptimizerKind, Schedule, TrainArgs, TrainTask};
+use burnscale_train::{ADAM_BETA1, BatchPart, OptimizerKind, Schedule, TrainArgs, TrainTask};
 
 /// What the plain loop can run: the optimizer settings of `TrainArgs` that a check uses.
 #[derive(Debug, Clone)]
@@ -38,6 +41,12 @@ pub enum PlainOptimizer {
     AdamW {
         beta1: f64,
         beta2: f64,
+    },
+    /// burn-optim's own Adafactor (an implementation the runner does not share), or
+    /// burnscale's on one device when it keeps a first moment (burn-optim's has none).
+    Adafactor {
+        beta1: Option<f64>,
+        relative_step: bool,
     },
     /// 8-bit AdamW on the matrices of at least `min_size` elements, AdamW on the rest.
     AdamW8bit {
@@ -64,13 +73,17 @@ impl PlainConfig {
         let optimizer = match args.optimizer {
             OptimizerKind::Sgd if args.momentum == 0.0 => PlainOptimizer::Sgd,
             OptimizerKind::Adamw => PlainOptimizer::AdamW {
-                beta1: args.beta1,
+                beta1: args.beta1.unwrap_or(ADAM_BETA1),
                 beta2: args.beta2,
             },
             OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
-                beta1: args.beta1,
+                beta1: args.beta1.unwrap_or(ADAM_BETA1),
                 beta2: args.beta2,
                 min_size: args.min_8bit_size,
+            },
+            OptimizerKind::Adafactor => PlainOptimizer::Adafactor {
+                beta1: args.beta1,
+                relative_step: args.adafactor_relative_step,
             },
             OptimizerKind::Sgd => {
                 return Err(format!(
@@ -80,7 +93,7 @@ impl PlainConfig {
             }
             other => {
                 return Err(format!(
-                    "the plain reference runs sgd, adamw and adam8bit (without --embedding-state-32bit), not {other:?}"
+                    "the plain reference runs sgd, adamw, adafactor and adam8bit (without --embedding-state-32bit), not {other:?}"
                 ));
             }
         };
@@ -156,6 +169,37 @@ impl PlainConfig {
                 adamw(beta1, beta2, wd).build(),
                 None,
             ),
+            PlainOptimizer::Adafactor {
+                beta1: None,
+                relative_step,
+            } => {
+                let adafactor = |wd: f32| {
+                    AdafactorConfig::new()
+                        .with_relative_step(relative_step)
+                        .with_scale_parameter(relative_step)
+                        .with_weight_decay(wd)
+                };
+                adafactor(0.0).init().with_group(
+                    ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                    adafactor(wd).build(),
+                    None,
+                )
+            }
+            PlainOptimizer::Adafactor {
+                beta1,
+                relative_step,
+            } => {
+                let adafactor = |weight_decay: f64| Adafactor {
+                    beta_1: beta1,
+                    weight_decay,
+                    relative_step,
+                };
+                ModuleOptimizer::from(adafactor(0.0)).with_group(
+                    ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                    adafactor(self.weight_decay),
+                    None,
+                )
+            }
             PlainOptimizer::AdamW8bit {
                 beta1,
                 beta2,

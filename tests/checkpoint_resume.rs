@@ -135,6 +135,14 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
                 offload_dir,
             ],
         ),
+        // Adafactor: row moments by rows, a matrix's column moment (the same on every rank)
+        // once, and its first moment.
+        ("zero3", 2, &["--optimizer", "adafactor", "--beta1", "0.9"]),
+        (
+            "zero1",
+            2,
+            &["--optimizer", "adafactor", "--offload-dir", offload_dir],
+        ),
     ] {
         let name = format!("{strategy}{world}{}", extra.join("").replace('/', "_"));
         let dir = scratch(&name);
@@ -159,14 +167,37 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
 
 #[test]
 fn a_checkpoint_resumes_at_another_world_size_and_strategy() {
-    let (a, b) = (scratch("reshard-a"), scratch("reshard-b"));
-    let (whole, uninterrupted) = run(&a, "zero3", 4, 0.0, &[]).unwrap();
+    resharded(&[]);
+}
+
+/// Adafactor's row moments re-sliced by rows, its column moments read whole.
+#[test]
+fn an_adafactor_checkpoint_resumes_at_another_world_size_and_strategy() {
+    resharded(&[
+        "--optimizer",
+        "adafactor",
+        "--adafactor-relative-step",
+        "--lr",
+        "1e-2",
+    ]);
+}
+
+/// A zero3 x 4 run's step-3 checkpoint resumed as zero2 x 2, whose step-6 checkpoint is
+/// resumed as single: the same steps and parameters as the uninterrupted run.
+fn resharded(flags: &[&str]) {
+    let name = flags.join("");
+    let (a, b) = (
+        scratch(&format!("reshard-a{name}")),
+        scratch(&format!("reshard-b{name}")),
+    );
+    let resumed: Vec<&str> = [flags, &["--resume"]].concat();
+    let (whole, uninterrupted) = run(&a, "zero3", 4, 0.0, flags).unwrap();
     fs::create_dir_all(&b).unwrap();
     fs::rename(a.join("step-00000003"), b.join("step-00000003")).unwrap();
     fs::remove_dir_all(&a).unwrap();
-    let (_, as_zero2) = run(&b, "zero2", 2, 0.0, &["--resume"]).unwrap();
+    let (_, as_zero2) = run(&b, "zero2", 2, 0.0, &resumed).unwrap();
     keep_only(&b, 6);
-    let (single_model, as_single) = run(&b, "single", 1, 0.0, &["--resume"]).unwrap();
+    let (single_model, as_single) = run(&b, "single", 1, 0.0, &resumed).unwrap();
     fs::remove_dir_all(&b).unwrap();
 
     let expected = steps(&uninterrupted);
@@ -189,6 +220,11 @@ fn a_checkpoint_resumes_at_another_world_size_and_strategy() {
     }
     let (got, want) = (weights::collect(&single_model), weights::collect(&whole));
     for (path, w) in &want {
+        // The attention key bias's gradient is float noise, which Adafactor normalises into
+        // steps of its whole (here tiny) step size in a random direction (equivalence.rs).
+        if !flags.is_empty() && path.ends_with("c_attn.bias") {
+            continue;
+        }
         let g = &got[path];
         let (diff, norm) = g
             .values

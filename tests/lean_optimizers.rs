@@ -1,11 +1,19 @@
-//! 8-bit AdamW: against the numpy reference of the same quantization
+//! The lean optimizers. 8-bit AdamW: against the numpy reference of the same quantization
 //! (`scripts/gen_adam8bit_fixture.py`), shard by shard against the whole tensor, and under
-//! every strategy against the plain Burn loop. (Its training curve against f32 AdamW's is in
-//! `mingpt_train.rs`.)
+//! every strategy against the plain Burn loop. Adafactor: under every strategy against
+//! burn-optim's own Adafactor in the plain loop. (Their training curves against f32 AdamW's
+//! are in `mingpt_train.rs`.)
 
-use burn::optim::{Optimizer, RecordState, StateSink};
+use std::collections::HashMap;
+
+use burn::module::{Module, Param, ParamId};
+use burn::optim::{AdafactorConfig, GradientsParams, Optimizer, RecordState, StateSink};
 use burn::prelude::*;
-use burnscale::equivalence::ADAM8BIT;
+use burnscale::collective::run_ranks;
+use burnscale::collective::threads::DEFAULT_TIMEOUT;
+use burnscale::equivalence::{ADAFACTOR, ADAM8BIT};
+use burnscale::shard::{layout, params};
+use burnscale::train::{ParamOptimizer, TrainArgs};
 use burnscale_train::adam8bit::{AdamW8bit, AdamW8bitState, dynamic_map};
 
 mod common;
@@ -176,10 +184,163 @@ fn a_shard_of_rows_steps_as_those_rows_of_the_whole() {
 /// 1.4% to 100% of one element's moment, within a tensor's update).
 #[test]
 fn every_strategy_takes_the_plain_8bit_steps() {
-    assert_matches_plain("single", 1, ADAM8BIT);
+    every_strategy(ADAM8BIT);
+}
+
+fn every_strategy(flags: &[&str]) {
+    assert_matches_plain("single", 1, flags);
     for strategy in ["ddp", "zero1", "zero2", "zero3"] {
         for world in 1..=3 {
-            assert_matches_plain(strategy, world, ADAM8BIT);
+            assert_matches_plain(strategy, world, flags);
+        }
+    }
+}
+
+/// Adafactor's column means, row-factor mean and update and parameter RMS span every rank's
+/// rows: every strategy takes burn-optim's single-device steps (which share no code with
+/// ours).
+#[test]
+fn every_strategy_takes_burn_optims_adafactor_steps() {
+    every_strategy(ADAFACTOR);
+}
+
+/// With HF's first moment, against burnscale's Adafactor on one device in the plain loop.
+#[test]
+fn every_strategy_takes_the_adafactor_steps_with_a_first_moment() {
+    every_strategy(&[ADAFACTOR, &["--beta1", "0.9"]].concat());
+}
+
+/// A matrix, a vector and a rank-3 tensor whose first dims 3 ranks split unevenly.
+#[derive(Module, Debug)]
+struct Three {
+    matrix: Param<Tensor<2>>,
+    vector: Param<Tensor<1>>,
+    cube: Param<Tensor<3>>,
+}
+
+fn pattern(n: usize, salt: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 7919 + salt * 104_729) % 2003) as f32 - 1001.0) * scale)
+        .collect()
+}
+
+fn three(salt: usize, scale: f32) -> Three {
+    let device = Device::default().autodiff();
+    let param = |dims: Vec<usize>| {
+        let n = dims.iter().product();
+        Tensor::<1>::from_data(TensorData::new(pattern(n, salt, scale), [n]), &device)
+    };
+    Three {
+        matrix: Param::from_tensor(param(vec![7, 5]).reshape([7, 5])),
+        vector: Param::from_tensor(param(vec![7])),
+        cube: Param::from_tensor(param(vec![5, 3, 4]).reshape([5, 3, 4])),
+    }
+}
+
+/// Every parameter's values, flat, by id.
+fn flat(module: &Three) -> HashMap<ParamId, Vec<f32>> {
+    params::values(module, None)
+        .into_iter()
+        .map(|(id, t)| (id, t.into_data().try_to_vec::<f32>().unwrap()))
+        .collect()
+}
+
+/// Adafactor at a fixed learning rate, each of 2 and 3 thread ranks stepping its padded
+/// shard of every parameter (the reductions across ranks inside the step), takes
+/// burn-optim's Adafactor steps on the whole tensors, given the same gradients: to f32
+/// rounding of the reordered sums.
+#[test]
+fn sharded_adafactor_steps_as_burn_optims_on_the_whole_tensors() {
+    const STEPS: usize = 3;
+    let (lr, wd) = (1e-2, 0.1);
+    let flags = [
+        "--optimizer",
+        "adafactor",
+        "--lr",
+        "1e-2",
+        "--weight-decay",
+        "0.1",
+    ];
+    let grads: Vec<Three> = (1..=STEPS).map(|s| three(s, 1e-3 * s as f32)).collect();
+    // burn-optim's, whole: decay on the matrices, as the runner splits them.
+    let reference = {
+        let (decay, no_decay) = (
+            AdafactorConfig::new()
+                .with_relative_step(false)
+                .with_scale_parameter(false),
+            AdafactorConfig::new()
+                .with_relative_step(false)
+                .with_scale_parameter(false),
+        );
+        let (decay, no_decay) = (decay.with_weight_decay(wd).build(), no_decay.build());
+        let p = three(0, 1e-3);
+        let (mut m, mut v, mut c) = (
+            p.matrix.val().inner(),
+            p.vector.val().inner(),
+            p.cube.val().inner(),
+        );
+        let (mut sm, mut sv, mut sc) = (None, None, None);
+        for g in &grads {
+            (m, sm) = decay.step(lr, m, g.matrix.val().inner(), sm);
+            (v, sv) = no_decay.step(lr, v, g.vector.val().inner(), sv);
+            (c, sc) = decay.step(lr, c, g.cube.val().inner(), sc);
+        }
+        let values = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().unwrap();
+        [values(m), values(v.unsqueeze()), values(c.reshape([1, 60]))]
+    };
+    for world in [2, 3] {
+        let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
+            let rank = comm.rank();
+            let full = three(0, 1e-3);
+            let ids = [full.matrix.id, full.vector.id, full.cube.id];
+            let args = TrainArgs::from_flags(&flags).unwrap();
+            let mut optim = ParamOptimizer::new(&args, rank, &full).unwrap();
+            // Each of a module's parameters' shard for this rank, and its dims.
+            let shard_of = |module: &Three| {
+                let slots = layout::slots(module, world);
+                let by_id: HashMap<ParamId, &layout::Slot> =
+                    slots.iter().map(|s| (s.id, s)).collect();
+                let mut shards = params::shards(module, &by_id, rank);
+                [module.matrix.id, module.vector.id, module.cube.id]
+                    .map(|id| (shards.remove(&id).unwrap(), by_id[&id].shard_dims()))
+            };
+            let device = Device::default().autodiff();
+            let initial = ids.into_iter().zip(shard_of(&full)).collect();
+            let mut module = params::set_values(full.clone(), initial, &device, true);
+            for g in &grads {
+                let [(m, md), (v, _), (c, cd)] = shard_of(g);
+                let mut shard_grads = GradientsParams::new();
+                shard_grads.register::<2>(ids[0], m.reshape([md[0], md[1]]));
+                shard_grads.register::<1>(ids[1], v);
+                shard_grads.register::<3>(ids[2], c.reshape([cd[0], cd[1], cd[2]]));
+                let (next, result) = optim.step(lr, module, shard_grads, Some(comm));
+                result.unwrap();
+                module = next;
+            }
+            // This rank's real rows of the matrix, the vector and the cube, with where the
+            // first one starts.
+            let values = flat(&module);
+            let slots = layout::slots(&full, world);
+            ids.map(|id| {
+                let slot = slots.iter().find(|s| s.id == id).unwrap();
+                let (start, real) = slot.owned_rows(rank);
+                let row = slot.numel() / slot.dims[0];
+                (start * row, values[&id][..real * row].to_vec())
+            })
+        })
+        .unwrap();
+        for (which, want) in reference.iter().enumerate() {
+            let mut got = vec![f32::NAN; want.len()];
+            for rank in &ranks {
+                let (from, rows) = &rank.as_ref().unwrap()[which];
+                got[*from..*from + rows.len()].copy_from_slice(rows);
+            }
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (g - w).abs() <= 1e-6 * w.abs().max(1e-3),
+                    "{world} ranks, parameter {which}, element {i}: {g}, burn-optim {w}"
+                );
+            }
         }
     }
 }

@@ -389,6 +389,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.gather(model, shards, self.all_buckets(), true)
     }
 
+    /// The ranks among which each parameter's rows are split for the optimizer step (this
+    /// rank steps its shards): the process group under ZeRO on more than one rank, else
+    /// `None` (every rank steps whole parameters).
+    pub fn shard_group(&self) -> Option<&'c dyn Communicator> {
+        (self.sharding.optimizer_state && self.comm.world_size() > 1).then_some(self.comm)
+    }
+
     /// Whether every rank holds the whole model (not only shards of it).
     pub fn holds_whole_model(&self) -> bool {
         !self.sharding.parameters

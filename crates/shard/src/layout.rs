@@ -24,6 +24,12 @@ impl Slot {
         self.dims[1..].iter().product()
     }
 
+    /// This parameter's place when laid out over `world` ranks.
+    pub fn over(mut self, world: usize) -> Self {
+        self.rows = self.dims[0].div_ceil(world);
+        self
+    }
+
     pub fn numel(&self) -> usize {
         self.dims.iter().product()
     }
@@ -78,12 +84,13 @@ pub fn slots<M: Module>(module: &M, world: usize) -> Vec<Slot> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             // Without running a lazy parameter's initialiser (ZeRO-3 shards before it).
             let dims = param.lazy_shape().dims::<D>().to_vec();
-            self.slots.push(Slot {
+            let slot = Slot {
                 id: param.id,
                 path: self.path.join("."),
-                rows: dims[0].div_ceil(self.world),
+                rows: dims[0],
                 dims,
-            });
+            };
+            self.slots.push(slot.over(self.world));
         }
     }
     let mut collect = Collect {

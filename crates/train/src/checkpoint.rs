@@ -94,6 +94,10 @@ pub struct SavedTensor {
     /// is stored transposed: what consolidation writes.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub export: Vec<(String, bool)>,
+    /// An optimizer state tensor that is the same on every rank rather than split by rows
+    /// (Adafactor's column moment of a matrix): written once, by rank 0, and read whole.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replicated: bool,
 }
 
 /// One parameter's optimizer state: tensors shaped as the parameter, and scalars (a step
@@ -189,6 +193,7 @@ pub fn save<M: BlockModel>(
                             .into_iter()
                             .map(|saved| (saved.key, saved.transposed))
                             .collect(),
+                        replicated: false,
                     })
                     .collect(),
                 states,
@@ -322,22 +327,31 @@ fn write_rank_file<M: BlockModel>(
         let mut tensors = Vec::new();
         for (name, data) in &sink.tensors {
             let mut dims: Vec<usize> = data.shape().iter().copied().collect();
-            check_rows(name, &dims, slot)?;
-            dims[0] = slot.dims[0];
-            if real > 0 {
-                plan.push(planned(
-                    &format!("optim/{name}"),
-                    &dims,
-                    start,
-                    real,
-                    data.dtype(),
-                )?);
+            let replicated = replicated(name, &dims, slot)?;
+            if replicated && rank == 0 {
+                plan.push(Planned {
+                    key: whole_key(name),
+                    dtype: st_dtype(data.dtype())?,
+                    shape: dims.clone(),
+                });
+            } else if !replicated {
+                dims[0] = slot.dims[0];
+                if real > 0 {
+                    plan.push(planned(
+                        &format!("optim/{name}"),
+                        &dims,
+                        start,
+                        real,
+                        data.dtype(),
+                    )?);
+                }
             }
             tensors.push(SavedTensor {
                 name: name.clone(),
                 dims,
                 dtype: dtype_name(data.dtype()),
                 export: Vec::new(),
+                replicated,
             });
         }
         let scalars = sink
@@ -376,10 +390,17 @@ fn write_rank_file<M: BlockModel>(
     optim.for_each_state(|param, sink| {
         let slot = slots[param];
         let (start, real) = slot.owned_rows(rank);
-        if real == 0 {
-            return Ok(());
-        }
         for (name, data) in &sink.tensors {
+            let dims: Vec<usize> = data.shape().iter().copied().collect();
+            if replicated(name, &dims, slot)? {
+                if rank == 0 {
+                    writer.write_bytes(&whole_key(name), data.as_bytes())?;
+                }
+                continue;
+            }
+            if real == 0 {
+                continue;
+            }
             let row_bytes = data.as_bytes().len() / data.shape()[0];
             let first = if data.shape()[0] == slot.dims[0] {
                 start
@@ -408,17 +429,23 @@ fn kill_if_asked(step: usize, rank: usize) {
     }
 }
 
-/// An optimizer state tensor must have its parameter's rows (or its shard's) along dim 0
-/// to be sliced by rows; its other dims are its own (8-bit AdamW's absmax has one column per
-/// block of a row).
-fn check_rows(name: &str, dims: &[usize], slot: &Slot) -> Result<(), TrainError> {
-    if dims.is_empty() || !(dims[0] == slot.dims[0] || dims[0] == slot.rows) {
-        return Err(TrainError::InvalidData(format!(
-            "optimizer state `{name}` has shape {dims:?}, not its parameter's rows ({:?}): it cannot be checkpointed by rows",
+/// Whether an optimizer state tensor of `dims` is the same on every rank (its dim 0 is 1
+/// where its parameter has more rows, as Adafactor's column moment of a matrix) rather than
+/// its parameter's rows (or its shard's) along dim 0, sliced by rows; its other dims are its
+/// own (8-bit AdamW's absmax has one column per block of a row). Any other shape is an error.
+fn replicated(name: &str, dims: &[usize], slot: &Slot) -> Result<bool, TrainError> {
+    match dims.first() {
+        Some(&d0) if d0 == slot.dims[0] || d0 == slot.rows => Ok(false),
+        Some(1) => Ok(true),
+        _ => Err(TrainError::InvalidData(format!(
+            "optimizer state `{name}` has shape {dims:?}, neither its parameter's rows ({:?}) nor one row: it cannot be checkpointed",
             slot.dims
-        )));
+        ))),
     }
-    Ok(())
+}
+
+fn whole_key(name: &str) -> String {
+    format!("optim/{name}/whole")
 }
 
 /// Rows `start..start + real` of a tensor of `dims`, to be written under `prefix`.
@@ -676,6 +703,9 @@ impl Checkpoint {
         let dtype = parse_dtype(&tensor.dtype).ok_or_else(|| {
             self.mismatch(format!("`{}` is stored as {}", tensor.name, tensor.dtype))
         })?;
+        if tensor.replicated {
+            return self.replicated(tensor, dtype);
+        }
         let row = dims[1..].iter().product::<usize>() * dtype.size();
         let name = format!("{prefix}/{}", tensor.name);
         let (world, per_rank) = (self.meta.world_size, dims[0].div_ceil(self.meta.world_size));
@@ -707,6 +737,32 @@ impl Checkpoint {
         let mut shape = dims.clone();
         shape[0] = pad_to.max(count);
         Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
+    }
+
+    /// A replicated optimizer state tensor, whole, from rank 0's file.
+    fn replicated(
+        &mut self,
+        tensor: &SavedTensor,
+        dtype: TensorDType,
+    ) -> Result<TensorData, CheckpointError> {
+        let key = whole_key(&tensor.name);
+        let len = tensor.dims.iter().product::<usize>() * dtype.size();
+        let file = self.file(0)?;
+        let info = file.header.info(&key).filter(|i| {
+            tensor_dtype(i.dtype) == Some(dtype) && i.data_offsets.1 - i.data_offsets.0 == len
+        });
+        let Some(info) = info else {
+            return Err(CheckpointError::Corrupt {
+                path: self.dir.join(rank_file(0)),
+                reason: format!("no {} tensor `{key}` of {len} bytes", tensor.dtype),
+            });
+        };
+        let bytes = file.map[file.data_start + info.data_offsets.0..][..len].to_vec();
+        Ok(TensorData::from_bytes_vec(
+            bytes,
+            tensor.dims.clone(),
+            dtype,
+        ))
     }
 }
 

@@ -120,6 +120,11 @@ pub struct TrainArgs {
     /// quantized (bitsandbytes' min_8bit_size).
     #[arg(long, default_value_t = 4096)]
     pub min_8bit_size: usize,
+    /// With --optimizer adafactor: steps of min(--lr, 1/sqrt(t)) times each parameter's RMS
+    /// (HF's relative_step and scale_parameter; HF caps the step at 1e-2: --lr 1e-2
+    /// --schedule constant) instead of --lr itself.
+    #[arg(long)]
+    pub adafactor_relative_step: bool,
     /// With --optimizer adam8bit, keep embedding tables' state in 32 bits (bitsandbytes'
     /// advice for its StableEmbedding).
     #[arg(long)]
@@ -131,8 +136,10 @@ pub struct TrainArgs {
     /// (as nanoGPT; minGPT also spares embeddings).
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f64,
-    #[arg(long, default_value_t = 0.9)]
-    pub beta1: f64,
+    /// The first moment's decay: Adam and AdamW's beta1 (default 0.9); Adafactor keeps a
+    /// first moment only when it is given.
+    #[arg(long)]
+    pub beta1: Option<f64>,
     #[arg(long, default_value_t = 0.95)]
     pub beta2: f64,
     /// SGD momentum (0 disables it).
@@ -195,6 +202,9 @@ pub struct TrainArgs {
     pub gather_model: bool,
 }
 
+/// Adam's and AdamW's first-moment decay when `--beta1` is not given.
+pub const ADAM_BETA1: f64 = 0.9;
+
 impl TrainArgs {
     /// Runner flags from a list of arguments (without a program name), as a binary's parser
     /// would read them; a flag given twice takes its last value. For embedding the runner
@@ -219,12 +229,13 @@ impl TrainArgs {
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
         Accelerator::or_default(self.accelerator).check(self.devices)?;
-        if self.optimizer == OptimizerKind::Adafactor {
-            return Err(TrainError::NotYetSupported(
-                "--optimizer adafactor is not built yet; use adamw, adam8bit, adam or sgd".into(),
+        let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
+        if self.adafactor_relative_step && self.optimizer != OptimizerKind::Adafactor {
+            return invalid(format!(
+                "--adafactor-relative-step sets Adafactor's step size; --optimizer is {}",
+                value_name(self.optimizer)
             ));
         }
-        let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
         if self.embedding_state_32bit && self.optimizer != OptimizerKind::Adam8bit {
             return invalid(format!(
                 "--embedding-state-32bit keeps embeddings' state out of adam8bit's 8 bits; --optimizer {} has no 8-bit state",
@@ -338,13 +349,13 @@ mod tests {
     }
 
     #[test]
-    fn unlanded_techniques_are_rejected_not_ignored() {
-        let err = parse(&["--optimizer", "adafactor"])
+    fn optimizer_flags_need_their_optimizer() {
+        let err = parse(&["--adafactor-relative-step"])
             .unwrap()
             .validate()
             .unwrap_err()
             .to_string();
-        assert!(err.contains("not yet supported"), "{err}");
+        assert!(err.contains("adafactor"), "{err}");
         let err = parse(&["--embedding-state-32bit"])
             .unwrap()
             .validate()

@@ -9,8 +9,6 @@ use crate::checkpoint::CheckpointError;
 /// Errors of the training runner.
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
-    #[error("not yet supported: {0}")]
-    NotYetSupported(String),
     #[error("invalid arguments: {0}")]
     InvalidArgs(String),
     #[error("invalid data: {0}")]

@@ -2,6 +2,7 @@
 //! gradient accumulation and clipping, and honest memory and speed reports.
 
 pub mod accelerator;
+pub mod adafactor;
 pub mod adam8bit;
 pub mod checkpoint;
 mod cli;
@@ -15,7 +16,9 @@ mod runner;
 pub mod speed;
 
 pub use burnscale_precision::Precision;
-pub use cli::{Offload, OptimizerKind, ReduceDtype, Schedule, Strategy, TrainArgs, value_name};
+pub use cli::{
+    ADAM_BETA1, Offload, OptimizerKind, ReduceDtype, Schedule, Strategy, TrainArgs, value_name,
+};
 pub use error::TrainError;
 pub use optim::{LrSchedule, ParamOptimizer};
 pub use report::{

@@ -1,7 +1,7 @@
 //! Optimizers from burn-optim, stepped parameter by parameter with their state keyed by
 //! parameter path, so the state can be sharded, offloaded and checkpointed by name.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
@@ -15,17 +15,22 @@ use burn::optim::{
 };
 use burn::prelude::*;
 use burn::tensor::FloatDType;
+use burnscale_collective::{Communicator, ReduceOp};
+use burnscale_shard::layout::{self, Slot};
 
 use crate::TrainError;
+use crate::adafactor::{Adafactor, AdafactorState};
 use crate::adam8bit::AdamW8bit;
-use crate::cli::{Offload, OptimizerKind, Schedule, TrainArgs, value_name};
+use crate::cli::{ADAM_BETA1, Offload, OptimizerKind, Schedule, TrainArgs};
 use crate::offload::DiskStates;
 
 /// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
 /// embeddings, rank >= 2) and one without decay (biases, norms), as nanoGPT configures AdamW.
 /// Under `--optimizer adam8bit`, the matrices that [`AdamW8bit::quantizes`] (and that are not
 /// embeddings kept in 32 bits by `--embedding-state-32bit`) get 8-bit state; the rest, as in
-/// bitsandbytes, a 32-bit AdamW.
+/// bitsandbytes, a 32-bit AdamW. Under `--optimizer adafactor`, a step's statistics span
+/// every rank's rows of a parameter ([`crate::adafactor`]): they are reduced across the
+/// ranks given to [`ParamOptimizer::step`].
 ///
 /// Under `--offload` the state lives in host memory and each parameter is stepped there (on a
 /// CPU-only run the host is the device); under `--offload-dir` it lives on disk between steps.
@@ -35,6 +40,7 @@ pub struct ParamOptimizer {
     no_decay: Arc<dyn DynOptimizer>,
     /// `--optimizer adam8bit`'s 8-bit AdamW, and the paths of the parameters it steps.
     eight_bit: Option<(Arc<dyn DynOptimizer>, HashSet<String>)>,
+    adafactor: Option<Factored>,
     states: HashMap<String, DynState>,
     /// Where parameters are stepped and their state kept; `None`: on the parameter's device.
     host: Option<Device>,
@@ -48,10 +54,15 @@ impl ParamOptimizer {
     /// The optimizer `args` name, for rank `rank` (whose `--offload-dir` files are its own),
     /// for the parameters of `model` (whole, before any sharding).
     pub fn new<M: Module>(args: &TrainArgs, rank: usize, model: &M) -> Result<Self, TrainError> {
-        let (b1, b2) = (args.beta1 as f32, args.beta2 as f32);
-        let build = |weight_decay: f64| -> Result<Arc<dyn DynOptimizer>, TrainError> {
+        let (b1, b2) = (args.beta1.unwrap_or(ADAM_BETA1) as f32, args.beta2 as f32);
+        let adafactor = |weight_decay: f64| Adafactor {
+            beta_1: args.beta1,
+            weight_decay,
+            relative_step: args.adafactor_relative_step,
+        };
+        let build = |weight_decay: f64| -> Arc<dyn DynOptimizer> {
             let wd = weight_decay as f32;
-            Ok(match args.optimizer {
+            match args.optimizer {
                 OptimizerKind::Adamw | OptimizerKind::Adam8bit => Arc::new(
                     AdamWConfig::new()
                         .with_beta_1(b1)
@@ -77,13 +88,8 @@ impl ParamOptimizer {
                         .with_weight_decay((wd > 0.0).then(|| WeightDecayConfig::new(wd)))
                         .build(),
                 ),
-                other => {
-                    return Err(TrainError::NotYetSupported(format!(
-                        "--optimizer {}",
-                        value_name(other)
-                    )));
-                }
-            })
+                OptimizerKind::Adafactor => Arc::new(adafactor(weight_decay)),
+            }
         };
         let disk = match &args.offload_dir {
             Some(dir) => Some(DiskStates::create(dir, rank)?),
@@ -110,11 +116,20 @@ impl ParamOptimizer {
                 .collect();
             (optim, paths)
         });
+        let adafactor = (args.optimizer == OptimizerKind::Adafactor).then(|| Factored {
+            decay: adafactor(args.weight_decay),
+            no_decay: adafactor(0.0),
+            slots: layout::slots(model, 1)
+                .into_iter()
+                .map(|s| (s.path.clone(), s))
+                .collect(),
+        });
         Ok(Self {
             kind: args.optimizer,
-            decay: build(args.weight_decay)?,
-            no_decay: build(0.0)?,
+            decay: build(args.weight_decay),
+            no_decay: build(0.0),
             eight_bit,
+            adafactor,
             states: HashMap::new(),
             host: offload.then(Device::flex),
             params_on_host: args.offload == Offload::Params,
@@ -122,24 +137,93 @@ impl ParamOptimizer {
         })
     }
 
-    /// Applies one update to every parameter that has a gradient. If offloaded state cannot
-    /// be read or written, the other parameters are still stepped (a state that could not be
-    /// written stays in memory), and the first error is returned with the model.
+    /// Applies one update to every parameter that has a gradient. `span`: the ranks whose
+    /// shards of each parameter this rank's shards are (its ZeRO group), over which
+    /// Adafactor's statistics are reduced; `None` when this rank holds whole parameters. If
+    /// offloaded state cannot be read or written, the other parameters are still stepped (a
+    /// state that could not be written stays in memory), and the first error is returned
+    /// with the model.
     pub fn step<M: Module>(
         &mut self,
         lr: f64,
         model: M,
         mut grads: GradientsParams,
+        span: Option<&dyn Communicator>,
     ) -> (M, Result<(), TrainError>) {
+        let spans = match self.adafactor.is_some() {
+            true => match self.adafactor_spans(&model, &grads, span) {
+                Ok(spans) => Some(spans),
+                Err(e) => return (model, Err(e)),
+            },
+            false => None,
+        };
         let mut mapper = StepMapper {
             path: Vec::new(),
             optim: self,
             grads: &mut grads,
+            spans: spans.as_ref(),
             lr,
             error: None,
         };
         let model = model.map(&mut mapper);
         (model, mapper.error.map_or(Ok(()), Err))
+    }
+
+    /// Adafactor's first two phases over every parameter of `model`: the sums over all rows,
+    /// then the update's sum of squares, each reduced across `span` in one collective.
+    fn adafactor_spans<M: Module>(
+        &self,
+        model: &M,
+        grads: &GradientsParams,
+        span: Option<&dyn Communicator>,
+    ) -> Result<Spans, TrainError> {
+        let (rank, world) = span.map_or((0, 1), |c| (c.rank(), c.world_size()));
+        let phase = |sums: Option<&BTreeMap<String, Tensor<1>>>| {
+            let mut visit = AdafactorPhase {
+                optim: self,
+                grads,
+                sums,
+                rank,
+                world,
+                path: Vec::new(),
+                out: BTreeMap::new(),
+                error: None,
+            };
+            model.visit(&mut visit);
+            match visit.error {
+                Some(e) => Err(e),
+                None => reduced(span, visit.out),
+            }
+        };
+        let sums = phase(None)?;
+        let update_sq = phase(Some(&sums))?;
+        Ok(Spans { sums, update_sq })
+    }
+
+    /// Where a parameter on `device` is stepped: the host when offloaded, else `device`.
+    fn home(&self, device: &Device) -> Device {
+        self.host.clone().unwrap_or_else(|| device.clone())
+    }
+
+    /// `tensor` and `grad` where they are stepped ([`ParamOptimizer::home`]); offloaded, the
+    /// gradient crosses to the host, and the parameter unless it lives there.
+    fn to_home<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        home: &Device,
+    ) -> (Tensor<D>, Tensor<D>) {
+        (
+            self.moved(tensor, home, !self.params_on_host),
+            self.moved(grad, home, true),
+        )
+    }
+
+    fn moved<const D: usize>(&self, t: Tensor<D>, device: &Device, crosses: bool) -> Tensor<D> {
+        match self.host.is_some() && crosses {
+            true => burnscale_shard::host::transfer(t, device),
+            false => t.to_device(device),
+        }
     }
 
     /// Calls `visit` with each parameter's path and its state flattened (tensors by name,
@@ -252,16 +336,39 @@ impl ParamOptimizer {
         }
     }
 
-    /// The state of the `rank`-dimensional parameter at `path`, on `device`.
+    /// The state of the `rank`-dimensional parameter at `path`, on `device`, moved out.
     fn take_state(
         &mut self,
         rank: usize,
         path: &str,
         device: &Device,
     ) -> Result<Option<DynState>, TrainError> {
-        if let Some(state) = self.states.remove(path) {
-            return Ok(Some(state));
+        match self.states.remove(path) {
+            Some(state) => Ok(Some(state)),
+            None => self.read_state(rank, path, device),
         }
+    }
+
+    /// The state of the `rank`-dimensional parameter at `path`, on `device`, left in place.
+    fn peek_state(
+        &self,
+        rank: usize,
+        path: &str,
+        device: &Device,
+    ) -> Result<Option<DynState>, TrainError> {
+        match self.states.get(path) {
+            Some(state) => Ok(Some(state.clone())),
+            None => self.read_state(rank, path, device),
+        }
+    }
+
+    /// The state of the parameter at `path` from `--offload-dir`, if it has one there.
+    fn read_state(
+        &self,
+        rank: usize,
+        path: &str,
+        device: &Device,
+    ) -> Result<Option<DynState>, TrainError> {
         let Some(saved) = self.disk.as_ref().map(|d| d.flattened(path)).transpose()? else {
             return Ok(None);
         };
@@ -295,10 +402,127 @@ impl ParamOptimizer {
     }
 }
 
+/// `--optimizer adafactor`'s two optimizers (with and without weight decay) and every
+/// parameter's place in the layout, by path.
+struct Factored {
+    decay: Adafactor,
+    no_decay: Adafactor,
+    slots: HashMap<String, Slot>,
+}
+
+impl Factored {
+    fn for_rank(&self, rank: usize) -> &Adafactor {
+        if rank >= 2 {
+            &self.decay
+        } else {
+            &self.no_decay
+        }
+    }
+}
+
+/// Adafactor's statistics over all rows of each parameter, by path.
+struct Spans {
+    sums: BTreeMap<String, Tensor<1>>,
+    update_sq: BTreeMap<String, Tensor<1>>,
+}
+
+/// `values` summed over `span`'s ranks: concatenated in path order (the same on every rank),
+/// reduced in one collective, and split again.
+fn reduced(
+    span: Option<&dyn Communicator>,
+    values: BTreeMap<String, Tensor<1>>,
+) -> Result<BTreeMap<String, Tensor<1>>, TrainError> {
+    let Some(comm) = span.filter(|c| c.world_size() > 1) else {
+        return Ok(values);
+    };
+    if values.is_empty() {
+        return Ok(values);
+    }
+    let lens: Vec<(String, usize)> = values
+        .iter()
+        .map(|(k, v)| (k.clone(), v.dims()[0]))
+        .collect();
+    let all = comm.all_reduce_tensor(
+        Tensor::cat(values.into_values().collect(), 0),
+        ReduceOp::Sum,
+    )?;
+    let mut start = 0;
+    Ok(lens
+        .into_iter()
+        .map(|(path, len)| {
+            start += len;
+            (path, all.clone().narrow(0, start - len, len))
+        })
+        .collect())
+}
+
+/// One of Adafactor's first two phases: each parameter's partial sums (`sums` absent), or
+/// its update's sum of squares given every row's sums.
+struct AdafactorPhase<'a> {
+    optim: &'a ParamOptimizer,
+    grads: &'a GradientsParams,
+    sums: Option<&'a BTreeMap<String, Tensor<1>>>,
+    rank: usize,
+    world: usize,
+    path: Vec<String>,
+    out: BTreeMap<String, Tensor<1>>,
+    error: Option<TrainError>,
+}
+
+impl ModuleVisitor for AdafactorPhase<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(grad) = self.grads.get::<D>(param.id) else {
+            return;
+        };
+        let path = self.path.join(".");
+        let factored = self.optim.adafactor.as_ref().expect("an Adafactor phase");
+        let Some(slot) = factored.slots.get(&path) else {
+            self.error.get_or_insert(TrainError::InvalidData(format!(
+                "`{path}` is not a parameter of the model the optimizer was built for"
+            )));
+            return;
+        };
+        let real = slot.clone().over(self.world).owned_rows(self.rank).1;
+        let tensor = param.val().inner();
+        let home = self.optim.home(&tensor.device());
+        let state = match self.optim.peek_state(D, &path, &home) {
+            Ok(state) => state.map(|s| s.downcast::<AdafactorState<D>>()),
+            Err(e) => {
+                self.error.get_or_insert(e);
+                return;
+            }
+        };
+        let (tensor, grad) = self.optim.to_home(tensor, grad, &home);
+        let adafactor = factored.for_rank(D);
+        let out = match self.sums {
+            None => adafactor.partial_sums(&tensor, &grad, state.as_ref(), real),
+            Some(sums) => Some(adafactor.update_sum_sq(
+                &grad,
+                state.as_ref(),
+                sums.get(&path),
+                &slot.dims,
+                real,
+            )),
+        };
+        if let Some(out) = out {
+            self.out.insert(path, out);
+        }
+    }
+}
+
 struct StepMapper<'a> {
     path: Vec<String>,
     optim: &'a mut ParamOptimizer,
     grads: &'a mut GradientsParams,
+    spans: Option<&'a Spans>,
     lr: f64,
     error: Option<TrainError>,
 }
@@ -319,10 +543,7 @@ impl ModuleMapper for StepMapper<'_> {
         let path = self.path.join(".");
         let (id, tensor, mapper) = param.consume();
         let (require_grad, device) = (tensor.is_require_grad(), tensor.device());
-        let home = match &self.optim.host {
-            Some(host) => host.clone(),
-            None => device.clone().inner(),
-        };
+        let home = self.optim.home(&device.clone().inner());
         let state = match self.optim.take_state(D, &path, &home) {
             Ok(state) => state,
             Err(e) => {
@@ -330,32 +551,36 @@ impl ModuleMapper for StepMapper<'_> {
                 return Param::from_mapped_value(id, tensor, mapper);
             }
         };
-        // Offloaded, the gradient crosses to the host, and the parameter there and back
-        // unless it lives there.
-        let crosses = |moved: bool| self.optim.host.is_some() && moved;
-        let (param_crosses, grad_crosses) = (crosses(!self.optim.params_on_host), crosses(true));
-        let to = |t: Tensor<D>, device: &Device, crosses: bool| match crosses {
-            true => burnscale_shard::host::transfer(t, device),
-            false => t.to_device(device),
+        let (on_home, grad) = self.optim.to_home(tensor.inner(), grad, &home);
+        let factored = self.optim.adafactor.as_ref().zip(self.spans);
+        let (updated, state) = match factored {
+            Some((factored, spans)) => {
+                let (updated, state) = factored.for_rank(D).finish(
+                    self.lr,
+                    on_home,
+                    grad,
+                    state.map(|s| s.downcast::<AdafactorState<D>>()),
+                    spans.sums.get(&path),
+                    spans.update_sq[&path].clone(),
+                    &factored.slots[&path].dims,
+                );
+                (updated, Some(DynState::create(state, D)))
+            }
+            None => {
+                let optim = self.optim.optimizer(&path, D).clone();
+                let (updated, state) =
+                    optim.step_dyn(D, self.lr, on_home.into_bridge(), grad.into_bridge(), state);
+                (Tensor::<D>::from_bridge(updated), state)
+            }
         };
-        let optim = self.optim.optimizer(&path, D).clone();
-        let (updated, state) = optim.step_dyn(
-            D,
-            self.lr,
-            to(tensor.inner(), &home, param_crosses).into_bridge(),
-            to(grad, &home, grad_crosses).into_bridge(),
-            state,
-        );
         if let Some(state) = state
             && let Err(e) = self.optim.put_state(D, path, state)
         {
             self.error.get_or_insert(e);
         }
-        let updated = to(
-            Tensor::<D>::from_bridge(updated),
-            &device.clone().inner(),
-            param_crosses,
-        );
+        let updated =
+            self.optim
+                .moved(updated, &device.clone().inner(), !self.optim.params_on_host);
         let mut updated = burnscale_nn::autodiff_on(updated, &device);
         if require_grad {
             updated = updated.require_grad();

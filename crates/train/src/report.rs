@@ -34,7 +34,8 @@ impl ModelStateBytes {
     /// micro-step) + 4 of gradients (reduced and held in f32) + the optimizer's state K per
     /// parameter in the weight dtype (Adam/AdamW 2 moments, SGD with momentum 1, plain SGD 0;
     /// 8-bit AdamW 2 bytes, not counting its absmax and the 32-bit state of vectors and small
-    /// matrices; none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
+    /// matrices; Adafactor its first moment's 4 bytes if it keeps one, not counting its
+    /// factored moments; none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
     /// part over `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the
     /// gradients, ZeRO-3 everything.
     pub fn predicted(num_params: usize, args: &TrainArgs, world: usize) -> usize {
@@ -44,6 +45,8 @@ impl ModelStateBytes {
             _ if args.offload_dir.is_some() => 0,
             OptimizerKind::Adamw | OptimizerKind::Adam => 2 * weight,
             OptimizerKind::Adam8bit => 2,
+            // The factored moments ((rows + cols) x 4 B per matrix) are not counted.
+            OptimizerKind::Adafactor if args.beta1.is_some() => 4,
             OptimizerKind::Sgd if args.momentum > 0.0 => weight,
             _ => 0,
         };

@@ -264,8 +264,9 @@ pub fn train_on<T: TrainTask>(
         }
         let lr = schedule.next_lr();
         let mut offloaded = Ok(());
+        let span = engine.shard_group();
         let outcome = engine.step(args.grad_clip, |model, grads| {
-            let (model, result) = optim.step(lr, model, grads);
+            let (model, result) = optim.step(lr, model, grads, span);
             offloaded = result;
             model
         })?;
