@@ -1,10 +1,16 @@
-//! The memory ladder of the Fabric article, measured: the same training steps under
-//! 32-true, bf16-mixed, bf16-true and bf16-true with per-block checkpointing (and 16-mixed),
-//! with the counting allocator's process peak, the model states and the median step time
-//! per rung, side by side in one run.
+//! The memory ladders, measured: the same training steps under each rung, with the
+//! counting allocator's process peak, the model states (and the optimizer's bytes per
+//! parameter) and the median step time per rung, side by side in one run.
+//! - `--ladder precision` (the Fabric article's): 32-true, bf16-mixed, bf16-true and
+//!   bf16-true with per-block checkpointing (and 16-mixed).
+//! - `--ladder lean` (the HF article's optimizer rungs, BERT-large): AdamW, Adafactor and
+//!   8-bit AdamW at batch 4, then each with batch 1 x 4 accumulated, per-block
+//!   checkpointing and 16-mixed, beside the article's V100 figures as ratios to its
+//!   vanilla run.
 //!
 //!     cargo bench --bench precision_ladder                        # minGPT, 8 blocks of 256
 //!     cargo bench --bench precision_ladder -- --model bert-large --steps 2
+//!     cargo bench --bench precision_ladder -- --ladder lean --model bert-large --steps 2
 //!
 //! Each rung runs in a child process of this binary, so one rung's peak cannot hide in
 //! another's. On Flex (the CPU backend) 16-bit types are stored in 16 bits but computed
@@ -43,8 +49,46 @@ const RUNGS: [(&str, &[&str]); 5] = [
     ),
 ];
 
+/// The HF article's optimizer rungs: (label, runner flags, the article's `nvidia-smi`
+/// figure in MB on a V100, with about 1.3 GB of CUDA kernels in each).
+const LEAN: [(&str, &[&str], f64); 6] = [
+    ("AdamW, batch 4", &["--batch-size", "4"], 14949.0),
+    (
+        "Adafactor, batch 4",
+        &["--batch-size", "4", "--optimizer", "adafactor"],
+        12295.0,
+    ),
+    (
+        "8-bit AdamW, batch 4",
+        &["--batch-size", "4", "--optimizer", "adam8bit"],
+        13085.0,
+    ),
+    ("AdamW, 1x4 ckpt fp16", &[], 7275.0),
+    (
+        "Adafactor, 1x4 ckpt fp16",
+        &["--optimizer", "adafactor"],
+        4847.0,
+    ),
+    ("8-bit, 1x4 ckpt fp16", &["--optimizer", "adam8bit"], 5363.0),
+];
+
+/// What the lean ladder's last three rungs add (the article's full settings).
+const FULL_SETTINGS: &[&str] = &[
+    "--batch-size",
+    "1",
+    "--accumulate",
+    "4",
+    "--checkpoint-activations",
+    "--precision",
+    "16-mixed",
+];
+
 #[derive(Parser)]
 struct Cli {
+    /// precision (the Fabric article's rungs) or lean (the HF article's optimizer rungs,
+    /// bert-large only).
+    #[arg(long, default_value = "precision")]
+    ladder: String,
     /// mingpt (8 blocks, width 256, batch 8 x 256) or bert-large (BERT-large config,
     /// sequence classification, batch 4 x 128).
     #[arg(long, default_value = "mingpt")]
@@ -59,15 +103,40 @@ struct Cli {
     bench: bool,
 }
 
+/// The rungs of `cli`'s ladder: label, flags, and the article's figure (MB) if it has one.
+fn rungs(cli: &Cli) -> Result<Vec<(&'static str, Vec<&'static str>, Option<f64>)>> {
+    Ok(match cli.ladder.as_str() {
+        "precision" => RUNGS
+            .iter()
+            .map(|(label, flags)| (*label, flags.to_vec(), None))
+            .collect(),
+        "lean" if cli.model == "bert-large" => LEAN
+            .iter()
+            .enumerate()
+            .map(|(i, (label, flags, mb))| {
+                let full = if i >= 3 { FULL_SETTINGS } else { &[] };
+                (*label, [flags, full].concat(), Some(*mb))
+            })
+            .collect(),
+        other => bail!("--ladder must be precision, or lean with --model bert-large; got {other}"),
+    })
+}
+
 fn worker(cli: &Cli, rung: usize) -> Result<()> {
     let device = Device::default().autodiff();
     device.seed(1);
     let steps = cli.steps.to_string();
+    let rung_flags = rungs(cli)?.swap_remove(rung).1;
     let common = ["--max-steps", &steps, "--grad-clip", "0", "--lr", "1e-4"];
+    // A rung may set its own batch.
+    let batch = |size: &'static str| match rung_flags.contains(&"--batch-size") {
+        true => vec![],
+        false => vec!["--batch-size", size],
+    };
     let summary: RunSummary = match cli.model.as_str() {
         "mingpt" => {
             let config = GptConfig::new(8, 8, 256, 65, 256).with_dropout(0.0);
-            let flags = [&common[..], &["--batch-size", "8"], RUNGS[rung].1].concat();
+            let flags = [&common[..], &batch("8"), &rung_flags].concat();
             let args = TrainArgs::from_flags(&flags)?;
             let tokens: Vec<i64> = (0..1 << 18).map(|i| (i * 31 % 65) as i64).collect();
             let mut task = NextToken::new(tokens, 256, 8, 1)?;
@@ -77,7 +146,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
             let config = BertConfig::bert_large()
                 .with_head(BertHead::SequenceClassification { num_labels: 2 })
                 .with_dropout(0.0);
-            let flags = [&common[..], &["--batch-size", "4"], RUNGS[rung].1].concat();
+            let flags = [&common[..], &batch("4"), &rung_flags].concat();
             let args = TrainArgs::from_flags(&flags)?;
             let rows = |n: usize| -> Vec<(Vec<i64>, i64)> {
                 (0..n)
@@ -95,6 +164,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
     let out = json!({
         "peak_bytes": summary.peak_mem_bytes,
         "state_bytes": summary.model_state_bytes_per_rank,
+        "optimizer_bytes": summary.model_state.optimizer,
         "step_s": summary.step_s_median,
         "params": summary.num_params,
         "loss": summary.final_loss,
@@ -105,7 +175,16 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
 
 fn run_child(cli: &Cli, rung: usize) -> Result<Value> {
     let (rung, steps) = (rung.to_string(), cli.steps.to_string());
-    burnscale::run_worker(["--rung", &rung, "--model", &cli.model, "--steps", &steps])
+    burnscale::run_worker([
+        "--rung",
+        &rung,
+        "--ladder",
+        &cli.ladder,
+        "--model",
+        &cli.model,
+        "--steps",
+        &steps,
+    ])
 }
 
 fn main() -> std::process::ExitCode {
@@ -118,27 +197,40 @@ fn run() -> Result<()> {
         return worker(&cli, rung);
     }
     println!(
-        "{} ladder, {} steps (median step time), process peak by the counting allocator",
-        cli.model, cli.steps
+        "{} {} ladder, {} steps (median step time), process peak by the counting allocator",
+        cli.model, cli.ladder, cli.steps
     );
     println!(
-        "  {:<18} {:>12} {:>7} {:>14} {:>14} {:>9} {:>7} {:>9}",
-        "rung", "peak", "ratio", "model states", "activations", "step s", "ratio", "loss"
+        "  {:<24} {:>11} {:>6} {:>13} {:>9} {:>12} {:>8} {:>6} {:>8} {:>7}",
+        "rung",
+        "peak",
+        "ratio",
+        "model states",
+        "optim B/p",
+        "activations",
+        "step s",
+        "ratio",
+        "article",
+        "ratio"
     );
-    let mut base: Option<(f64, f64)> = None;
-    for (rung, (label, _)) in RUNGS.iter().enumerate() {
+    let mut base: Option<(f64, f64, Option<f64>)> = None;
+    for (rung, (label, _, article)) in rungs(&cli)?.into_iter().enumerate() {
         let r = run_child(&cli, rung)?;
         let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
         let (peak, step) = (f("peak_bytes"), f("step_s"));
-        let (p0, s0) = *base.get_or_insert((peak, step));
+        let (p0, s0, a0) = *base.get_or_insert((peak, step, article));
+        let (article_mb, article_ratio) = match (article, a0) {
+            (Some(mb), Some(mb0)) => (format!("{mb:.0} MB"), format!("{:.2}", mb / mb0)),
+            _ => (String::new(), String::new()),
+        };
         println!(
-            "  {label:<18} {:>12} {:>7.2} {:>14} {:>14} {step:>9.3} {:>7.2} {:>9.4}",
+            "  {label:<24} {:>11} {:>6.2} {:>13} {:>9.2} {:>12} {step:>8.2} {:>6.2} {article_mb:>8} {article_ratio:>7}",
             human_bytes(peak as usize),
             peak / p0,
             human_bytes(f("state_bytes") as usize),
+            f("optimizer_bytes") / f("params"),
             human_bytes((peak - f("state_bytes")) as usize),
             step / s0,
-            f("loss"),
         );
     }
     Ok(())

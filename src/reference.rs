@@ -16,7 +16,9 @@ use burn::tensor::FloatDType;
 use burnscale_nn::BlockModel;
 use burnscale_train::adafactor::Adafactor;
 use burnscale_train::adam8bit::AdamW8bit;
-use burnscale_train::{ADAM_BETA1, BatchPart, OptimizerKind, Schedule, TrainArgs, TrainTask};
+use burnscale_train::{
+    ADAM_BETA1, BatchPart, MIN_8BIT_SIZE, OptimizerKind, Schedule, TrainArgs, TrainTask,
+};
 
 /// What the plain loop can run: the optimizer settings of `TrainArgs` that a check uses.
 #[derive(Debug, Clone)]
@@ -79,7 +81,7 @@ impl PlainConfig {
             OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
                 beta1: args.beta1.unwrap_or(ADAM_BETA1),
                 beta2: args.beta2,
-                min_size: args.min_8bit_size,
+                min_size: args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE),
             },
             OptimizerKind::Adafactor => PlainOptimizer::Adafactor {
                 beta1: args.beta1,

@@ -117,9 +117,9 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "adamw")]
     pub optimizer: OptimizerKind,
     /// With --optimizer adam8bit, the fewest elements a matrix has for its state to be
-    /// quantized (bitsandbytes' min_8bit_size).
-    #[arg(long, default_value_t = 4096)]
-    pub min_8bit_size: usize,
+    /// quantized (bitsandbytes' min_8bit_size; default 4096).
+    #[arg(long)]
+    pub min_8bit_size: Option<usize>,
     /// With --optimizer adafactor: steps of min(--lr, 1/sqrt(t)) times each parameter's RMS
     /// (HF's relative_step and scale_parameter; HF caps the step at 1e-2: --lr 1e-2
     /// --schedule constant) instead of --lr itself.
@@ -205,6 +205,10 @@ pub struct TrainArgs {
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.
 pub const ADAM_BETA1: f64 = 0.9;
 
+/// The fewest elements a matrix has for adam8bit's 8-bit state when `--min-8bit-size` is not
+/// given (bitsandbytes' default).
+pub const MIN_8BIT_SIZE: usize = 4096;
+
 impl TrainArgs {
     /// Runner flags from a list of arguments (without a program name), as a binary's parser
     /// would read them; a flag given twice takes its last value. For embedding the runner
@@ -236,9 +240,11 @@ impl TrainArgs {
                 value_name(self.optimizer)
             ));
         }
-        if self.embedding_state_32bit && self.optimizer != OptimizerKind::Adam8bit {
+        if (self.embedding_state_32bit || self.min_8bit_size.is_some())
+            && self.optimizer != OptimizerKind::Adam8bit
+        {
             return invalid(format!(
-                "--embedding-state-32bit keeps embeddings' state out of adam8bit's 8 bits; --optimizer {} has no 8-bit state",
+                "--embedding-state-32bit and --min-8bit-size choose which state adam8bit keeps in 8 bits; --optimizer {} has no 8-bit state",
                 value_name(self.optimizer)
             ));
         }
@@ -356,12 +362,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("adafactor"), "{err}");
-        let err = parse(&["--embedding-state-32bit"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("adam8bit"), "{err}");
+        for flags in [
+            &["--embedding-state-32bit"][..],
+            &["--min-8bit-size", "256"],
+        ] {
+            let err = parse(flags).unwrap().validate().unwrap_err().to_string();
+            assert!(err.contains("adam8bit"), "{err}");
+        }
     }
 
     #[test]

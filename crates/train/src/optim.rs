@@ -21,7 +21,7 @@ use burnscale_shard::layout::{self, Slot};
 use crate::TrainError;
 use crate::adafactor::{Adafactor, AdafactorState};
 use crate::adam8bit::AdamW8bit;
-use crate::cli::{ADAM_BETA1, Offload, OptimizerKind, Schedule, TrainArgs};
+use crate::cli::{ADAM_BETA1, MIN_8BIT_SIZE, Offload, OptimizerKind, Schedule, TrainArgs};
 use crate::offload::DiskStates;
 
 /// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
@@ -110,7 +110,8 @@ impl ParamOptimizer {
             let paths = burnscale_shard::layout::slots(model, 1)
                 .into_iter()
                 .filter(|s| {
-                    AdamW8bit::quantizes(&s.dims, args.min_8bit_size) && !kept.contains(&s.path)
+                    AdamW8bit::quantizes(&s.dims, args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE))
+                        && !kept.contains(&s.path)
                 })
                 .map(|s| s.path)
                 .collect();
