@@ -51,7 +51,7 @@ const RUNGS: [(&str, &[&str]); 5] = [
 
 /// The HF article's optimizer rungs: (label, runner flags, the article's `nvidia-smi`
 /// figure in MB on a V100, with about 1.3 GB of CUDA kernels in each).
-const LEAN: [(&str, &[&str], f64); 6] = [
+const LEAN: [(&str, &[&str], Option<f64>); 8] = [
     ("AdamW, batch 4", &["--batch-size", "4"], 14949.0),
     (
         "Adafactor, batch 4",
@@ -72,15 +72,14 @@ const LEAN: [(&str, &[&str], f64); 6] = [
     ("8-bit, 1x4 ckpt fp16", &["--optimizer", "adam8bit"], 5363.0),
 ];
 
-/// What the lean ladder's last three rungs add (the article's full settings).
+/// What the lean ladder's rungs after the third add (the article's full settings; fp16
+/// unless the rung names a precision).
 const FULL_SETTINGS: &[&str] = &[
     "--batch-size",
     "1",
     "--accumulate",
     "4",
     "--checkpoint-activations",
-    "--precision",
-    "16-mixed",
 ];
 
 #[derive(Parser)]
@@ -114,8 +113,14 @@ fn rungs(cli: &Cli) -> Result<Vec<(&'static str, Vec<&'static str>, Option<f64>)
             .iter()
             .enumerate()
             .map(|(i, (label, flags, mb))| {
-                let full = if i >= 3 { FULL_SETTINGS } else { &[] };
-                (*label, [flags, full].concat(), Some(*mb))
+                let mut all = flags.to_vec();
+                if i >= 3 {
+                    all.extend(FULL_SETTINGS);
+                    if !flags.contains(&"--precision") {
+                        all.extend(["--precision", "16-mixed"]);
+                    }
+                }
+                (*label, all, *mb)
             })
             .collect(),
         other => bail!("--ladder must be precision, or lean with --model bert-large; got {other}"),

@@ -204,6 +204,18 @@ fn every_strategy_takes_burn_optims_adafactor_steps() {
     every_strategy(ADAFACTOR);
 }
 
+/// Both optimizers' state stepped on the host (`--offload optimizer`). (In 16 bits the plain
+/// f32 loop is no reference for adaptive optimizers, as for AdamW: `mingpt_train.rs` checks
+/// that they train there.)
+#[test]
+fn lean_optimizers_offloaded() {
+    for optimizer in [ADAFACTOR, ADAM8BIT] {
+        let flags = [optimizer, &["--offload", "optimizer"]].concat();
+        assert_matches_plain("zero2", 2, &flags);
+        assert_matches_plain("zero3", 3, &flags);
+    }
+}
+
 /// With HF's first moment, against burnscale's Adafactor on one device in the plain loop.
 #[test]
 fn every_strategy_takes_the_adafactor_steps_with_a_first_moment() {

@@ -284,3 +284,38 @@ fn adafactor_trains_as_adamw_does() {
         "state: adafactor {state} B, adamw {state_f32} B"
     );
 }
+
+/// Adafactor and 8-bit AdamW train under each 16-bit policy (their moments in f32 beside
+/// 16-bit weights or gradients): the loss of a ZeRO-2 run on 2 ranks falls by a quarter in
+/// 30 steps (seen: to 0.62-0.68 of the first step's; bf16-true slowest, its weights'
+/// storage rounding eating small updates).
+#[test]
+fn lean_optimizers_train_in_16_bits() {
+    for optimizer in [
+        &["--optimizer", "adafactor"][..],
+        &["--optimizer", "adam8bit", "--min-8bit-size", "256"],
+    ] {
+        for precision in ["bf16-mixed", "16-mixed", "bf16-true"] {
+            let flags = [
+                &[
+                    "--max-steps",
+                    "30",
+                    "--precision",
+                    precision,
+                    "--strategy",
+                    "zero2",
+                    "--devices",
+                    "2",
+                    "--batch-size",
+                    "4",
+                ][..],
+                optimizer,
+            ]
+            .concat();
+            let (_, summary) = run(&flags);
+            let (first, last) = (summary.history[0].loss, summary.final_loss);
+            eprintln!("{optimizer:?} {precision}: {first} -> {last}");
+            assert!(last < 0.75 * first, "{flags:?}: loss {first} -> {last}");
+        }
+    }
+}
