@@ -1,16 +1,17 @@
 //! The memory ladders, measured: the same training steps under each rung, with the
 //! counting allocator's process peak, the model states (and the optimizer's bytes per
 //! parameter) and the median step time per rung, side by side in one run.
+//!
+//!     cargo bench --bench precision_ladder                        # minGPT, 8 blocks of 256
+//!     cargo bench --bench precision_ladder -- --model bert-large --steps 2
+//!     cargo bench --bench precision_ladder -- --ladder lean --model bert-large --steps 2
+//!
 //! - `--ladder precision` (the Fabric article's): 32-true, bf16-mixed, bf16-true and
 //!   bf16-true with per-block checkpointing (and 16-mixed).
 //! - `--ladder lean` (the HF article's optimizer rungs, BERT-large): AdamW, Adafactor and
 //!   8-bit AdamW at batch 4, then each with batch 1 x 4 accumulated, per-block
 //!   checkpointing and 16-mixed, beside the article's V100 figures as ratios to its
 //!   vanilla run.
-//!
-//!     cargo bench --bench precision_ladder                        # minGPT, 8 blocks of 256
-//!     cargo bench --bench precision_ladder -- --model bert-large --steps 2
-//!     cargo bench --bench precision_ladder -- --ladder lean --model bert-large --steps 2
 //!
 //! Each rung runs in a child process of this binary, so one rung's peak cannot hide in
 //! another's. On Flex (the CPU backend) 16-bit types are stored in 16 bits but computed
@@ -117,8 +118,11 @@ struct Cli {
     bench: bool,
 }
 
-/// The rungs of `cli`'s ladder: label, flags, and the article's figure (MB) if it has one.
-fn rungs(cli: &Cli) -> Result<Vec<(&'static str, Vec<&'static str>, Option<f64>)>> {
+/// A rung: label, runner flags, and the article's figure (MB) if it has one.
+type Rung = (&'static str, Vec<&'static str>, Option<f64>);
+
+/// The rungs of `cli`'s ladder.
+fn rungs(cli: &Cli) -> Result<Vec<Rung>> {
     Ok(match cli.ladder.as_str() {
         "precision" => RUNGS
             .iter()
