@@ -89,25 +89,26 @@ impl Codebook {
     /// a branch-free binary search over the midpoints. As bitsandbytes, a negative value
     /// never rounds to zero: it keeps its sign.
     fn encode(&self, x: Tensor<1>) -> Tensor<1, Int> {
-        let mut code = Tensor::<1, Int>::zeros(x.shape(), &x.device());
+        let mut code = Tensor::<1, Int>::zeros(x.shape(), (&x.device(), TensorDType::I32));
         for step in [128, 64, 32, 16, 8, 4, 2, 1] {
-            let probe = self
+            let probe = code.clone().add_scalar(step - 1);
+            let below = self
                 .midpoints
                 .clone()
-                .select(0, code.clone().add_scalar(step - 1));
-            code = code + probe.lower(x.clone()).int().mul_scalar(step);
+                .select(0, probe.clone())
+                .lower(x.clone());
+            code = code.mask_where(below, probe.add_scalar(1));
         }
         if self.signed {
             let value = self.values.clone().select(0, code.clone());
             let flip = x.lower_elem(0.0).bool_and(value.greater_equal_elem(0.0));
-            code = code - flip.int();
+            code = code.clone().mask_where(flip, code.sub_scalar(1));
         }
         code.cast(IntDType::U8)
     }
 
     fn decode(&self, codes: Tensor<1, Int>) -> Tensor<1> {
-        let index = IntDType::from(Tensor::<1, Int>::zeros([1], &codes.device()).dtype());
-        self.values.clone().select(0, codes.cast(index))
+        self.values.clone().select(0, codes.cast(IntDType::I32))
     }
 }
 
