@@ -60,12 +60,12 @@ impl Adafactor {
     ) -> Option<Tensor<1>> {
         let mut sums = Vec::new();
         if D == 2 {
-            let cols = grad.dims()[1];
+            let (cols, squared) = (grad.dims()[1], squared(grad));
+            let row = row_moment(&squared, state);
             sums.push(match real {
                 0 => Tensor::zeros([cols], (&grad.device(), TensorDType::F32)),
-                _ => squared(grad).narrow(0, 0, real).sum_dim(0).reshape([cols]),
+                _ => squared.narrow(0, 0, real).sum_dim(0).reshape([cols]),
             });
-            let (row, _) = self.second_moments(grad, state, None);
             sums.push(sum_of_rows(row, real));
         }
         if self.relative_step {
@@ -154,7 +154,16 @@ impl Adafactor {
             }
             _ => (None, None),
         };
-        let (row, column) = self.second_moments(grad, state, column_mean.map(reshaped));
+        let squared = squared(grad);
+        let row = row_moment(&squared, state);
+        let column = (D >= 2).then(|| {
+            let observed = match column_mean {
+                Some(mean) => reshaped(mean),
+                None => squared.mean_dim(D - 2),
+            };
+            let old = state.and_then(|s| s.column_second_moment.as_ref());
+            decayed(old, time(state), observed)
+        });
         let update = match &column {
             Some(column) => {
                 let row_mean = match row_mean {
@@ -166,49 +175,43 @@ impl Adafactor {
             }
             None => grad32.div(row.clone().sqrt()),
         };
-        let time = state.map_or(1, |s| s.time + 1);
         let new = AdafactorState {
-            time,
+            time: time(state),
             second_moment: row,
             column_second_moment: column,
             exp_avg: None,
         };
         (update, new)
     }
+}
 
-    /// The new row (or whole) and column second moments, the column means observed this
-    /// step given when they span other ranks' rows.
-    fn second_moments<const D: usize>(
-        &self,
-        grad: &Tensor<D>,
-        state: Option<&AdafactorState<D>>,
-        column_mean: Option<Tensor<D>>,
-    ) -> (Tensor<D>, Option<Tensor<D>>) {
-        let squared = squared(grad);
-        let (row, column) = match D >= 2 {
-            true => {
-                let column = column_mean.unwrap_or_else(|| squared.clone().mean_dim(D - 2));
-                (squared.mean_dim(D - 1), Some(column))
-            }
-            false => (squared, None),
-        };
-        let Some(state) = state else {
-            return (row, column);
-        };
-        let new_weight = ((state.time + 1) as f64).powf(DECAY_RATE);
-        let old_weight = 1.0 - new_weight;
-        let decayed = |old: &Tensor<D>, new: Tensor<D>| {
+/// The new row second moment of a matrix (or higher), or a vector's whole one, from this
+/// step's squared gradient.
+fn row_moment<const D: usize>(squared: &Tensor<D>, state: Option<&AdafactorState<D>>) -> Tensor<D> {
+    let observed = match D >= 2 {
+        true => squared.clone().mean_dim(D - 1),
+        false => squared.clone(),
+    };
+    decayed(state.map(|s| &s.second_moment), time(state), observed)
+}
+
+/// The running mean of `old` and this step's (`time`'s) `observed` second moment: weight
+/// `time^-0.8` on the new one; `observed` alone where there is no old one yet.
+fn decayed<const D: usize>(old: Option<&Tensor<D>>, time: usize, observed: Tensor<D>) -> Tensor<D> {
+    match old {
+        Some(old) => {
+            let new_weight = (time as f64).powf(DECAY_RATE);
             old.clone()
-                .mul_scalar(old_weight)
-                .add(new.mul_scalar(new_weight))
-        };
-        let row = decayed(&state.second_moment, row);
-        let column = match (&state.column_second_moment, column) {
-            (Some(old), Some(new)) => Some(decayed(old, new)),
-            (_, column) => column,
-        };
-        (row, column)
+                .mul_scalar(1.0 - new_weight)
+                .add(observed.mul_scalar(new_weight))
+        }
+        None => observed,
     }
+}
+
+/// The step this one is: 1 without a state.
+fn time<const D: usize>(state: Option<&AdafactorState<D>>) -> usize {
+    state.map_or(1, |s| s.time + 1)
 }
 
 fn f32_of<const D: usize>(t: &Tensor<D>) -> Tensor<D> {
