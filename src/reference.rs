@@ -162,12 +162,12 @@ impl PlainConfig {
         let wd = self.weight_decay as f32;
         match self.optimizer {
             PlainOptimizer::Sgd => SgdConfig::new().init().with_group(
-                ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                ParamGroup::from_ids(matrix_ids(model)),
                 SgdConfig::new().with_weight_decay(decay).build(),
                 None,
             ),
             PlainOptimizer::AdamW { beta1, beta2 } => adamw(beta1, beta2, 0.0).init().with_group(
-                ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                ParamGroup::from_ids(matrix_ids(model)),
                 adamw(beta1, beta2, wd).build(),
                 None,
             ),
@@ -182,7 +182,7 @@ impl PlainConfig {
                         .with_weight_decay(wd)
                 };
                 adafactor(0.0).init().with_group(
-                    ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                    ParamGroup::from_ids(matrix_ids(model)),
                     adafactor(wd).build(),
                     None,
                 )
@@ -197,7 +197,7 @@ impl PlainConfig {
                     relative_step,
                 };
                 ModuleOptimizer::from(adafactor(0.0)).with_group(
-                    ParamGroup::from_ids(matrix_ids(model, usize::MAX)),
+                    ParamGroup::from_ids(matrix_ids(model)),
                     adafactor(self.weight_decay),
                     None,
                 )
@@ -209,17 +209,16 @@ impl PlainConfig {
             } => adamw(beta1, beta2, 0.0)
                 .init()
                 .with_group(
-                    ParamGroup::from_ids(matrix_ids(model, min_size)),
+                    ParamGroup::from_ids(param_ids(model, |dims| {
+                        dims.len() >= 2 && !AdamW8bit::quantizes(dims, min_size)
+                    })),
                     adamw(beta1, beta2, wd).build(),
                     None,
                 )
                 .with_group(
-                    ParamGroup::from_ids(
-                        matrix_ids(model, usize::MAX)
-                            .into_iter()
-                            .filter(|id| !matrix_ids(model, min_size).contains(id))
-                            .collect(),
-                    ),
+                    ParamGroup::from_ids(param_ids(model, |dims| {
+                        AdamW8bit::quantizes(dims, min_size)
+                    })),
                     AdamW8bit {
                         beta_1: beta1 as f32,
                         beta_2: beta2 as f32,
@@ -240,17 +239,22 @@ fn adamw(beta1: f64, beta2: f64, weight_decay: f32) -> AdamWConfig {
         .with_weight_decay(weight_decay)
 }
 
-/// The ids of `model`'s parameters of rank >= 2 with fewer than `below` elements.
-fn matrix_ids<M: Module>(model: &M, below: usize) -> Vec<ParamId> {
-    struct Matrices(usize, Vec<ParamId>);
-    impl ModuleVisitor for Matrices {
+/// The ids of `model`'s parameters of rank >= 2 (matrices and embeddings).
+fn matrix_ids<M: Module>(model: &M) -> Vec<ParamId> {
+    param_ids(model, |dims| dims.len() >= 2)
+}
+
+/// The ids of `model`'s parameters whose dims `keep` accepts.
+fn param_ids<M: Module>(model: &M, keep: impl Fn(&[usize]) -> bool) -> Vec<ParamId> {
+    struct Ids<F>(F, Vec<ParamId>);
+    impl<F: Fn(&[usize]) -> bool> ModuleVisitor for Ids<F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if D >= 2 && param.lazy_shape().num_elements() < self.0 {
+            if (self.0)(&param.lazy_shape().dims::<D>()) {
                 self.1.push(param.id);
             }
         }
     }
-    let mut visit = Matrices(below, Vec::new());
+    let mut visit = Ids(keep, Vec::new());
     model.visit(&mut visit);
     visit.1
 }
