@@ -9,16 +9,10 @@ use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::equivalence::{ADAMW, SGD, check_with_dropout};
 
 mod common;
-use common::assert_matches_plain;
+use common::{assert_every_strategy_matches_plain, assert_matches_plain};
 
 fn every_strategy(optimizer: &[&str], extra: &[&str]) {
-    let flags = [optimizer, extra].concat();
-    assert_matches_plain("single", 1, &flags);
-    for strategy in ["ddp", "zero1", "zero2", "zero3"] {
-        for world in 1..=4 {
-            assert_matches_plain(strategy, world, &flags);
-        }
-    }
+    assert_every_strategy_matches_plain(&[optimizer, extra].concat(), 1..=4);
 }
 
 #[test]

@@ -61,6 +61,20 @@ pub fn assert_matches_plain(strategy: &str, world: usize, flags: &[&str]) {
     }
 }
 
+/// [`assert_matches_plain`] for single, and for ddp, zero1, zero2 and zero3 on each of
+/// `worlds` thread ranks.
+pub fn assert_every_strategy_matches_plain(
+    flags: &[&str],
+    worlds: std::ops::RangeInclusive<usize>,
+) {
+    assert_matches_plain("single", 1, flags);
+    for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+        for world in worlds.clone() {
+            assert_matches_plain(strategy, world, flags);
+        }
+    }
+}
+
 /// Panics naming the first parameter where `a` and `b` differ by more than 1e-5 of its
 /// largest value (plus a floor for the attention key bias, which stays at float noise).
 pub fn assert_same<M: Module>(a: &M, b: &M, what: &str) {
