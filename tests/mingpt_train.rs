@@ -89,6 +89,34 @@ fn model_states_match_the_16_bytes_per_param_formula() {
 }
 
 #[test]
+fn true_16_bit_policies_hold_gradients_in_16_bits() {
+    let p = GptConfig::tiny().num_params();
+    // Summed over two micro-steps, so that the sums too stay in the weight dtype. SGD with
+    // momentum: AdamW's epsilon is zero in f16.
+    let steps = [
+        "--max-steps",
+        "2",
+        "--accumulate",
+        "2",
+        "--optimizer",
+        "sgd",
+    ];
+    for precision in ["bf16-true", "16-true"] {
+        let (_, summary) = run(&[&steps[..], &["--precision", precision]].concat());
+        let states = summary.model_state;
+        assert_eq!(
+            (states.params, states.grads, states.optimizer),
+            (2 * p, 2 * p, 2 * p),
+            "{precision}"
+        );
+        assert_eq!(summary.model_state_predicted_bytes, 6 * p, "{precision}");
+    }
+    // The mixed policies step f32 masters, whose gradients are f32.
+    let (_, mixed) = run(&[&steps[..], &["--precision", "bf16-mixed"]].concat());
+    assert_eq!(mixed.model_state.grads, 4 * p);
+}
+
+#[test]
 fn measured_model_states_are_the_engines_tensors_not_the_formula() {
     let p = GptConfig::tiny().num_params();
     let two = ["--max-steps", "2", "--devices", "2", "--strategy"];

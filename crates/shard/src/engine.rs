@@ -47,10 +47,11 @@ pub struct Sharded<'c, M: BlockModel> {
     head_units: Vec<usize>,
     /// The full replica, or this rank's shards when parameters are sharded.
     model: Option<M>,
-    /// This rank's own gradients (flat, f32), summed over the micro-steps of an optimizer
-    /// step.
+    /// This rank's own gradients (flat, in the gradient dtype), summed over the micro-steps
+    /// of an optimizer step.
     local: Flat,
-    /// Gradients after the collective (flat, f32): full, or this rank's shards.
+    /// Gradients after the collective (flat, in the gradient dtype): full, or this rank's
+    /// shards.
     reduced: Flat,
     /// The most gradient bytes (`local` and `reduced` together) held at once so far in this
     /// step, and in the last finished one.
@@ -345,7 +346,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .slots
             .iter()
             .filter_map(|slot| grads.get(&slot.id))
-            .map(|g| g.clone().powi_scalar(2).sum())
+            .map(|g| g.clone().cast(TensorDType::F32).powi_scalar(2).sum())
             .collect();
         match sums.is_empty() {
             true => Tensor::zeros([1], (&self.inner_device(), TensorDType::F32)),
@@ -707,13 +708,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             return Ok(());
         }
         let slots: Vec<&Slot> = slots.iter().collect();
-        let device = self.inner_device();
+        let (device, grad_dtype) = (self.inner_device(), self.grad_dtype());
         let local: Vec<Tensor<1>> = slots
             .iter()
             .map(|s| {
                 self.local
                     .remove(&s.id)
-                    .unwrap_or_else(|| Tensor::zeros([s.numel()], (&device, TensorDType::F32)))
+                    .unwrap_or_else(|| Tensor::zeros([s.numel()], (&device, grad_dtype)))
             })
             .collect();
         let dtype = tensor_dtype(self.reduce_dtype);
@@ -724,7 +725,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let flat = self
                 .comm
                 .all_reduce_tensor(Tensor::cat(local, 0).cast(dtype), ReduceOp::Mean)?
-                .cast(TensorDType::F32);
+                .cast(grad_dtype);
             layout::split(flat, slots.iter().map(|s| s.numel()))
         } else {
             let packed = layout::pack_rank_major(&slots, &local, world);
@@ -732,7 +733,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let mine = self
                 .comm
                 .reduce_scatter_tensor(packed.cast(dtype), ReduceOp::Mean)?
-                .cast(TensorDType::F32);
+                .cast(grad_dtype);
             layout::split(mine, slots.iter().map(|s| s.shard_numel()))
         };
         for (slot, grad) in slots.iter().zip(reduced) {
@@ -854,12 +855,21 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
 
     /// Adds the gradients `grads` holds for `module`'s parameters into this rank's sums.
     fn add_grads<U: Module>(&mut self, module: &U, grads: Gradients) {
+        let dtype = self.grad_dtype();
         params::add_grads(
             module,
             &mut GradientsParams::from_grads(grads, module),
             &mut self.local,
+            dtype,
         );
         self.note_grads();
+    }
+
+    /// The dtype gradients are summed and held in: the weights' (f32 masters under the
+    /// mixed policies, 16 bits under `*-true`, as PyTorch keeps a parameter's `.grad` in its
+    /// dtype), so that `*-true` holds 2 bytes of gradient per parameter, not 4.
+    fn grad_dtype(&self) -> TensorDType {
+        self.precision.param_dtype().into()
     }
 
     /// `module` (shard-shaped when parameters are sharded) with the parameters of `units`
@@ -906,9 +916,10 @@ fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
     norm.ones_like().mask_where(clipped, coefficient)
 }
 
-/// Multiplies every gradient by `by` (`[1]`, on the device).
+/// Multiplies every gradient by `by` (`[1]`, f32, on the device; rounded to a 16-bit
+/// gradient's dtype, as a scalar factor would be).
 fn scale_by(grads: &mut Flat, by: Tensor<1>) {
     for grad in grads.values_mut() {
-        *grad = grad.clone() * by.clone();
+        *grad = grad.clone() * by.clone().cast(grad.dtype());
     }
 }

@@ -60,19 +60,25 @@ pub fn shards<M: Module>(module: &M, slots: &HashMap<ParamId, &Slot>, rank: usiz
     visit.out
 }
 
-/// Moves the gradients of `module`'s parameters out of `grads`, adding them (in f32) into
-/// `sums`.
-pub fn add_grads<M: Module>(module: &M, grads: &mut GradientsParams, sums: &mut Flat) {
+/// Moves the gradients of `module`'s parameters out of `grads`, adding them (in `dtype`)
+/// into `sums`.
+pub fn add_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    sums: &mut Flat,
+    dtype: TensorDType,
+) {
     struct Add<'a> {
         grads: &'a mut GradientsParams,
         sums: &'a mut Flat,
+        dtype: TensorDType,
     }
     impl ModuleVisitor for Add<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let Some(grad) = self.grads.remove::<D>(param.id) else {
                 return;
             };
-            let grad = flat(grad).cast(TensorDType::F32);
+            let grad = flat(grad).cast(self.dtype);
             let sum = match self.sums.remove(&param.id) {
                 Some(sum) => sum + grad,
                 None => grad,
@@ -80,7 +86,7 @@ pub fn add_grads<M: Module>(module: &M, grads: &mut GradientsParams, sums: &mut 
             self.sums.insert(param.id, sum);
         }
     }
-    module.visit(&mut Add { grads, sums });
+    module.visit(&mut Add { grads, sums, dtype });
 }
 
 /// `module` with the parameters named in `values` replaced by those flat values reshaped to

@@ -31,7 +31,7 @@ impl ModelStateBytes {
     /// The ZeRO paper's per-rank count for a run of `args` on `world` ranks, with the bytes
     /// this engine keeps in memory between steps: W bytes of weights (the precision's weight
     /// dtype: 4, or 2 for `*-true`; the mixed policies' 16-bit copy lives only during a
-    /// micro-step) + 4 of gradients (reduced and held in f32) + the optimizer's state K per
+    /// micro-step) + W of gradients (held in the weight dtype) + the optimizer's state K per
     /// parameter in the weight dtype (Adam/AdamW 2 moments, SGD with momentum 1, plain SGD 0;
     /// 8-bit AdamW 2 bytes, not counting its absmax and the 32-bit state of vectors and small
     /// matrices; Adafactor its first moment's 4 bytes if it keeps one, not counting its
@@ -51,10 +51,10 @@ impl ModelStateBytes {
             _ => 0,
         };
         let (replicated, sharded) = match strategy {
-            Strategy::Single | Strategy::Ddp => (weight + 4 + state, 0),
-            Strategy::Zero1 => (weight + 4, state),
-            Strategy::Zero2 => (weight, 4 + state),
-            Strategy::Zero3 => (0, weight + 4 + state),
+            Strategy::Single | Strategy::Ddp => (2 * weight + state, 0),
+            Strategy::Zero1 => (2 * weight, state),
+            Strategy::Zero2 => (weight, weight + state),
+            Strategy::Zero3 => (0, 2 * weight + state),
         };
         num_params * replicated + (num_params * sharded).div_ceil(world)
     }
@@ -206,7 +206,7 @@ impl RunSummary {
             num_params,
             model_state_bytes_per_rank: model_state.total(),
             model_state,
-            model_state_convention: "ZeRO paper: weight-dtype params + 4 B f32 grads + optimizer state in the weight dtype (none under --offload-dir) per parameter, the strategy's part divided by the world size",
+            model_state_convention: "ZeRO paper: weight-dtype params + weight-dtype grads + optimizer state in the weight dtype (none under --offload-dir) per parameter, the strategy's part divided by the world size",
             model_state_predicted_bytes: ModelStateBytes::predicted(num_params, args, world_size),
             ranks,
             tokens_per_s,
