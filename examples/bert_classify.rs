@@ -111,7 +111,8 @@ fn run() -> Result<()> {
     let summary = match cli.model {
         Model::Bert => {
             let model = loader::load(&files.weights, &minilm, Head::Fresh, &device)?;
-            finetune(model, train_rows, test_rows, pad, &cli.train, &device)?
+            let args = with_config(&cli.train, serde_json::to_value(minilm)?);
+            finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
         Model::Distilbert => {
             let config = BertConfig {
@@ -124,7 +125,7 @@ fn run() -> Result<()> {
                 train_rows,
                 test_rows,
                 pad,
-                &cli.train,
+                &with_config(&cli.train, serde_json::to_value(config)?),
                 &device,
             )?
         }
@@ -142,7 +143,8 @@ fn run() -> Result<()> {
                 Head::Fresh,
                 &device,
             )?;
-            finetune(model, train_rows, test_rows, pad, &cli.train, &device)?
+            let args = with_config(&cli.train, serde_json::to_value(config)?);
+            finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
     };
     if !lead {
@@ -151,6 +153,13 @@ fn run() -> Result<()> {
     print!("{}", summary.table());
     print!("{}", summary.closing_lines());
     Ok(())
+}
+
+/// `args` with the model's configuration, which checkpoints record.
+fn with_config(args: &TrainArgs, config: serde_json::Value) -> TrainArgs {
+    let mut args = args.clone();
+    args.model_config = Some(config);
+    args
 }
 
 fn finetune<M: SequenceClassifier>(

@@ -152,6 +152,7 @@ fn run() -> Result<()> {
     // Sampling reads the whole model: under zero3 it is gathered for it.
     let mut args = cli.train.clone();
     args.gather_model = cli.sample_len > 0;
+    args.model_config = Some(serde_json::to_value(config)?);
     let (model, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

@@ -116,7 +116,9 @@ fn run() -> Result<()> {
         cli.eval_batch,
         cli.train.seed,
     )?;
-    let (_, summary) = train(model, &mut task, &cli.train, &device)?;
+    let mut args = cli.train.clone();
+    args.model_config = Some(serde_json::to_value(config)?);
+    let (_, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());
     }

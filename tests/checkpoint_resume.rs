@@ -9,11 +9,14 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::Checkpoint;
-use burnscale::train::{RunSummary, TrainArgs, TrainError, train};
+use burnscale::train::{
+    Batch, BatchPart, Logits, RunSummary, TrainArgs, TrainError, TrainTask, train,
+};
 use common::seeded_model;
 
 /// A directory of the test's own, empty.
@@ -37,6 +40,18 @@ fn run(
     dropout: f64,
     extra: &[&str],
 ) -> Result<(Gpt, RunSummary), TrainError> {
+    run_task(dir, strategy, world, dropout, extra, |task| task)
+}
+
+/// [`run`] on the task `wrap` makes of its data.
+fn run_task<T: TrainTask<Model = Gpt>>(
+    dir: &Path,
+    strategy: &str,
+    world: usize,
+    dropout: f64,
+    extra: &[&str],
+    wrap: impl FnOnce(NextToken) -> T,
+) -> Result<(Gpt, RunSummary), TrainError> {
     let (batch, devices) = ((12 / world).to_string(), world.to_string());
     let base = [
         "--strategy",
@@ -59,8 +74,9 @@ fn run(
     let mut args = TrainArgs::from_flags(&[&base[..], extra].concat()).unwrap();
     args.gather_model = true;
     let config = GptConfig::tiny().with_dropout(dropout);
+    args.model_config = Some(serde_json::to_value(config).unwrap());
     let model = seeded_model(5, |device| Gpt::new(&config, device).unwrap());
-    let mut task = NextToken::new(tokens(), 8, args.batch_size, 5).unwrap();
+    let mut task = wrap(NextToken::new(tokens(), 8, args.batch_size, 5).unwrap());
     let (model, summary) = train(model, &mut task, &args, &model_device())?;
     Ok((model.expect("asked for the model"), summary))
 }
@@ -98,6 +114,15 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
         ("zero3", 2, &[]),
         ("zero3", 2, &["--precision", "16-mixed"]),
         ("zero2", 2, &["--precision", "bf16-true"]),
+        // SGD: AdamW's epsilon (1e-8) is zero in f16, so an exact zero gradient (the
+        // attention key bias's) steps by 0/0 there, as PyTorch's AdamW on f16 weights does.
+        ("ddp", 2, &["--precision", "16-true", "--optimizer", "sgd"]),
+        (
+            "zero3",
+            2,
+            &["--precision", "bf16-mixed", "--offload", "params"],
+        ),
+        ("zero3", 2, &["--offload-dir", offload_dir]),
         ("zero1", 2, &["--offload", "optimizer"]),
         // The state read back from disk keeps its 16 bits (burn-optim's own reading gives f32).
         (
@@ -295,6 +320,15 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         "{err}"
     );
 
+    // The same shapes under another configuration: what the parameter table cannot tell.
+    let err = run(&dir, "zero2", 2, 0.1, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model config: attn_pdrop 0.0, this run 0.1"),
+        "{err}"
+    );
+
     // Another optimizer.
     let err = run(&dir, "zero2", 2, 0.0, &["--resume", "--optimizer", "sgd"])
         .unwrap_err()
@@ -355,11 +389,78 @@ fn old_checkpoints_go_only_once_a_new_one_is_complete() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A task whose rank `rank` dies (panics, as a failing kernel or an out-of-memory abort
+/// would end it) when it draws its micro-batch number `at`: in the middle of a step.
+#[derive(Clone)]
+struct DiesAt {
+    task: NextToken,
+    rank: usize,
+    at: usize,
+    drawn: usize,
+}
+
+impl TrainTask for DiesAt {
+    type Model = Gpt;
+
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
+        self.drawn += 1;
+        if part.rank == self.rank && self.drawn == self.at {
+            panic!("rank {} dies drawing micro-batch {}", self.rank, self.at);
+        }
+        self.task.next_batch(device, part)
+    }
+    fn items(&self, input: &Tensor<2, Int>) -> usize {
+        self.task.items(input)
+    }
+    fn counts_tokens(&self) -> bool {
+        self.task.counts_tokens()
+    }
+    fn evaluate(
+        &mut self,
+        logits: &mut Logits<'_, Gpt>,
+        device: &Device,
+    ) -> Result<(f64, Option<f64>), TrainError> {
+        self.task.evaluate(logits, device)
+    }
+}
+
+#[test]
+fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
+    let (dir, whole) = (scratch("dies"), scratch("dies-whole"));
+    let uninterrupted = steps(&run(&whole, "zero3", 2, 0.0, &[]).unwrap().1);
+    // Micro-batch 5 is step 5's (one per step): after the step-3 checkpoint.
+    let dies = |task| DiesAt {
+        task,
+        rank: 1,
+        at: 5,
+        drawn: 0,
+    };
+    let started = std::time::Instant::now();
+    let err = run_task(&dir, "zero3", 2, 0.0, &[], dies).unwrap_err();
+    // The first failure is reported, naming its rank; the other rank stopped at its next
+    // collective instead of waiting out the timeout.
+    assert!(
+        matches!(&err, TrainError::RankPanicked { rank: 1, message } if message.contains("dies")),
+        "{err}"
+    );
+    assert!(started.elapsed().as_secs() < 60, "{:?}", started.elapsed());
+    let entries: Vec<String> = fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(entries, ["step-00000003"]);
+    // That checkpoint is whole: resumed, the run takes the uninterrupted run's steps.
+    let (_, resumed) = run(&dir, "zero3", 2, 0.0, &["--resume"]).unwrap();
+    assert_eq!(steps(&resumed), uninterrupted[3..]);
+    fs::remove_dir_all(&dir).unwrap();
+    fs::remove_dir_all(&whole).unwrap();
+}
+
 #[test]
 fn a_consolidated_checkpoint_is_the_saved_model() {
     let dir = scratch("consolidate");
     let saved = dir.with_extension("saved.safetensors");
-    let (_, summary) = run(
+    let (trained, summary) = run(
         &dir,
         "zero3",
         2,
@@ -379,7 +480,16 @@ fn a_consolidated_checkpoint_is_the_saved_model() {
     };
     // The end-of-training --save streams the same values in the same (GPT-2) layout.
     assert_eq!(sorted(&out), sorted(&saved));
-    burnscale::mingpt::loader::load(&out, &GptConfig::tiny(), &model_device()).unwrap();
+    // What `--weights` loads from it computes the trained model's logits.
+    let config = GptConfig::tiny().with_dropout(0.0);
+    let loaded = burnscale::mingpt::loader::load(&out, &config, &model_device());
+    let ids: Vec<i64> = tokens()[..16].to_vec();
+    let logits = |model: &Gpt| -> Vec<f32> {
+        let idx =
+            Tensor::<2, Int>::from_data(TensorData::new(ids.clone(), [2, 8]), &model_device());
+        model.forward(idx).into_data().try_into_vec().unwrap()
+    };
+    assert_eq!(logits(&loaded.unwrap()), logits(&trained));
 
     let with_state = dir.join("with-optimizer.safetensors");
     let count = ckpt.consolidate(&with_state, true).unwrap();

@@ -21,6 +21,11 @@ pub enum WeightError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot write weights file {path}: {source}")]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error(
         "{path} is not a valid {format} file ({reason}); is it truncated? re-download or re-export it"
     )]
@@ -227,7 +232,7 @@ impl SafetensorsWriter {
         let mut name = path.file_name().unwrap_or_default().to_os_string();
         name.push(".partial");
         let partial = path.with_file_name(name);
-        let io = |source| WeightError::Io {
+        let io = |source| WeightError::Write {
             path: partial.clone(),
             source,
         };
@@ -293,7 +298,7 @@ impl SafetensorsWriter {
         }
         let offset = self.data_start + entry.offset;
         let partial = self.partial.clone();
-        let io = |source| WeightError::Io {
+        let io = |source| WeightError::Write {
             path: partial.clone(),
             source,
         };
@@ -323,12 +328,12 @@ impl SafetensorsWriter {
             });
         }
         let file = self.file.take().expect("open until finished");
-        file.sync_all().map_err(|source| WeightError::Io {
+        file.sync_all().map_err(|source| WeightError::Write {
             path: self.partial.clone(),
             source,
         })?;
         drop(file);
-        std::fs::rename(&self.partial, &self.path).map_err(|source| WeightError::Io {
+        std::fs::rename(&self.partial, &self.path).map_err(|source| WeightError::Write {
             path: self.path.clone(),
             source,
         })

@@ -30,10 +30,10 @@ use safetensors::tensor::Metadata;
 use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 
-use crate::TrainError;
 use crate::cli::{TrainArgs, value_name};
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::runner::{BatchPart, TrainTask, gather_u64s};
+use crate::{TrainError, fault};
 
 /// The layout version `meta.json` records; another one is refused.
 const FORMAT: u32 = 1;
@@ -76,6 +76,9 @@ pub struct Meta {
     pub param_dtype: String,
     pub optimizer: String,
     pub seed: u64,
+    /// The model's configuration as the program gave it ([`TrainArgs::model_config`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_config: Option<serde_json::Value>,
     pub loss_scaler: Option<LossScaler>,
     /// Each rank's dropout stream: (seed, calls drawn).
     pub dropout: Vec<(u64, u64)>,
@@ -179,6 +182,7 @@ pub fn save<M: BlockModel>(
                 param_dtype: format!("{:?}", args.precision.param_dtype()),
                 optimizer: value_name(args.optimizer),
                 seed: args.seed,
+                model_config: args.model_config.clone(),
                 loss_scaler: engine.scaler().cloned(),
                 dropout: all.iter().map(|r| (r[2], r[3])).collect(),
                 params: engine
@@ -386,7 +390,7 @@ fn write_rank_file<M: BlockModel>(
             rows.as_bytes(),
         )?;
     }
-    kill_if_asked(step, rank);
+    fault::kill_if_asked(fault::Point::Save, step, rank);
     optim.for_each_state(|param, sink| {
         let slot = slots[param];
         let (start, real) = slot.owned_rows(rank);
@@ -415,18 +419,6 @@ fn write_rank_file<M: BlockModel>(
     writer.finish()?;
     let (bytes, crc) = checksum(path)?;
     Ok((bytes, crc, states))
-}
-
-/// The crash tests' fault injection: with `BURNSCALE_KILL_IN_SAVE=<step>:<rank>` in its
-/// environment, that rank's process kills itself (SIGKILL, as `kill -9` would) with its file
-/// of that step's checkpoint half written.
-fn kill_if_asked(step: usize, rank: usize) {
-    if std::env::var("BURNSCALE_KILL_IN_SAVE").is_ok_and(|v| v == format!("{step}:{rank}")) {
-        let pid = std::process::id().to_string();
-        let _ = std::process::Command::new("kill")
-            .args(["-9", &pid])
-            .status();
-    }
 }
 
 /// Whether an optimizer state tensor of `dims` is the same on every rank (its dim 0 is 1
@@ -805,6 +797,10 @@ impl Checkpoint {
                 "saved by {} ranks under --strategy {} --precision {} --optimizer {}",
                 m.world_size, m.strategy, m.precision, m.optimizer
             ),
+            match &m.model_config {
+                Some(config) => format!("model config {config}"),
+                None => "no model config".to_string(),
+            },
             format!(
                 "{} parameters in {} tensors ({} B), optimizer state {} B in {} tensors",
                 m.params
@@ -919,6 +915,36 @@ pub struct Resumed {
     pub step: usize,
 }
 
+/// Each field of a model configuration that differs between the checkpoint's and the run's
+/// (both JSON objects; nothing when either is absent), as `model config: n_head 4, this run 2`.
+fn config_differences(
+    saved: Option<&serde_json::Value>,
+    ours: Option<&serde_json::Value>,
+) -> Vec<String> {
+    let (Some(saved), Some(ours)) = (saved, ours) else {
+        return Vec::new();
+    };
+    let (Some(saved), Some(ours)) = (saved.as_object(), ours.as_object()) else {
+        return match saved == ours {
+            true => Vec::new(),
+            false => vec![format!("model config {saved}, this run {ours}")],
+        };
+    };
+    let missing = serde_json::Value::Null;
+    let mut keys: Vec<&String> = saved.keys().chain(ours.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter_map(|key| {
+            let (a, b) = (
+                saved.get(key).unwrap_or(&missing),
+                ours.get(key).unwrap_or(&missing),
+            );
+            (a != b).then(|| format!("model config: {key} {a}, this run {b}"))
+        })
+        .collect()
+}
+
 /// Continues from `ckpt` on this rank: its parameters and optimizer state (the rows this
 /// rank's strategy holds), the loss scaler, the schedule, the data position and (at the same
 /// world size) the dropout stream. Checks first that the checkpoint fits the run.
@@ -959,6 +985,10 @@ pub fn restore<T: TrainTask>(
     ]
     .into_iter()
     .flatten()
+    .chain(config_differences(
+        meta.model_config.as_ref(),
+        args.model_config.as_ref(),
+    ))
     .collect();
     if !problems.is_empty() {
         return Err(ckpt.mismatch(problems.join("; ")).into());

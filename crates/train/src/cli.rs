@@ -200,6 +200,12 @@ pub struct TrainArgs {
     /// always hand back their replica.
     #[arg(skip)]
     pub gather_model: bool,
+    /// The model's configuration (any JSON object; the examples give their model's config),
+    /// written into each checkpoint's metadata: a run that resumes with another
+    /// configuration is stopped with the fields that differ, which the parameter shapes
+    /// alone would miss (a head count, a dropout rate).
+    #[arg(skip)]
+    pub model_config: Option<serde_json::Value>,
 }
 
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.

@@ -8,6 +8,7 @@ pub mod checkpoint;
 mod cli;
 pub mod data;
 mod error;
+mod fault;
 pub mod memory;
 mod offload;
 mod optim;

@@ -20,6 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::accelerator::Accelerator;
 use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Offload, Strategy};
+use crate::fault;
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
@@ -262,6 +263,7 @@ pub fn train_on<T: TrainTask>(
             step_items += world * task.items(&input);
             engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
         }
+        fault::kill_if_asked(fault::Point::Step, step, rank);
         let lr = schedule.next_lr();
         let mut offloaded = Ok(());
         let span = engine.shard_group();

@@ -1,0 +1,26 @@
+//! The crash tests' fault injection: with `BURNSCALE_KILL=<point>:<step>:<rank>` in its
+//! environment, that rank's process kills itself (SIGKILL, as `kill -9` or the kernel's
+//! out-of-memory killer would) at that point of that step. Nothing else reads it.
+
+/// Where a rank can be killed.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Point {
+    /// After the step's micro-steps, before its optimizer step: the other ranks are inside
+    /// the step's collectives.
+    Step,
+    /// With this rank's file of the step's checkpoint half written.
+    Save,
+}
+
+pub(crate) fn kill_if_asked(point: Point, step: usize, rank: usize) {
+    let name = match point {
+        Point::Step => "step",
+        Point::Save => "save",
+    };
+    if std::env::var("BURNSCALE_KILL").is_ok_and(|v| v == format!("{name}:{step}:{rank}")) {
+        let pid = std::process::id().to_string();
+        let _ = std::process::Command::new("kill")
+            .args(["-9", &pid])
+            .status();
+    }
+}
