@@ -17,6 +17,12 @@ use burn::tensor::{DType as TensorDType, FloatDType, IntDType};
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
 pub const BLOCK: usize = 256;
 
+/// The most elements a step computes at once: a tensor is stepped in chunks of whole rows,
+/// so that the update's f32 temporaries (the dequantized moments, the gradient, the update)
+/// stay a few times 16 MB, whatever the size of the tensor (bitsandbytes' kernels bound them
+/// the same way, block by block). Rows are independent, so the result is the same.
+const CHUNK_ELEMS: usize = 1 << 22;
+
 /// The dynamic map's exponents, as literals (parsed exactly, as the fixture script's are).
 const SCALES: [f64; 7] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0];
 
@@ -119,6 +125,25 @@ pub struct Quantized {
     absmax: Tensor<2>,     // [rows, blocks], f32
 }
 
+impl Quantized {
+    /// Rows `start..start + len`.
+    fn rows(&self, start: usize, len: usize) -> Self {
+        Self {
+            codes: self.codes.clone().narrow(0, start, len),
+            absmax: self.absmax.clone().narrow(0, start, len),
+        }
+    }
+
+    /// `parts` stacked along rows.
+    fn cat(parts: Vec<Self>) -> Self {
+        let (codes, absmax) = parts.into_iter().map(|q| (q.codes, q.absmax)).unzip();
+        Self {
+            codes: Tensor::cat(codes, 0),
+            absmax: Tensor::cat(absmax, 0),
+        }
+    }
+}
+
 /// How rows of `row_len` elements are cut into blocks.
 #[derive(Clone, Copy)]
 struct Blocks {
@@ -200,6 +225,49 @@ pub struct AdamW8bit {
 }
 
 impl AdamW8bit {
+    /// One step of `rows` rows of a tensor (`param`, `grad`: `[rows, row_len]`, in the
+    /// weights' dtype) with their quantized `moments` (none at the first step): the updated
+    /// rows in f32, and the new moments.
+    #[allow(clippy::too_many_arguments)]
+    fn step_rows(
+        &self,
+        lr: LearningRate,
+        time: usize,
+        (signed, unsigned): &(Codebook, Codebook),
+        blocks: Blocks,
+        param: Tensor<2>,
+        grad: Tensor<2>,
+        moments: Option<(Quantized, Quantized)>,
+    ) -> (Tensor<2>, Quantized, Quantized) {
+        let grad = grad.cast(FloatDType::F32);
+        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
+        let (m, v) = match moments {
+            Some((m, v)) => (
+                blocks.dequantize(signed, m) * beta_1 + grad.clone() * (1.0 - beta_1),
+                blocks.dequantize(unsigned, v) * beta_2 + grad.square() * (1.0 - beta_2),
+            ),
+            None => (
+                grad.clone() * (1.0 - beta_1),
+                grad.square() * (1.0 - beta_2),
+            ),
+        };
+        // powf, not powi: the fixture script's `**` is C's pow.
+        let correction_1 = 1.0 - beta_1.powf(time as f64);
+        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
+        let step_size = lr * correction_2 / correction_1;
+        let update = m.clone() / (v.clone().sqrt() + correction_2 * f64::from(self.epsilon));
+        let mut updated = param.cast(FloatDType::F32) - update * step_size;
+        let decay = lr * f64::from(self.weight_decay);
+        if decay > 0.0 {
+            updated = updated * (1.0 - decay);
+        }
+        (
+            updated,
+            blocks.quantize(signed, m),
+            blocks.quantize(unsigned, v),
+        )
+    }
+
     /// Whether a parameter of these (full, unsharded) dims gets 8-bit state: a matrix (or
     /// higher) of at least `min_size` elements (bitsandbytes' `min_8bit_size`).
     pub fn quantizes(dims: &[usize], min_size: usize) -> bool {
@@ -218,42 +286,38 @@ impl Optimizer for AdamW8bit {
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         let dims = tensor.dims();
-        let rows = dims[0];
-        let blocks = Blocks::new(rows, dims[1..].iter().product());
+        let (rows, row_len) = (dims[0], dims[1..].iter().product::<usize>());
         let device = tensor.device();
-        let (signed, unsigned) = (Codebook::new(true, &device), Codebook::new(false, &device));
-        let flat = |t: Tensor<D>| t.cast(FloatDType::F32).reshape([rows, blocks.row_len]);
-        let grad = flat(grad);
-        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
-        let (time, m, v) = match state {
-            Some(s) => (
-                s.time + 1,
-                blocks.dequantize(&signed, s.moment_1) * beta_1 + grad.clone() * (1.0 - beta_1),
-                blocks.dequantize(&unsigned, s.moment_2) * beta_2
-                    + grad.clone().square() * (1.0 - beta_2),
-            ),
-            None => (
-                1,
-                grad.clone() * (1.0 - beta_1),
-                grad.square() * (1.0 - beta_2),
-            ),
-        };
-        // powf, not powi: the fixture script's `**` is C's pow.
-        let correction_1 = 1.0 - beta_1.powf(time as f64);
-        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
-        let step_size = lr * correction_2 / correction_1;
-        let update = m.clone() / (v.clone().sqrt() + correction_2 * f64::from(self.epsilon));
-        let mut updated = flat(tensor.clone()) - update * step_size;
-        let decay = lr * f64::from(self.weight_decay);
-        if decay > 0.0 {
-            updated = updated * (1.0 - decay);
+        let books = (Codebook::new(true, &device), Codebook::new(false, &device));
+        let time = state.as_ref().map_or(1, |s| s.time + 1);
+        let param = tensor.clone().reshape([rows, row_len]);
+        let grad = grad.reshape([rows, row_len]);
+        let chunk = (CHUNK_ELEMS / row_len.max(1)).clamp(1, rows.max(1));
+        let (mut updated, mut moment_1, mut moment_2) = (Vec::new(), Vec::new(), Vec::new());
+        for start in (0..rows).step_by(chunk) {
+            let len = chunk.min(rows - start);
+            let moments = state
+                .as_ref()
+                .map(|s| (s.moment_1.rows(start, len), s.moment_2.rows(start, len)));
+            let (p, m, v) = self.step_rows(
+                lr,
+                time,
+                &books,
+                Blocks::new(len, row_len),
+                param.clone().narrow(0, start, len),
+                grad.clone().narrow(0, start, len),
+                moments,
+            );
+            updated.push(p.cast(tensor.dtype()));
+            moment_1.push(m);
+            moment_2.push(v);
         }
         let state = AdamW8bitState {
             time,
-            moment_1: blocks.quantize(&signed, m),
-            moment_2: blocks.quantize(&unsigned, v),
+            moment_1: Quantized::cat(moment_1),
+            moment_2: Quantized::cat(moment_2),
         };
-        (updated.reshape(dims).cast(tensor.dtype()), Some(state))
+        (Tensor::cat(updated, 0).reshape(dims), Some(state))
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
@@ -313,6 +377,39 @@ mod tests {
             assert!(map.contains(&0.0));
             assert_eq!(map[0], if signed { -0.992_968_75 } else { 0.0 }, "{signed}");
         }
+    }
+
+    #[test]
+    fn a_tensor_stepped_in_chunks_of_rows_steps_as_a_whole() {
+        let device = Device::flex();
+        let (rows, row_len) = (CHUNK_ELEMS / 300 + 5, 300); // two chunks, the second short
+        let values = |seed: usize| -> Tensor<2> {
+            let v: Vec<f32> = (0..rows * row_len)
+                .map(|i| ((i * 7919 + seed) % 2003) as f32 / 2003.0 - 0.5)
+                .collect();
+            Tensor::from_data(TensorData::new(v, [rows, row_len]), &device)
+        };
+        let adam = AdamW8bit {
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-8,
+            weight_decay: 0.01,
+        };
+        let books = (Codebook::new(true, &device), Codebook::new(false, &device));
+        let whole = Blocks::new(rows, row_len);
+        let (mut chunked, mut state) = (values(0), None);
+        let (mut reference, mut moments) = (values(0), None);
+        for (time, grad) in [(1, values(1)), (2, values(2))] {
+            (chunked, state) = adam.step(1e-3, chunked, grad.clone(), state);
+            let (p, m, v) = adam.step_rows(1e-3, time, &books, whole, reference, grad, moments);
+            (reference, moments) = (p, Some((m, v)));
+        }
+        let bits = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().unwrap();
+        let codes = |q: Quantized| q.codes.into_data().try_to_vec::<u8>().unwrap();
+        let (state, (m, v)) = (state.unwrap(), moments.unwrap());
+        assert_eq!(codes(state.moment_1), codes(m));
+        assert_eq!(codes(state.moment_2), codes(v));
+        assert_eq!(bits(chunked), bits(reference));
     }
 
     #[test]
