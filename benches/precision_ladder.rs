@@ -75,7 +75,7 @@ const LEAN: [(&str, &[&str], Option<f64>); 8] = [
         &["--optimizer", "adam8bit"],
         Some(5363.0),
     ),
-    // Beyond the article: 16-bit weights too (the f32 gradient sums stay).
+    // Beyond the article: 16-bit weights, and so 16-bit gradients, too.
     (
         "Adafactor, 1x4 ckpt bf16-true",
         &["--optimizer", "adafactor", "--precision", "bf16-true"],

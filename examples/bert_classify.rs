@@ -111,7 +111,7 @@ fn run() -> Result<()> {
     let summary = match cli.model {
         Model::Bert => {
             let model = loader::load(&files.weights, &minilm, Head::Fresh, &device)?;
-            let args = with_config(&cli.train, serde_json::to_value(minilm)?);
+            let args = cli.train.with_model_config(&minilm)?;
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
         Model::Distilbert => {
@@ -125,7 +125,7 @@ fn run() -> Result<()> {
                 train_rows,
                 test_rows,
                 pad,
-                &with_config(&cli.train, serde_json::to_value(config)?),
+                &cli.train.with_model_config(&config)?,
                 &device,
             )?
         }
@@ -143,7 +143,7 @@ fn run() -> Result<()> {
                 Head::Fresh,
                 &device,
             )?;
-            let args = with_config(&cli.train, serde_json::to_value(config)?);
+            let args = cli.train.with_model_config(&config)?;
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
     };
@@ -153,13 +153,6 @@ fn run() -> Result<()> {
     print!("{}", summary.table());
     print!("{}", summary.closing_lines());
     Ok(())
-}
-
-/// `args` with the model's configuration, which checkpoints record.
-fn with_config(args: &TrainArgs, config: serde_json::Value) -> TrainArgs {
-    let mut args = args.clone();
-    args.model_config = Some(config);
-    args
 }
 
 fn finetune<M: SequenceClassifier>(

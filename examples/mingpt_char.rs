@@ -150,9 +150,8 @@ fn run() -> Result<()> {
     )?
     .with_validation(tokens[split..].to_vec(), cli.block_size, cli.eval_batches)?;
     // Sampling reads the whole model: under zero3 it is gathered for it.
-    let mut args = cli.train.clone();
+    let mut args = cli.train.with_model_config(&config)?;
     args.gather_model = cli.sample_len > 0;
-    args.model_config = Some(serde_json::to_value(config)?);
     let (model, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

@@ -116,8 +116,7 @@ fn run() -> Result<()> {
         cli.eval_batch,
         cli.train.seed,
     )?;
-    let mut args = cli.train.clone();
-    args.model_config = Some(serde_json::to_value(config)?);
+    let args = cli.train.with_model_config(&config)?;
     let (_, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

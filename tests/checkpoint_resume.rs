@@ -71,10 +71,12 @@ fn run_task<T: TrainTask<Model = Gpt>>(
         "--checkpoint-every",
         "3",
     ];
-    let mut args = TrainArgs::from_flags(&[&base[..], extra].concat()).unwrap();
-    args.gather_model = true;
     let config = GptConfig::tiny().with_dropout(dropout);
-    args.model_config = Some(serde_json::to_value(config).unwrap());
+    let mut args = TrainArgs::from_flags(&[&base[..], extra].concat())
+        .unwrap()
+        .with_model_config(&config)
+        .unwrap();
+    args.gather_model = true;
     let model = seeded_model(5, |device| Gpt::new(&config, device).unwrap());
     let mut task = wrap(NextToken::new(tokens(), 8, args.batch_size, 5).unwrap());
     let (model, summary) = train(model, &mut task, &args, &model_device())?;

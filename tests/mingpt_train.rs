@@ -111,6 +111,17 @@ fn true_16_bit_policies_hold_gradients_in_16_bits() {
         );
         assert_eq!(summary.model_state_predicted_bytes, 6 * p, "{precision}");
     }
+    // Reduced over the ranks (in f32 on the wire), they come back in bf16.
+    let ddp = [
+        "--strategy",
+        "ddp",
+        "--devices",
+        "2",
+        "--precision",
+        "bf16-true",
+    ];
+    let (_, two) = run(&[&steps[..], &ddp[..]].concat());
+    assert_eq!(two.model_state.grads, 2 * p);
     // The mixed policies step f32 masters, whose gradients are f32.
     let (_, mixed) = run(&[&steps[..], &["--precision", "bf16-mixed"]].concat());
     assert_eq!(mixed.model_state.grads, 4 * p);

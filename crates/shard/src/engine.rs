@@ -506,7 +506,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// The most bytes of gradients this rank held at once during the last step: its own
-    /// f32 sums over the micro-steps and what the collectives handed it, as the engine keeps
+    /// sums over the micro-steps and what the collectives handed it, as the engine keeps
     /// them (not what a strategy's formula says it should keep).
     pub fn grad_bytes(&self) -> usize {
         self.grad_bytes
@@ -916,10 +916,15 @@ fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
     norm.ones_like().mask_where(clipped, coefficient)
 }
 
-/// Multiplies every gradient by `by` (`[1]`, f32, on the device; rounded to a 16-bit
-/// gradient's dtype, as a scalar factor would be).
+/// Multiplies every gradient by `by` (`[1]`, f32, on the device; rounded to 16-bit
+/// gradients' dtype, as a scalar factor would be, so a clipped bf16 norm may exceed its
+/// maximum by a rounding of the factor, as in PyTorch).
 fn scale_by(grads: &mut Flat, by: Tensor<1>) {
+    let Some(dtype) = grads.values().next().map(Tensor::dtype) else {
+        return;
+    };
+    let by = by.cast(dtype);
     for grad in grads.values_mut() {
-        *grad = grad.clone() * by.clone().cast(grad.dtype());
+        *grad = grad.clone() * by.clone();
     }
 }

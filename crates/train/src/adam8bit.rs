@@ -17,10 +17,11 @@ use burn::tensor::{DType as TensorDType, FloatDType, IntDType};
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
 pub const BLOCK: usize = 256;
 
-/// The most elements a step computes at once: a tensor is stepped in chunks of whole rows,
-/// so that the update's f32 temporaries (the dequantized moments, the gradient, the update)
-/// stay a few times 16 MB, whatever the size of the tensor (bitsandbytes' kernels bound them
-/// the same way, block by block). Rows are independent, so the result is the same.
+/// The most elements a step computes at once (or one row, if longer): a tensor is stepped
+/// in chunks of whole rows, so that the update's f32 temporaries (the dequantized moments,
+/// the gradient, the update) stay a few times 16 MB for a tensor of many rows, however many
+/// (bitsandbytes' kernels bound them the same way, block by block). Rows are independent,
+/// so the result is the same.
 const CHUNK_ELEMS: usize = 1 << 22;
 
 /// The dynamic map's exponents, as literals (parsed exactly, as the fixture script's are).
@@ -287,12 +288,16 @@ impl Optimizer for AdamW8bit {
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         let dims = tensor.dims();
         let (rows, row_len) = (dims[0], dims[1..].iter().product::<usize>());
+        if rows == 0 {
+            return (tensor, state);
+        }
         let device = tensor.device();
         let books = (Codebook::new(true, &device), Codebook::new(false, &device));
         let time = state.as_ref().map_or(1, |s| s.time + 1);
-        let param = tensor.clone().reshape([rows, row_len]);
+        let dtype = tensor.dtype();
+        let param = tensor.reshape([rows, row_len]);
         let grad = grad.reshape([rows, row_len]);
-        let chunk = (CHUNK_ELEMS / row_len.max(1)).clamp(1, rows.max(1));
+        let chunk = (CHUNK_ELEMS / row_len.max(1)).clamp(1, rows);
         let (mut updated, mut moment_1, mut moment_2) = (Vec::new(), Vec::new(), Vec::new());
         for start in (0..rows).step_by(chunk) {
             let len = chunk.min(rows - start);
@@ -308,10 +313,11 @@ impl Optimizer for AdamW8bit {
                 grad.clone().narrow(0, start, len),
                 moments,
             );
-            updated.push(p.cast(tensor.dtype()));
+            updated.push(p.cast(dtype));
             moment_1.push(m);
             moment_2.push(v);
         }
+        drop((param, grad, state));
         let state = AdamW8bitState {
             time,
             moment_1: Quantized::cat(moment_1),

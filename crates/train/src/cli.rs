@@ -216,6 +216,15 @@ pub const ADAM_BETA1: f64 = 0.9;
 pub const MIN_8BIT_SIZE: usize = 4096;
 
 impl TrainArgs {
+    /// These arguments with `config` as the model's configuration
+    /// ([`TrainArgs::model_config`]).
+    pub fn with_model_config(&self, config: &impl Serialize) -> Result<Self, serde_json::Error> {
+        Ok(Self {
+            model_config: Some(serde_json::to_value(config)?),
+            ..self.clone()
+        })
+    }
+
     /// Runner flags from a list of arguments (without a program name), as a binary's parser
     /// would read them; a flag given twice takes its last value. For embedding the runner
     /// and for tests.

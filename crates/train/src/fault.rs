@@ -12,6 +12,7 @@ pub(crate) enum Point {
     Save,
 }
 
+/// Kills this process if `BURNSCALE_KILL` names this point, step and rank.
 pub(crate) fn kill_if_asked(point: Point, step: usize, rank: usize) {
     let name = match point {
         Point::Step => "step",
