@@ -2,6 +2,8 @@
 //! environment, that rank's process kills itself (SIGKILL, as `kill -9` or the kernel's
 //! out-of-memory killer would) at that point of that step. Nothing else reads it.
 
+use std::sync::OnceLock;
+
 /// Where a rank can be killed.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Point {
@@ -12,13 +14,18 @@ pub(crate) enum Point {
     Save,
 }
 
-/// Kills this process if `BURNSCALE_KILL` names this point, step and rank.
+/// Kills this process if `BURNSCALE_KILL` names this point, step and rank. The environment
+/// is read once: this runs at every training step.
 pub(crate) fn kill_if_asked(point: Point, step: usize, rank: usize) {
+    static ASKED: OnceLock<Option<String>> = OnceLock::new();
+    let Some(asked) = ASKED.get_or_init(|| std::env::var("BURNSCALE_KILL").ok()) else {
+        return;
+    };
     let name = match point {
         Point::Step => "step",
         Point::Save => "save",
     };
-    if std::env::var("BURNSCALE_KILL").is_ok_and(|v| v == format!("{name}:{step}:{rank}")) {
+    if *asked == format!("{name}:{step}:{rank}") {
         let pid = std::process::id().to_string();
         let _ = std::process::Command::new("kill")
             .args(["-9", &pid])
