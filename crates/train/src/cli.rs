@@ -21,6 +21,18 @@ pub enum Strategy {
     Zero3,
 }
 
+impl Strategy {
+    /// The engine's strategy (`single` is DDP on one rank).
+    pub fn engine(self) -> burnscale_shard::Strategy {
+        match self {
+            Strategy::Single | Strategy::Ddp => burnscale_shard::Strategy::Ddp,
+            Strategy::Zero1 => burnscale_shard::Strategy::Zero1,
+            Strategy::Zero2 => burnscale_shard::Strategy::Zero2,
+            Strategy::Zero3 => burnscale_shard::Strategy::Zero3,
+        }
+    }
+}
+
 /// The dtype gradients are reduced in over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -170,6 +182,10 @@ pub struct TrainArgs {
     /// Evaluate every N steps (0: only at the end).
     #[arg(long, default_value_t = 0)]
     pub eval_interval: usize,
+    /// Print the memory planner's predicted per-rank peak, term by term, before the first step
+    /// (and the measured peak beside it at the end; a summary JSON always carries both).
+    #[arg(long)]
+    pub plan: bool,
     /// Write machine-readable results here.
     #[arg(long)]
     pub summary_json: Option<PathBuf>,

@@ -12,6 +12,7 @@ mod fault;
 pub mod memory;
 mod offload;
 mod optim;
+pub mod plan;
 mod report;
 mod runner;
 pub mod speed;

@@ -76,6 +76,12 @@ pub fn reset_peak() {
     PEAK.store(live_bytes(), Ordering::Relaxed);
 }
 
+/// Raises the peak to at least `bytes` (a measurement that reset the peak window for its
+/// own reading puts back what the window before it had reached).
+pub fn raise_peak(bytes: usize) {
+    PEAK.fetch_max(bytes, Ordering::Relaxed);
+}
+
 /// Whether a binary installed [`CountingAllocator`].
 pub fn is_counting() -> bool {
     peak_bytes() > 0

@@ -103,19 +103,7 @@ impl ParamOptimizer {
                 epsilon: 1e-8,
                 weight_decay: args.weight_decay as f32,
             });
-            let kept = match args.embedding_state_32bit {
-                true => embedding_paths(model),
-                false => HashSet::new(),
-            };
-            let paths = burnscale_shard::layout::slots(model, 1)
-                .into_iter()
-                .filter(|s| {
-                    AdamW8bit::quantizes(&s.dims, args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE))
-                        && !kept.contains(&s.path)
-                })
-                .map(|s| s.path)
-                .collect();
-            (optim, paths)
+            (optim, eight_bit_paths(model, args))
         });
         let adafactor = (args.optimizer == OptimizerKind::Adafactor).then(|| Factored {
             decay: adafactor(args.weight_decay),
@@ -591,6 +579,56 @@ impl ModuleMapper for StepMapper<'_> {
 }
 
 /// The paths of the parameters of `model` that are burn `Embedding` tables.
+/// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
+/// another optimizer): matrices of at least `--min-8bit-size` elements, but the embedding
+/// tables under `--embedding-state-32bit`.
+pub(crate) fn eight_bit_paths<M: Module>(model: &M, args: &TrainArgs) -> HashSet<String> {
+    if args.optimizer != OptimizerKind::Adam8bit {
+        return HashSet::new();
+    }
+    let kept = match args.embedding_state_32bit {
+        true => embedding_paths(model),
+        false => HashSet::new(),
+    };
+    burnscale_shard::layout::slots(model, 1)
+        .into_iter()
+        .filter(|s| {
+            AdamW8bit::quantizes(&s.dims, args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE))
+                && !kept.contains(&s.path)
+        })
+        .map(|s| s.path)
+        .collect()
+}
+
+/// Bytes of state `args`' optimizer keeps for a parameter of `held` dims (a shard's when
+/// sharded) whose weights are `weight` bytes each; `eight_bit`: one of
+/// [`eight_bit_paths`]. What [`ParamOptimizer::state_bytes`] reads once the state exists.
+pub(crate) fn state_bytes_of(args: &TrainArgs, held: &[usize], weight: usize, eight_bit: bool) -> usize {
+    let numel: usize = held.iter().product();
+    let rank = held.len();
+    match args.optimizer {
+        // Codes of one byte, and an f32 absmax per block of each row, per moment.
+        OptimizerKind::Adam8bit if eight_bit => {
+            let row_len: usize = held[1..].iter().product();
+            let blocks = row_len.div_ceil(row_len.clamp(1, crate::adam8bit::BLOCK));
+            2 * (numel + 4 * held[0] * blocks)
+        }
+        OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => 2 * weight * numel,
+        OptimizerKind::Sgd if args.momentum > 0.0 => weight * numel,
+        OptimizerKind::Sgd => 0,
+        // f32 statistics: a matrix's row and column means, a vector's whole second moment;
+        // the first moment when it keeps one.
+        OptimizerKind::Adafactor => {
+            let second = match rank {
+                0 | 1 => numel,
+                _ => numel / held[rank - 1] + numel / held[rank - 2],
+            };
+            let first = if args.beta1.is_some() { numel } else { 0 };
+            4 * (second + first)
+        }
+    }
+}
+
 fn embedding_paths<M: Module>(model: &M) -> HashSet<String> {
     #[derive(Default)]
     struct Find {

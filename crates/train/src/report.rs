@@ -8,6 +8,7 @@ use burnscale_precision::Precision;
 
 use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
+use crate::plan::MemoryPlan;
 use crate::runner::StepMetrics;
 use crate::{TrainError, memory};
 
@@ -70,6 +71,9 @@ pub struct RankMemory {
     /// The peak of this rank's device memory ([`memory::device_peak_bytes`]: the GPU's pool
     /// reservation; on a CPU the process peak again).
     pub device_peak_mem_bytes: usize,
+    /// The planner's prediction of `peak_mem_bytes`, when a plan was made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned_peak_mem_bytes: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -133,6 +137,12 @@ pub struct RunSummary {
     /// What `--save` took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub save: Option<SaveReport>,
+    /// The memory planner's prediction (`--plan`, or with `--summary-json`), made before the
+    /// first step: the process peak beside `peak_mem_bytes`, and its terms.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned_peak_mem_bytes: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub plan: Option<MemoryPlan>,
     /// What checkpointing (`--checkpoint-dir`) took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<CheckpointReport>,
@@ -217,9 +227,21 @@ impl RunSummary {
             peak_flops,
             mfu,
             save: None,
+            planned_peak_mem_bytes: None,
+            plan: None,
             checkpoints: None,
             history,
         }
+    }
+
+    /// Puts the memory plan (when one was made) beside the measured peaks.
+    pub(crate) fn set_plan(&mut self, plan: Option<MemoryPlan>) {
+        let planned = plan.as_ref().map(|p| p.process_peak);
+        for rank in &mut self.ranks {
+            rank.planned_peak_mem_bytes = planned;
+        }
+        self.planned_peak_mem_bytes = planned;
+        self.plan = plan;
     }
 
     pub fn write_json(&self, path: &Path) -> Result<(), TrainError> {
@@ -259,6 +281,17 @@ impl RunSummary {
                     human_bytes(self.peak_mem_bytes)
                 } else {
                     "not measured (no counting allocator installed)".into()
+                },
+            ),
+            (
+                "memory planned (peak, process)",
+                match self.planned_peak_mem_bytes {
+                    Some(planned) => format!(
+                        "{} ({:+.1}% of the measured)",
+                        human_bytes(planned),
+                        100.0 * (planned as f64 / self.peak_mem_bytes.max(1) as f64 - 1.0)
+                    ),
+                    None => "no plan (--plan)".into(),
                 },
             ),
             (

@@ -10,7 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
-use burnscale_collective::{Buffer, Communicator, ReduceOp};
+use burnscale_collective::{Buffer, Communicator, ReduceOp, launched_by_mpirun};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
@@ -22,6 +22,7 @@ use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Offload, Strategy};
 use crate::fault;
 use crate::optim::{LrSchedule, ParamOptimizer};
+use crate::plan::{MemoryPlan, Probe};
 use crate::report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
@@ -115,6 +116,11 @@ pub fn train<T: TrainTask>(
     if args.strategy != Strategy::Zero3 {
         burnscale_shard::params::materialize(&model);
     }
+    // Measured here, on one thread, before any rank allocates.
+    let probe = match args.plan || args.summary_json.is_some() {
+        true => Some(Probe::measure(&model, task, args, device)?),
+        false => None,
+    };
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
     let accelerator = Accelerator::or_default(args.accelerator);
@@ -137,7 +143,7 @@ pub fn train<T: TrainTask>(
             Strategy::Zero3 => model,
             _ => model.fork(&device),
         };
-        train_on(comm, model, &mut task.clone(), args, &device)
+        train_rank(comm, model, &mut task.clone(), args, &device, probe)
     })?;
     let mut outcome = None;
     let mut errors = Vec::new();
@@ -159,12 +165,25 @@ pub fn train<T: TrainTask>(
 /// its process group). Every rank calls it with the same model, task and arguments. Returns
 /// the trained model when the strategy keeps it whole on every rank, or under zero3 when
 /// `args.gather_model` asks for it (`None` otherwise), with this rank's summary.
+/// Without [`train`]'s memory plan (its probe runs before any rank starts).
 pub fn train_on<T: TrainTask>(
     comm: &dyn Communicator,
     model: T::Model,
     task: &mut T,
     args: &TrainArgs,
     device: &Device,
+) -> Result<(Option<T::Model>, RunSummary), TrainError> {
+    train_rank(comm, model, task, args, device, None)
+}
+
+/// One rank's training, with the memory plan when `probe` gives the backend's terms.
+fn train_rank<T: TrainTask>(
+    comm: &dyn Communicator,
+    model: T::Model,
+    task: &mut T,
+    args: &TrainArgs,
+    device: &Device,
+    probe: Option<Probe>,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     // Each rank checks the examples it was given, before its first collective.
@@ -176,14 +195,21 @@ pub fn train_on<T: TrainTask>(
                 "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
             )));
         }
-        Strategy::Single | Strategy::Ddp => burnscale_shard::Strategy::Ddp,
-        Strategy::Zero1 => burnscale_shard::Strategy::Zero1,
-        Strategy::Zero2 => burnscale_shard::Strategy::Zero2,
-        Strategy::Zero3 => burnscale_shard::Strategy::Zero3,
+        strategy => strategy.engine(),
     };
     let lead = rank == 0;
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
+    let plan = probe.map(|probe| {
+        let threads = match launched_by_mpirun() {
+            true => 1,
+            false => world,
+        };
+        MemoryPlan::new(&model, args, world, threads, probe)
+    });
+    if let Some(plan) = plan.as_ref().filter(|_| lead && args.plan) {
+        eprintln!("memory plan (per rank unless said):\n{}", plan.table());
+    }
     let keys = model.checkpoint_keys();
     let mut optim = ParamOptimizer::new(args, rank, &model)?;
     let mut schedule = LrSchedule::new(args)?;
@@ -398,6 +424,7 @@ pub fn train_on<T: TrainTask>(
         throughput,
         peak_flops,
     );
+    summary.set_plan(plan);
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     if let Some((scale, skipped)) = engine.loss_scale() {
@@ -496,6 +523,7 @@ fn every_rank_memory(
             model_state_bytes: v[0] as usize,
             peak_mem_bytes: v[1] as usize,
             device_peak_mem_bytes: v[2] as usize,
+            planned_peak_mem_bytes: None,
         })
         .collect())
 }

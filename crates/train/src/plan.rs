@@ -1,0 +1,531 @@
+//! The memory planner: a run's per-rank peak, predicted before its first step from the
+//! configuration, term by term (model states by kind, the 16-bit compute copy, the largest
+//! gathered unit, activations with and without checkpointing, collective buffers, the
+//! optimizer's temporaries), as DeepSpeed's `estimate_zero3_model_states_mem_needs` counts
+//! model states, and beyond them what a step adds.
+//!
+//! Model states and buffers come from the parameter shapes and the engine's rules. What the
+//! backend keeps for backward is not a formula of the shapes (it is whatever Burn's autodiff
+//! saves), so a [`Probe`] measures it once on the run's own micro-batch: the embeddings, ONE
+//! block and the head run forward and backward on zero-valued copies in the compute dtype,
+//! and one optimizer step runs on the largest parameter, with the counting allocator
+//! ([`crate::memory`]) reading what each adds. The planner composes these into the engine's
+//! phases of a step (forward, backward at each end, the gradient reduction, the optimizer
+//! step) and takes the largest.
+
+use std::collections::HashSet;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::prelude::*;
+use burn::tensor::DType;
+use burnscale_nn::{BlockModel, autocast, dropout};
+use burnscale_shard::layout::{self, Slot};
+use serde::Serialize;
+
+use crate::memory::{self, human_bytes};
+use crate::optim::{self, ParamOptimizer};
+use crate::runner::{BatchPart, TrainTask};
+use crate::{TrainArgs, TrainError};
+
+/// DDP's gradient bucket, as the engine packs it (25 MB of f32 elements).
+const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
+
+/// What the backend adds, measured once on the run's micro-batch (bytes).
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Probe {
+    /// Heap of this process outside the model's parameters when the run begins (the data,
+    /// the runtime).
+    pub baseline: usize,
+    /// What the embeddings' forward keeps for backward (their output included).
+    pub embed: usize,
+    /// What one block's forward keeps for backward (its output included).
+    pub block: usize,
+    /// One block's output: what a checkpointed block keeps of its forward.
+    pub block_output: usize,
+    /// What the head and loss keep.
+    pub head: usize,
+    /// The most a block's backward adds above the forward it undoes (its gradients of the
+    /// input and the weights, the backward's temporaries).
+    pub backward: usize,
+    /// The optimizer step's temporaries on the model's largest parameter (of `step_elems`
+    /// elements), above its state.
+    pub step: usize,
+    pub step_elems: usize,
+}
+
+impl Probe {
+    /// Measures `model`'s terms for `args` on `device` with a micro-batch drawn from a copy of
+    /// `task` (its own stream does not move). Run it on one thread before the ranks start:
+    /// it reads the process-wide counting allocator. Without one, every term reads 0.
+    pub fn measure<T: TrainTask>(
+        model: &T::Model,
+        task: &T,
+        args: &TrainArgs,
+        device: &Device,
+    ) -> Result<Self, TrainError> {
+        let baseline = memory::live_bytes().saturating_sub(materialized_bytes(model));
+        let dtype = args.precision.compute_dtype();
+        let mut root = zeros_like(model.clone(), dtype.into(), device);
+        let blocks = root.take_blocks();
+        let block = blocks.into_iter().next();
+        let (input, target) = task.clone().next_batch(device, BatchPart::WHOLE);
+        let (embed, block_bytes, block_output, head, backward) = {
+            let _autocast = autocast::scope(args.precision.is_mixed());
+            let _training = dropout::training_scope();
+            let live = memory::live_bytes();
+            let (x, mask) = root.embed(input);
+            let embedded = memory::live_bytes();
+            let x = match &block {
+                Some(block) => root.block_forward(block, x, &mask),
+                None => x,
+            };
+            let blocked = memory::live_bytes();
+            let output = x.shape().num_elements() * x.dtype().size();
+            let loss = root.head_loss(x, target);
+            let headed = memory::live_bytes();
+            let before = memory::peak_bytes();
+            memory::reset_peak();
+            let grads = loss.backward();
+            let backward = memory::peak_bytes().saturating_sub(headed);
+            drop(grads);
+            memory::raise_peak(before);
+            (
+                embedded.saturating_sub(live),
+                blocked.saturating_sub(embedded),
+                output,
+                headed.saturating_sub(blocked),
+                backward,
+            )
+        };
+        drop((root, block));
+        let (step, step_elems) = optimizer_step_bytes(model, args, device)?;
+        Ok(Self {
+            baseline,
+            embed,
+            block: block_bytes,
+            block_output,
+            head,
+            backward,
+            step,
+            step_elems,
+        })
+    }
+}
+
+/// Bytes of the parameters of `module` already initialised (a lazy one holds none yet).
+fn materialized_bytes<M: Module>(module: &M) -> usize {
+    struct Count(usize);
+    impl ModuleVisitor for Count {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.is_initialized() {
+                self.0 += param.shape().num_elements() * param.val().dtype().size();
+            }
+        }
+    }
+    let mut count = Count(0);
+    module.visit(&mut count);
+    count.0
+}
+
+/// `module` with fresh zero-valued parameters of the same shapes in `dtype`, tracked on
+/// `device`: what the probe runs (a lazy module's initialisers never run).
+fn zeros_like<M: Module>(module: M, dtype: DType, device: &Device) -> M {
+    struct Zeros<'a>(DType, &'a Device);
+    impl ModuleMapper for Zeros<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let zeros = Tensor::zeros(param.lazy_shape(), (self.1, self.0)).require_grad();
+            Param::initialized(ParamId::new(), zeros)
+        }
+    }
+    module.map(&mut Zeros(dtype, device))
+}
+
+/// Two optimizer steps on a zero copy of the model's largest parameter, in the weights'
+/// dtype: the most the second step adds above the state it keeps, and the parameter's
+/// elements (a shard's step adds its share).
+fn optimizer_step_bytes<M: Module>(
+    model: &M,
+    args: &TrainArgs,
+    device: &Device,
+) -> Result<(usize, usize), TrainError> {
+    let Some(slot) = layout::slots(model, 1).into_iter().max_by_key(Slot::numel) else {
+        return Ok((0, 0));
+    };
+    let dims = slot.shard_dims();
+    #[derive(Module, Debug)]
+    struct One {
+        weight: Param<Tensor<2>>,
+    }
+    let (rows, cols) = (dims[0], dims[1..].iter().product::<usize>());
+    let dtype: DType = args.precision.param_dtype().into();
+    let inner = device.clone().inner();
+    let one = One {
+        weight: Param::from_tensor(Tensor::zeros([rows, cols], (&inner, dtype))),
+    };
+    // No disk files for a probe: the state stays in memory, as a plan counts it apart.
+    let probe_args = TrainArgs {
+        offload_dir: None,
+        ..args.clone()
+    };
+    let mut optim = ParamOptimizer::new(&probe_args, 0, &one)?;
+    let grads = |one: &One| {
+        let mut grads = burn::optim::GradientsParams::new();
+        grads.register(
+            one.weight.id,
+            Tensor::<2>::zeros([rows, cols], (&inner, dtype)),
+        );
+        grads
+    };
+    let (one, stepped) = optim.step(1e-3, one.clone(), grads(&one), None);
+    stepped?;
+    let before = memory::peak_bytes();
+    memory::reset_peak();
+    let g = grads(&one);
+    let after_grads = memory::live_bytes();
+    let (one, stepped) = optim.step(1e-3, one, g, None);
+    stepped?;
+    let added = memory::peak_bytes().saturating_sub(after_grads);
+    drop((one, optim));
+    memory::raise_peak(before);
+    Ok((added, rows * cols))
+}
+
+/// One phase of a step, as the planner sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// The end of forward: every activation kept for backward.
+    Forward,
+    /// Backward through the last block (first in backward order).
+    BackwardTop,
+    /// Backward through the first block: the gradients nearly all there.
+    BackwardBottom,
+    /// The gradients reduced over the ranks.
+    Reduce,
+    /// The optimizer step.
+    Step,
+}
+
+/// One rank's predicted bytes, by kind, at its peak phase; and the process's peak.
+#[derive(Debug, Clone, Serialize)]
+pub struct MemoryPlan {
+    pub world: usize,
+    /// Ranks that are threads of this process (their peaks add up in it).
+    pub ranks_in_process: usize,
+    /// Model states held between steps.
+    pub params: usize,
+    pub optimizer: usize,
+    /// Gradients held at the optimizer step.
+    pub grads: usize,
+    /// The mixed policies' 16-bit copy of what runs at once (the whole model, the root, or a
+    /// unit).
+    pub compute_copy: usize,
+    /// ZeRO-3: the largest unit gathered at once (compute dtype), with its gradients.
+    pub gathered_unit: usize,
+    /// Activations kept for backward at the end of forward, without and with per-block
+    /// checkpointing (the run's own is the one its flags choose).
+    pub activations: usize,
+    pub activations_checkpointed: usize,
+    /// Collective buffers at once (a bucket packed, cast and reduced).
+    pub buffers: usize,
+    pub probe: Probe,
+    /// The phase the peak falls in, and one rank's peak there.
+    pub peak_phase: Phase,
+    pub rank_peak: usize,
+    /// The process's predicted peak: its ranks' peaks and the baseline.
+    pub process_peak: usize,
+    /// Every phase's prediction for one rank.
+    pub phases: Vec<(Phase, usize)>,
+}
+
+/// What the parameters are, unit by unit, as the engine groups them.
+struct Units {
+    /// Every slot of the model, over `world` ranks.
+    slots: Vec<Slot>,
+    embeddings: usize,
+    head: usize,
+    /// Elements of each block.
+    blocks: Vec<usize>,
+    /// Whether the head reads the embeddings' parameters (a tied decoder).
+    head_reads_embeddings: bool,
+}
+
+impl Units {
+    fn of<M: BlockModel>(model: &M, world: usize) -> Self {
+        let slots = layout::slots(model, world);
+        let mut root = model.clone();
+        let blocks = root.take_blocks();
+        let embedding: HashSet<ParamId> = root.embedding_params().into_iter().collect();
+        let root_slots = layout::slots(&root, world);
+        let embeddings = root_slots
+            .iter()
+            .filter(|s| embedding.contains(&s.id))
+            .map(Slot::numel)
+            .sum();
+        let head = root_slots.iter().map(Slot::numel).sum::<usize>() - embeddings;
+        let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
+        let blocks = blocks
+            .iter()
+            .map(|b| layout::slots(b, world).iter().map(Slot::numel).sum())
+            .collect();
+        Self {
+            slots,
+            embeddings,
+            head,
+            blocks,
+            head_reads_embeddings,
+        }
+    }
+
+    fn numel(&self) -> usize {
+        self.slots.iter().map(Slot::numel).sum()
+    }
+
+    fn shard_numel(&self) -> usize {
+        self.slots.iter().map(Slot::shard_numel).sum()
+    }
+
+    fn largest_block(&self) -> usize {
+        self.blocks.iter().copied().max().unwrap_or(0)
+    }
+
+    fn largest_param(&self) -> usize {
+        self.slots.iter().map(Slot::numel).max().unwrap_or(0)
+    }
+}
+
+impl MemoryPlan {
+    /// The plan for `model` trained as `args` say on `world` ranks, `ranks_in_process` of
+    /// them threads of this process, with the backend's terms from `probe`.
+    pub fn new<M: BlockModel>(
+        model: &M,
+        args: &TrainArgs,
+        world: usize,
+        ranks_in_process: usize,
+        probe: Probe,
+    ) -> Self {
+        let units = Units::of(model, world);
+        let sharding = args.strategy.engine().sharding();
+        let w = DType::from(args.precision.param_dtype()).size();
+        let c = DType::from(args.precision.compute_dtype()).size();
+        let mixed = args.precision.is_mixed();
+        let n = units.numel();
+        let depth = units.blocks.len();
+        let per_rank = |elems: usize| match sharding.parameters {
+            true => units.shard_numel() * elems / n.max(1),
+            false => elems,
+        };
+
+        let params = w * per_rank(n);
+        let optimizer = optimizer_bytes(model, args, &units, sharding.optimizer_state);
+        let full_grads = w * n;
+        let sharded_grads = w * units.shard_numel();
+        // Gradients summed over earlier micro-steps of an accumulation stay full.
+        let accumulated = if args.accumulate > 1 { full_grads } else { 0 };
+        let bucket = w * BUCKET_ELEMS.min(n).max(units.largest_param().min(n));
+        let buffers = if world > 1 { 2 * bucket } else { 0 };
+
+        let checkpoint = args.checkpoint_activations || sharding.parameters;
+        let activations = probe.embed + depth * probe.block + probe.head;
+        let activations_checkpointed =
+            probe.embed + depth * probe.block_output + probe.head;
+        let mut phases = Vec::new();
+        let gathered_unit;
+        let compute_copy;
+        let step_grads = if sharding.gradients {
+            sharded_grads
+        } else {
+            full_grads
+        };
+        if !checkpoint {
+            compute_copy = if mixed { c * n } else { 0 };
+            gathered_unit = 0;
+            let held = params + optimizer + accumulated + compute_copy;
+            phases.push((Phase::Forward, held + activations));
+            phases.push((Phase::BackwardTop, held + activations + probe.backward));
+            // Backward's gradients (compute dtype), moved into the sums (gradient dtype).
+            phases.push((
+                Phase::BackwardBottom,
+                held + (c * n).max(w * n) + w * units.largest_param(),
+            ));
+            phases.push((
+                Phase::Reduce,
+                params + optimizer + compute_copy + full_grads + buffers,
+            ));
+        } else {
+            let root = units.embeddings + units.head;
+            let block = units.largest_block();
+            // The unit a phase runs: gathered (zero3), or a 16-bit copy (mixed), or the
+            // replica's own.
+            let unit_copy = |elems: usize| match (sharding.parameters, mixed) {
+                (true, _) | (false, true) => c * elems,
+                (false, false) => 0,
+            };
+            compute_copy = if mixed && !sharding.parameters {
+                c * root
+            } else {
+                0
+            };
+            let head_unit = units.head
+                + if units.head_reads_embeddings {
+                    units.embeddings
+                } else {
+                    0
+                };
+            gathered_unit = if sharding.parameters {
+                c * block.max(head_unit).max(units.embeddings)
+            } else {
+                0
+            };
+            let held = params + optimizer + accumulated + compute_copy;
+            let saved = depth * probe.block_output;
+            let kept = probe.embed + saved + probe.head;
+            let head_copy = if sharding.parameters {
+                c * head_unit
+            } else {
+                0
+            };
+            phases.push((Phase::Forward, held + kept + head_copy));
+            // The top block recomputed: its activations and backward, its unit (and its
+            // gradients, in the compute dtype), the head's gradients summed.
+            let head_grads = w * if sharding.gradients {
+                units.head
+            } else {
+                head_unit
+            };
+            let recompute = unit_copy(block) + probe.block + probe.backward + c * block;
+            phases.push((
+                Phase::BackwardTop,
+                held + kept + recompute + head_grads,
+            ));
+            // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
+            let grads_so_far = if sharding.gradients && args.accumulate == 1 {
+                sharded_grads + w * block
+            } else {
+                full_grads
+            };
+            phases.push((
+                Phase::BackwardBottom,
+                params + optimizer + compute_copy + probe.embed + probe.block_output
+                    + recompute
+                    + grads_so_far.max(accumulated),
+            ));
+            phases.push((
+                Phase::Reduce,
+                params + optimizer + compute_copy + step_grads.max(accumulated) + buffers,
+            ));
+        }
+        // ZeRO-1/2 step a copy of their shards and gather the result back into the replica.
+        let shard_copy = if sharding.optimizer_state && !sharding.parameters {
+            w * units.shard_numel() + buffers
+        } else {
+            0
+        };
+        // The step's temporaries scale with the largest tensor stepped (a shard's rows).
+        let largest_stepped = match sharding.optimizer_state {
+            true => units.slots.iter().map(Slot::shard_numel).max().unwrap_or(0),
+            false => units.largest_param(),
+        };
+        let step_temporaries =
+            probe.step * largest_stepped / probe.step_elems.max(1);
+        phases.push((
+            Phase::Step,
+            params + optimizer + step_grads + shard_copy + step_temporaries,
+        ));
+        let (peak_phase, rank_peak) = phases
+            .iter()
+            .copied()
+            .max_by_key(|&(_, bytes)| bytes)
+            .expect("a plan has phases");
+        Self {
+            world,
+            ranks_in_process,
+            params,
+            optimizer,
+            grads: step_grads,
+            compute_copy,
+            gathered_unit,
+            activations,
+            activations_checkpointed,
+            buffers,
+            probe,
+            peak_phase,
+            rank_peak,
+            process_peak: probe.baseline + ranks_in_process * rank_peak,
+            phases,
+        }
+    }
+
+    /// The plan as a table, printed before the first step.
+    pub fn table(&self) -> String {
+        let mut rows: Vec<(String, String)> = vec![
+            ("parameters".into(), human_bytes(self.params)),
+            ("gradients (at the step)".into(), human_bytes(self.grads)),
+            ("optimizer state".into(), human_bytes(self.optimizer)),
+            ("16-bit compute copy".into(), human_bytes(self.compute_copy)),
+            ("largest gathered unit".into(), human_bytes(self.gathered_unit)),
+            (
+                "activations per block".into(),
+                format!(
+                    "{} ({} checkpointed)",
+                    human_bytes(self.probe.block),
+                    human_bytes(self.probe.block_output)
+                ),
+            ),
+            (
+                "activations kept by forward".into(),
+                format!(
+                    "{} ({} checkpointed)",
+                    human_bytes(self.activations),
+                    human_bytes(self.activations_checkpointed)
+                ),
+            ),
+            ("collective buffers".into(), human_bytes(self.buffers)),
+            (
+                "optimizer step temporaries".into(),
+                human_bytes(self.probe.step),
+            ),
+        ];
+        for (phase, bytes) in &self.phases {
+            rows.push((format!("phase {phase:?}"), human_bytes(*bytes)));
+        }
+        rows.push((
+            "peak per rank".into(),
+            format!("{} ({:?})", human_bytes(self.rank_peak), self.peak_phase),
+        ));
+        rows.push((
+            "peak of this process".into(),
+            format!(
+                "{} ({} rank(s) + {} outside the model)",
+                human_bytes(self.process_peak),
+                self.ranks_in_process,
+                human_bytes(self.probe.baseline)
+            ),
+        ));
+        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+        rows.iter()
+            .map(|(k, v)| format!("{k:<width$}  {v}\n"))
+            .collect()
+    }
+}
+
+/// The optimizer state one rank holds in memory: every parameter's (its shard's when
+/// `sharded`), none under `--offload-dir`.
+fn optimizer_bytes<M: Module>(model: &M, args: &TrainArgs, units: &Units, sharded: bool) -> usize {
+    if args.offload_dir.is_some() {
+        return 0;
+    }
+    let eight_bit = optim::eight_bit_paths(model, args);
+    let weight = DType::from(args.precision.param_dtype()).size();
+    units
+        .slots
+        .iter()
+        .map(|slot| {
+            let held = match sharded {
+                true => slot.shard_dims(),
+                false => slot.dims.clone(),
+            };
+            optim::state_bytes_of(args, &held, weight, eight_bit.contains(&slot.path))
+        })
+        .sum()
+}
