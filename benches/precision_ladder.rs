@@ -151,7 +151,15 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
     device.seed(1);
     let steps = cli.steps.to_string();
     let rung_flags = rungs(cli)?.swap_remove(rung).1;
-    let common = ["--max-steps", &steps, "--grad-clip", "0", "--lr", "1e-4"];
+    let common = [
+        "--max-steps",
+        &steps,
+        "--grad-clip",
+        "0",
+        "--lr",
+        "1e-4",
+        "--plan",
+    ];
     // A rung may set its own batch.
     let batch = |size: &'static str| match rung_flags.contains(&"--batch-size") {
         true => vec![],
@@ -187,6 +195,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
     };
     let out = json!({
         "peak_bytes": summary.peak_mem_bytes,
+        "planned_bytes": summary.planned_peak_mem_bytes,
         "state_bytes": summary.model_state_bytes_per_rank,
         "optimizer_bytes": summary.model_state.optimizer,
         "step_s": summary.step_s_median,
@@ -221,14 +230,16 @@ fn run() -> Result<()> {
         return worker(&cli, rung);
     }
     println!(
-        "{} {} ladder, {} steps (median step time), process peak by the counting allocator",
+        "{} {} ladder, {} steps (median step time), process peak by the counting allocator, and the planner's prediction made before the first step",
         cli.model, cli.ladder, cli.steps
     );
     println!(
-        "  {:<24} {:>11} {:>6} {:>13} {:>9} {:>12} {:>8} {:>6} {:>8} {:>7}",
+        "  {:<24} {:>11} {:>6} {:>11} {:>6} {:>13} {:>9} {:>12} {:>8} {:>6} {:>8} {:>7}",
         "rung",
         "peak",
         "ratio",
+        "planned",
+        "off",
         "model states",
         "optim B/p",
         "activations",
@@ -248,9 +259,11 @@ fn run() -> Result<()> {
             _ => (String::new(), String::new()),
         };
         println!(
-            "  {label:<24} {:>11} {:>6.2} {:>13} {:>9.2} {:>12} {step:>8.2} {:>6.2} {article_mb:>8} {article_ratio:>7}",
+            "  {label:<24} {:>11} {:>6.2} {:>11} {:>+5.1}% {:>13} {:>9.2} {:>12} {step:>8.2} {:>6.2} {article_mb:>8} {article_ratio:>7}",
             human_bytes(peak as usize),
             peak / p0,
+            human_bytes(f("planned_bytes") as usize),
+            100.0 * (f("planned_bytes") / peak - 1.0),
             human_bytes(f("state_bytes") as usize),
             f("optimizer_bytes") / f("params"),
             human_bytes((peak - f("state_bytes")) as usize),

@@ -18,6 +18,7 @@ pub use burnscale_vit as vit;
 
 pub mod equivalence;
 pub mod images;
+pub mod plan_check;
 pub mod pretrained;
 pub mod pypi;
 pub mod reference;

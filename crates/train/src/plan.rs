@@ -36,6 +36,8 @@ pub struct Probe {
     /// Heap of this process outside the model's parameters when the run begins (the data,
     /// the runtime).
     pub baseline: usize,
+    /// What a copy of the task holds (each rank trains on its own).
+    pub task: usize,
     /// What the embeddings' forward keeps for backward (their output included).
     pub embed: usize,
     /// What one block's forward keeps for backward (its output included).
@@ -68,7 +70,11 @@ impl Probe {
         let mut root = zeros_like(model.clone(), dtype.into(), device);
         let blocks = root.take_blocks();
         let block = blocks.into_iter().next();
-        let (input, target) = task.clone().next_batch(device, BatchPart::WHOLE);
+        let live = memory::live_bytes();
+        let mut copy = task.clone();
+        let task_bytes = memory::live_bytes().saturating_sub(live);
+        let (input, target) = copy.next_batch(device, BatchPart::WHOLE);
+        drop(copy);
         let (embed, block_bytes, block_output, head, backward) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
@@ -101,6 +107,7 @@ impl Probe {
         let (step, step_elems) = optimizer_step_bytes(model, args, device)?;
         Ok(Self {
             baseline,
+            task: task_bytes,
             embed,
             block: block_bytes,
             block_output,
@@ -235,7 +242,33 @@ pub struct MemoryPlan {
     /// The process's predicted peak: its ranks' peaks and the baseline.
     pub process_peak: usize,
     /// Every phase's prediction for one rank.
-    pub phases: Vec<(Phase, usize)>,
+    pub phases: Vec<PhaseBytes>,
+}
+
+/// One rank's bytes in a phase, of which `transient` only for a moment (backward's
+/// temporaries through one block).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct PhaseBytes {
+    pub phase: Phase,
+    pub bytes: usize,
+    pub transient: usize,
+}
+
+impl PhaseBytes {
+    fn new(phase: Phase, bytes: usize, transient: usize) -> Self {
+        Self {
+            phase,
+            bytes,
+            transient,
+        }
+    }
+
+    /// The phase's bytes in a process of `ranks` thread ranks (and the task copy each
+    /// rank trains on): ranks step in lockstep only at collectives, so their brief
+    /// temporaries rarely meet, and the process sees one rank's at a time.
+    fn in_process(&self, ranks: usize) -> usize {
+        ranks * self.bytes - ranks.saturating_sub(1) * self.transient
+    }
 }
 
 /// What the parameters are, unit by unit, as the engine groups them.
@@ -341,16 +374,22 @@ impl MemoryPlan {
             compute_copy = if mixed { c * n } else { 0 };
             gathered_unit = 0;
             let held = params + optimizer + accumulated + compute_copy;
-            phases.push((Phase::Forward, held + activations));
-            phases.push((Phase::BackwardTop, held + activations + probe.backward));
+            phases.push(PhaseBytes::new(Phase::Forward, held + activations, 0));
+            phases.push(PhaseBytes::new(
+                Phase::BackwardTop,
+                held + activations + probe.backward,
+                probe.backward,
+            ));
             // Backward's gradients (compute dtype), moved into the sums (gradient dtype).
-            phases.push((
+            phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
                 held + (c * n).max(w * n) + w * units.largest_param(),
+                0,
             ));
-            phases.push((
+            phases.push(PhaseBytes::new(
                 Phase::Reduce,
                 params + optimizer + compute_copy + full_grads + buffers,
+                0,
             ));
         } else {
             let root = units.embeddings + units.head;
@@ -385,7 +424,7 @@ impl MemoryPlan {
             } else {
                 0
             };
-            phases.push((Phase::Forward, held + kept + head_copy));
+            phases.push(PhaseBytes::new(Phase::Forward, held + kept + head_copy, 0));
             // The top block recomputed: its activations and backward, its unit (and its
             // gradients, in the compute dtype), the head's gradients summed.
             let head_grads = w * if sharding.gradients {
@@ -394,9 +433,10 @@ impl MemoryPlan {
                 head_unit
             };
             let recompute = unit_copy(block) + probe.block + probe.backward + c * block;
-            phases.push((
+            phases.push(PhaseBytes::new(
                 Phase::BackwardTop,
                 held + kept + recompute + head_grads,
+                probe.backward,
             ));
             // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
             let grads_so_far = if sharding.gradients && args.accumulate == 1 {
@@ -404,15 +444,17 @@ impl MemoryPlan {
             } else {
                 full_grads
             };
-            phases.push((
+            phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
                 params + optimizer + compute_copy + probe.embed + probe.block_output
                     + recompute
                     + grads_so_far.max(accumulated),
+                probe.backward,
             ));
-            phases.push((
+            phases.push(PhaseBytes::new(
                 Phase::Reduce,
                 params + optimizer + compute_copy + step_grads.max(accumulated) + buffers,
+                0,
             ));
         }
         // ZeRO-1/2 step a copy of their shards and gather the result back into the replica.
@@ -428,15 +470,21 @@ impl MemoryPlan {
         };
         let step_temporaries =
             probe.step * largest_stepped / probe.step_elems.max(1);
-        phases.push((
+        phases.push(PhaseBytes::new(
             Phase::Step,
             params + optimizer + step_grads + shard_copy + step_temporaries,
+            0,
         ));
-        let (peak_phase, rank_peak) = phases
-            .iter()
-            .copied()
-            .max_by_key(|&(_, bytes)| bytes)
-            .expect("a plan has phases");
+        let peak = |bytes: fn(&PhaseBytes, usize) -> usize| {
+            phases
+                .iter()
+                .map(|p| (p.phase, bytes(p, ranks_in_process)))
+                .max_by_key(|&(_, b)| b)
+                .expect("a plan has phases")
+        };
+        let (peak_phase, rank_peak) = peak(|p, _| p.bytes);
+        let process_peak =
+            probe.baseline + ranks_in_process * probe.task + peak(PhaseBytes::in_process).1;
         Self {
             world,
             ranks_in_process,
@@ -451,7 +499,7 @@ impl MemoryPlan {
             probe,
             peak_phase,
             rank_peak,
-            process_peak: probe.baseline + ranks_in_process * rank_peak,
+            process_peak,
             phases,
         }
     }
@@ -486,8 +534,15 @@ impl MemoryPlan {
                 human_bytes(self.probe.step),
             ),
         ];
-        for (phase, bytes) in &self.phases {
-            rows.push((format!("phase {phase:?}"), human_bytes(*bytes)));
+        for p in &self.phases {
+            rows.push((
+                format!("phase {:?}", p.phase),
+                format!(
+                    "{} (of which {} brief)",
+                    human_bytes(p.bytes),
+                    human_bytes(p.transient)
+                ),
+            ));
         }
         rows.push((
             "peak per rank".into(),
@@ -496,9 +551,10 @@ impl MemoryPlan {
         rows.push((
             "peak of this process".into(),
             format!(
-                "{} ({} rank(s) + {} outside the model)",
+                "{} ({} rank(s), each with a {} copy of the task, + {} outside the model)",
                 human_bytes(self.process_peak),
                 self.ranks_in_process,
+                human_bytes(self.probe.task),
                 human_bytes(self.probe.baseline)
             ),
         ));

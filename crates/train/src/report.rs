@@ -234,13 +234,9 @@ impl RunSummary {
         }
     }
 
-    /// Puts the memory plan (when one was made) beside the measured peaks.
+    /// Puts this process's memory plan (when one was made) beside the measured peak.
     pub(crate) fn set_plan(&mut self, plan: Option<MemoryPlan>) {
-        let planned = plan.as_ref().map(|p| p.process_peak);
-        for rank in &mut self.ranks {
-            rank.planned_peak_mem_bytes = planned;
-        }
-        self.planned_peak_mem_bytes = planned;
+        self.planned_peak_mem_bytes = plan.as_ref().map(|p| p.process_peak);
         self.plan = plan;
     }
 

@@ -394,6 +394,7 @@ fn train_rank<T: TrainTask>(
             model_state.total(),
             peak_mem,
             memory::device_peak_bytes(device),
+            plan.as_ref().map_or(0, |p| p.process_peak),
         ],
     )?;
     let saved = match &args.save {
@@ -509,10 +510,11 @@ fn mean_over_ranks(comm: &dyn Communicator, value: f64) -> Result<f64, TrainErro
     Ok(buf.to_f32()[0] as f64)
 }
 
-/// Every rank's model-state bytes, process peak and device peak, in rank order.
+/// Every rank's model-state bytes, process peak, device peak and planned peak (0: none), in
+/// rank order.
 fn every_rank_memory(
     comm: &dyn Communicator,
-    mine: [usize; 3],
+    mine: [usize; 4],
 ) -> Result<Vec<RankMemory>, TrainError> {
     let all = gather_u64s(comm, &mine.map(|v| v as u64))?;
     Ok(all
@@ -523,7 +525,7 @@ fn every_rank_memory(
             model_state_bytes: v[0] as usize,
             peak_mem_bytes: v[1] as usize,
             device_peak_mem_bytes: v[2] as usize,
-            planned_peak_mem_bytes: None,
+            planned_peak_mem_bytes: (v[3] > 0).then_some(v[3] as usize),
         })
         .collect())
 }

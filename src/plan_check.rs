@@ -1,0 +1,59 @@
+//! The memory planner against measurement: a minGPT trained for two steps under a
+//! configuration, its planned peak beside the counting allocator's. The tests run the
+//! one-rank configurations in-process; `examples/plan_check.rs` runs the sharded ones under
+//! mpirun, where each rank is a process and measures its own peak. (Ranks on threads share
+//! one process, whose peak moves by about 10% with how their backward passes interleave:
+//! too much for a 10% check.)
+
+use burn::prelude::*;
+use burnscale_mingpt::{Gpt, GptConfig};
+use burnscale_train::{RunSummary, TrainArgs, train};
+
+use crate::tasks::NextToken;
+
+/// The most a prediction may be off, as a fraction of the measured peak.
+pub const TOLERANCE: f64 = 0.10;
+
+/// One rank's configurations: every precision, optimizer and technique (4 blocks of width
+/// 256, batch 8 x 128, AdamW, dropout 0.1, unless a flag says otherwise).
+pub const ONE_RANK: &[&[&str]] = &[
+    &[],
+    &["--checkpoint-activations"],
+    &["--precision", "bf16-mixed"],
+    &["--precision", "bf16-true"],
+    &["--precision", "16-mixed", "--accumulate", "2"],
+    &["--optimizer", "adam8bit"],
+    &["--optimizer", "adafactor"],
+    &["--optimizer", "sgd"],
+    &["--offload", "optimizer"],
+];
+
+/// The sharded configurations, each on the MPI world.
+pub const SHARDED: &[&[&str]] = &[
+    &["--strategy", "ddp"],
+    &["--strategy", "zero1"],
+    &["--strategy", "zero2", "--accumulate", "2"],
+    &["--strategy", "zero2", "--checkpoint-activations"],
+    &["--strategy", "zero3"],
+    &["--strategy", "zero3", "--precision", "bf16-true"],
+    &["--strategy", "zero3", "--offload", "params"],
+];
+
+/// Trains the check's minGPT under `flags` (with `--plan`) on this process's ranks.
+pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
+    let config = GptConfig::new(4, 4, 256, 65, 128).with_dropout(0.1);
+    let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % 65) as i64).collect();
+    let base = ["--max-steps", "2", "--batch-size", "8", "--plan"];
+    let args = TrainArgs::from_flags(&[&base[..], flags].concat())?;
+    let device = Device::default().autodiff();
+    device.seed(1);
+    let mut task = NextToken::new(tokens.clone(), 128, 8, 1)?
+        .with_validation(tokens[..2_000].to_vec(), 128, 1)?;
+    let model = Gpt::new(&config, &device)?;
+    Ok(train(model, &mut task, &args, &device)?.1)
+}
+
+/// How far `planned` is from `measured`, as a signed fraction of it.
+pub fn off(planned: usize, measured: usize) -> f64 {
+    planned as f64 / measured.max(1) as f64 - 1.0
+}
