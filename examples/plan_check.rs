@@ -46,7 +46,11 @@ fn main() -> ExitCode {
         if launcher_local_rank() == 0 {
             println!(
                 "{} {} rank {}: measured {} planned {} ({:+.1}%)",
-                if off.abs() > TOLERANCE { "FAIL" } else { "PASS" },
+                if off.abs() > TOLERANCE {
+                    "FAIL"
+                } else {
+                    "PASS"
+                },
                 flags.join(" "),
                 rank.rank,
                 human_bytes(rank.peak_mem_bytes),

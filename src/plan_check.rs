@@ -47,8 +47,11 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
     let args = TrainArgs::from_flags(&[&base[..], flags].concat())?;
     let device = Device::default().autodiff();
     device.seed(1);
-    let mut task = NextToken::new(tokens.clone(), 128, 8, 1)?
-        .with_validation(tokens[..2_000].to_vec(), 128, 1)?;
+    let mut task = NextToken::new(tokens.clone(), 128, 8, 1)?.with_validation(
+        tokens[..2_000].to_vec(),
+        128,
+        1,
+    )?;
     let model = Gpt::new(&config, &device)?;
     Ok(train(model, &mut task, &args, &device)?.1)
 }

@@ -43,7 +43,10 @@ fn the_planned_peak_is_within_ten_percent_of_the_measured_one() {
             ));
         }
         assert_eq!(summary.planned_peak_mem_bytes, Some(plan.process_peak));
-        assert_eq!(summary.ranks[0].planned_peak_mem_bytes, Some(plan.process_peak));
+        assert_eq!(
+            summary.ranks[0].planned_peak_mem_bytes,
+            Some(plan.process_peak)
+        );
     }
     eprintln!("worst: {:.1}% {}", 100.0 * worst.0, worst.1);
     assert!(

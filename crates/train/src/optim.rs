@@ -603,7 +603,12 @@ pub(crate) fn eight_bit_paths<M: Module>(model: &M, args: &TrainArgs) -> HashSet
 /// Bytes of state `args`' optimizer keeps for a parameter of `held` dims (a shard's when
 /// sharded) whose weights are `weight` bytes each; `eight_bit`: one of
 /// [`eight_bit_paths`]. What [`ParamOptimizer::state_bytes`] reads once the state exists.
-pub(crate) fn state_bytes_of(args: &TrainArgs, held: &[usize], weight: usize, eight_bit: bool) -> usize {
+pub(crate) fn state_bytes_of(
+    args: &TrainArgs,
+    held: &[usize],
+    weight: usize,
+    eight_bit: bool,
+) -> usize {
     let numel: usize = held.iter().product();
     let rank = held.len();
     match args.optimizer {

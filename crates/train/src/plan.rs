@@ -360,8 +360,7 @@ impl MemoryPlan {
 
         let checkpoint = args.checkpoint_activations || sharding.parameters;
         let activations = probe.embed + depth * probe.block + probe.head;
-        let activations_checkpointed =
-            probe.embed + depth * probe.block_output + probe.head;
+        let activations_checkpointed = probe.embed + depth * probe.block_output + probe.head;
         let mut phases = Vec::new();
         let gathered_unit;
         let compute_copy;
@@ -446,7 +445,11 @@ impl MemoryPlan {
             };
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
-                params + optimizer + compute_copy + probe.embed + probe.block_output
+                params
+                    + optimizer
+                    + compute_copy
+                    + probe.embed
+                    + probe.block_output
                     + recompute
                     + grads_so_far.max(accumulated),
                 probe.backward,
@@ -468,8 +471,7 @@ impl MemoryPlan {
             true => units.slots.iter().map(Slot::shard_numel).max().unwrap_or(0),
             false => units.largest_param(),
         };
-        let step_temporaries =
-            probe.step * largest_stepped / probe.step_elems.max(1);
+        let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
         phases.push(PhaseBytes::new(
             Phase::Step,
             params + optimizer + step_grads + shard_copy + step_temporaries,
@@ -511,7 +513,10 @@ impl MemoryPlan {
             ("gradients (at the step)".into(), human_bytes(self.grads)),
             ("optimizer state".into(), human_bytes(self.optimizer)),
             ("16-bit compute copy".into(), human_bytes(self.compute_copy)),
-            ("largest gathered unit".into(), human_bytes(self.gathered_unit)),
+            (
+                "largest gathered unit".into(),
+                human_bytes(self.gathered_unit),
+            ),
             (
                 "activations per block".into(),
                 format!(
