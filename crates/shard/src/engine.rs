@@ -18,7 +18,7 @@ const HEAD: usize = 1;
 const FIRST_BLOCK: usize = 2;
 
 /// DDP's default gradient bucket: 25 MB of f32.
-const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
+pub const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 const PRESENT: &str = "the model is only moved out during a step";
 
 /// One rank's view of a model trained under a [`Strategy`]: what the rank holds, and the

@@ -22,7 +22,7 @@ pub mod host;
 pub mod layout;
 pub mod params;
 
-pub use engine::{Sharded, StepOutcome};
+pub use engine::{BUCKET_ELEMS, Sharded, StepOutcome};
 
 use burnscale_collective::CollectiveError;
 

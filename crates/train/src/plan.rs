@@ -19,6 +19,7 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burnscale_nn::{BlockModel, autocast, dropout};
+use burnscale_shard::BUCKET_ELEMS;
 use burnscale_shard::layout::{self, Slot};
 use serde::Serialize;
 
@@ -26,9 +27,6 @@ use crate::memory::{self, human_bytes};
 use crate::optim::{self, ParamOptimizer};
 use crate::runner::{BatchPart, TrainTask};
 use crate::{TrainArgs, TrainError};
-
-/// DDP's gradient bucket, as the engine packs it (25 MB of f32 elements).
-const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 
 /// What the backend adds, measured once on the run's micro-batch (bytes).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -67,9 +65,11 @@ impl Probe {
     ) -> Result<Self, TrainError> {
         let baseline = memory::live_bytes().saturating_sub(materialized_bytes(model));
         let dtype = args.precision.compute_dtype();
-        let mut root = zeros_like(model.clone(), dtype.into(), device);
-        let blocks = root.take_blocks();
-        let block = blocks.into_iter().next();
+        // Zero copies of the root and the first block only, never of the whole model.
+        let mut root = model.clone();
+        let block = root.take_blocks().into_iter().next();
+        let root = zeros_like(root, dtype.into(), device);
+        let block = block.map(|b| zeros_like(b, dtype.into(), device));
         let live = memory::live_bytes();
         let mut copy = task.clone();
         let task_bytes = memory::live_bytes().saturating_sub(live);
