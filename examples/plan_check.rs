@@ -11,8 +11,9 @@
 use std::process::ExitCode;
 
 use burnscale::collective::launcher_local_rank;
-use burnscale::plan_check::{SHARDED, TOLERANCE, off, run};
+use burnscale::plan_check::{SHARDED, TOLERANCE, run};
 use burnscale::train::memory::{CountingAllocator, human_bytes};
+use burnscale::train::plan::off;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

@@ -55,8 +55,3 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
     let model = Gpt::new(&config, &device)?;
     Ok(train(model, &mut task, &args, &device)?.1)
 }
-
-/// How far `planned` is from `measured`, as a signed fraction of it.
-pub fn off(planned: usize, measured: usize) -> f64 {
-    planned as f64 / measured.max(1) as f64 - 1.0
-}

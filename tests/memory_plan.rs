@@ -4,8 +4,9 @@
 //! mpirun by `examples/plan_check.rs`, one process per rank). A test binary of its own, as
 //! the peak is process-wide (and one test, running the configurations in turn).
 
-use burnscale::plan_check::{ONE_RANK, TOLERANCE, off, run};
+use burnscale::plan_check::{ONE_RANK, TOLERANCE, run};
 use burnscale::train::memory::{CountingAllocator, human_bytes};
+use burnscale::train::plan::off;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;

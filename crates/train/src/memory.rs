@@ -76,10 +76,15 @@ pub fn reset_peak() {
     PEAK.store(live_bytes(), Ordering::Relaxed);
 }
 
-/// Raises the peak to at least `bytes` (a measurement that reset the peak window for its
-/// own reading puts back what the window before it had reached).
-pub fn raise_peak(bytes: usize) {
-    PEAK.fetch_max(bytes, Ordering::Relaxed);
+/// Runs `f` and returns its result with the most bytes live during it above those live when
+/// it began. The peak window before it is kept: its own reading does not lower the peak.
+pub fn peak_added_by<R>(f: impl FnOnce() -> R) -> (R, usize) {
+    let (before, live) = (peak_bytes(), live_bytes());
+    reset_peak();
+    let result = f();
+    let added = peak_bytes().saturating_sub(live);
+    PEAK.fetch_max(before, Ordering::Relaxed);
+    (result, added)
 }
 
 /// Whether a binary installed [`CountingAllocator`].

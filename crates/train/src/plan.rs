@@ -25,6 +25,7 @@ use serde::Serialize;
 
 use crate::memory::{self, human_bytes};
 use crate::optim::{self, ParamOptimizer};
+use crate::report::aligned;
 use crate::runner::{BatchPart, TrainTask};
 use crate::{TrainArgs, TrainError};
 
@@ -89,12 +90,8 @@ impl Probe {
             let output = x.shape().num_elements() * x.dtype().size();
             let loss = root.head_loss(x, target);
             let headed = memory::live_bytes();
-            let before = memory::peak_bytes();
-            memory::reset_peak();
-            let grads = loss.backward();
-            let backward = memory::peak_bytes().saturating_sub(headed);
+            let (grads, backward) = memory::peak_added_by(|| loss.backward());
             drop(grads);
-            memory::raise_peak(before);
             (
                 embedded.saturating_sub(live),
                 blocked.saturating_sub(embedded),
@@ -158,7 +155,7 @@ fn optimizer_step_bytes<M: Module>(
     let Some(slot) = layout::slots(model, 1).into_iter().max_by_key(Slot::numel) else {
         return Ok((0, 0));
     };
-    let dims = slot.shard_dims();
+    let dims = slot.dims;
     #[derive(Module, Debug)]
     struct One {
         weight: Param<Tensor<2>>,
@@ -183,17 +180,13 @@ fn optimizer_step_bytes<M: Module>(
         );
         grads
     };
-    let (one, stepped) = optim.step(1e-3, one.clone(), grads(&one), None);
+    let first = grads(&one);
+    let (one, stepped) = optim.step(1e-3, one, first, None);
     stepped?;
-    let before = memory::peak_bytes();
-    memory::reset_peak();
-    let g = grads(&one);
-    let after_grads = memory::live_bytes();
-    let (one, stepped) = optim.step(1e-3, one, g, None);
+    let second = grads(&one);
+    let ((one, stepped), added) = memory::peak_added_by(|| optim.step(1e-3, one, second, None));
     stepped?;
-    let added = memory::peak_bytes().saturating_sub(after_grads);
     drop((one, optim));
-    memory::raise_peak(before);
     Ok((added, rows * cols))
 }
 
@@ -235,6 +228,8 @@ pub struct MemoryPlan {
     pub activations_checkpointed: usize,
     /// Collective buffers at once (a bucket packed, cast and reduced).
     pub buffers: usize,
+    /// The optimizer step's temporaries on the largest tensor this rank steps.
+    pub step_temporaries: usize,
     pub probe: Probe,
     /// The phase the peak falls in, and one rank's peak there.
     pub peak_phase: Phase,
@@ -344,12 +339,11 @@ impl MemoryPlan {
         let mixed = args.precision.is_mixed();
         let n = units.numel();
         let depth = units.blocks.len();
-        let per_rank = |elems: usize| match sharding.parameters {
-            true => units.shard_numel() * elems / n.max(1),
-            false => elems,
-        };
 
-        let params = w * per_rank(n);
+        let params = w * match sharding.parameters {
+            true => units.shard_numel(),
+            false => n,
+        };
         let optimizer = optimizer_bytes(model, args, &units, sharding.optimizer_state);
         let full_grads = w * n;
         let sharded_grads = w * units.shard_numel();
@@ -416,8 +410,7 @@ impl MemoryPlan {
                 0
             };
             let held = params + optimizer + accumulated + compute_copy;
-            let saved = depth * probe.block_output;
-            let kept = probe.embed + saved + probe.head;
+            let kept = activations_checkpointed;
             let head_copy = if sharding.parameters {
                 c * head_unit
             } else {
@@ -498,6 +491,7 @@ impl MemoryPlan {
             activations,
             activations_checkpointed,
             buffers,
+            step_temporaries,
             probe,
             peak_phase,
             rank_peak,
@@ -536,7 +530,7 @@ impl MemoryPlan {
             ("collective buffers".into(), human_bytes(self.buffers)),
             (
                 "optimizer step temporaries".into(),
-                human_bytes(self.probe.step),
+                human_bytes(self.step_temporaries),
             ),
         ];
         for p in &self.phases {
@@ -563,11 +557,13 @@ impl MemoryPlan {
                 human_bytes(self.probe.baseline)
             ),
         ));
-        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-        rows.iter()
-            .map(|(k, v)| format!("{k:<width$}  {v}\n"))
-            .collect()
+        aligned(&rows)
     }
+}
+
+/// How far a `planned` peak is from the `measured` one, as a signed fraction of it.
+pub fn off(planned: usize, measured: usize) -> f64 {
+    planned as f64 / measured.max(1) as f64 - 1.0
 }
 
 /// The optimizer state one rank holds in memory: every parameter's (its shard's when

@@ -8,7 +8,7 @@ use burnscale_precision::Precision;
 
 use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
-use crate::plan::MemoryPlan;
+use crate::plan::{self, MemoryPlan};
 use crate::runner::StepMetrics;
 use crate::{TrainError, memory};
 
@@ -285,7 +285,7 @@ impl RunSummary {
                     Some(planned) => format!(
                         "{} ({:+.1}% of the measured)",
                         human_bytes(planned),
-                        100.0 * (planned as f64 / self.peak_mem_bytes.max(1) as f64 - 1.0)
+                        100.0 * plan::off(planned, self.peak_mem_bytes)
                     ),
                     None => "no plan (--plan)".into(),
                 },
@@ -382,9 +382,18 @@ impl RunSummary {
                 ));
             }
         }
-        let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-        rows.iter()
-            .map(|(k, v)| format!("{k:<width$}  {v}\n"))
-            .collect()
+        aligned(&rows)
     }
+}
+
+/// `key  value` lines with the values in one column.
+pub(crate) fn aligned(rows: &[(impl AsRef<str>, String)]) -> String {
+    let width = rows
+        .iter()
+        .map(|(k, _)| k.as_ref().len())
+        .max()
+        .unwrap_or(0);
+    rows.iter()
+        .map(|(k, v)| format!("{:<width$}  {v}\n", k.as_ref()))
+        .collect()
 }
