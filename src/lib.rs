@@ -105,11 +105,35 @@ fn error_line(err: &anyhow::Error) -> String {
 pub fn run_worker<S: AsRef<std::ffi::OsStr>>(
     args: impl IntoIterator<Item = S>,
 ) -> anyhow::Result<serde_json::Value> {
+    let mut command = std::process::Command::new(std::env::current_exe()?);
+    command.args(args);
+    worker_json(command)
+}
+
+/// [`run_worker`] as `ranks` MPI processes (`mpirun -np ranks`), of which rank 0 alone
+/// prints the JSON object.
+pub fn run_mpi_worker<S: AsRef<std::ffi::OsStr>>(
+    ranks: usize,
+    args: impl IntoIterator<Item = S>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut command = std::process::Command::new("mpirun");
+    command
+        .args([
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            &ranks.to_string(),
+        ])
+        .arg(std::env::current_exe()?)
+        .args(args);
+    worker_json(command)
+}
+
+fn worker_json(mut command: std::process::Command) -> anyhow::Result<serde_json::Value> {
     use anyhow::Context;
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .args(args)
+    let out = command
         .output()
-        .context("cannot start the worker")?;
+        .with_context(|| format!("cannot start the worker {command:?}"))?;
     if !out.status.success() {
         anyhow::bail!("worker failed: {}", String::from_utf8_lossy(&out.stderr));
     }

@@ -208,6 +208,21 @@ impl<M> Clone for TextClassification<M> {
 }
 
 impl<M> TextClassification<M> {
+    /// The HF article's data for memory and speed benchmarks: `rows` sequences of `len`
+    /// token ids spread over [100, 30000) (BERT's vocabulary past its special tokens),
+    /// labels alternating, and two such test rows; fixed, so every run sees the same batches.
+    pub fn random_tokens(rows: usize, len: usize, batch: usize) -> Result<Self, TrainError> {
+        let make = |n: usize| -> Vec<(Vec<i64>, i64)> {
+            (0..n)
+                .map(|i| {
+                    let ids = (0..len).map(|j| ((i * 131 + j * 7919) % 29900 + 100) as i64);
+                    (ids.collect(), (i % 2) as i64)
+                })
+                .collect()
+        };
+        Self::new(make(rows), make(2), 0, batch, 1)
+    }
+
     pub fn new(
         train: Vec<(Vec<i64>, i64)>,
         test: Vec<(Vec<i64>, i64)>,

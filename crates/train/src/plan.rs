@@ -320,6 +320,21 @@ impl Units {
     fn largest_param(&self) -> usize {
         self.slots.iter().map(Slot::numel).max().unwrap_or(0)
     }
+
+    fn largest_unit(&self) -> usize {
+        self.largest_block().max(self.embeddings).max(self.head)
+    }
+
+    /// Elements of the engine's largest gradient bucket.
+    fn largest_bucket(&self) -> usize {
+        let bucket =
+            |range: std::ops::Range<usize>| self.slots[range].iter().map(Slot::numel).sum();
+        layout::buckets(&self.slots, BUCKET_ELEMS)
+            .into_iter()
+            .map(bucket)
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 impl MemoryPlan {
@@ -349,10 +364,14 @@ impl MemoryPlan {
         let sharded_grads = w * units.shard_numel();
         // Gradients summed over earlier micro-steps of an accumulation stay full.
         let accumulated = if args.accumulate > 1 { full_grads } else { 0 };
-        let bucket = w * BUCKET_ELEMS.min(n).max(units.largest_param().min(n));
-        let buffers = if world > 1 { 2 * bucket } else { 0 };
-
         let checkpoint = args.checkpoint_activations || sharding.parameters;
+        // The engine reduces unit by unit where it shards gradients along the blockwise
+        // path, else bucket by bucket.
+        let group = match sharding.gradients && checkpoint {
+            true => units.largest_unit(),
+            false => units.largest_bucket(),
+        };
+        let buffers = if world > 1 { 2 * w * group } else { 0 };
         let activations = probe.embed + depth * probe.block + probe.head;
         let activations_checkpointed = probe.embed + depth * probe.block_output + probe.head;
         let mut phases = Vec::new();

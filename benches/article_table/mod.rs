@@ -1,0 +1,248 @@
+//! An article's table reproduced: rows of our measurements beside the article's figures, both
+//! also as ratios to the table's first row (the ratios are what compare across machines),
+//! printed and written as CSV, JSON and an SVG bar chart of the ratios under
+//! `target/article-tables/` (or `$CARGO_TARGET_DIR/article-tables/`).
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use burnscale::train::RunSummary;
+use serde_json::{Value, json};
+
+/// A table: `columns` name the cells of each row (the first is the row's label); `plotted`
+/// names the ratio columns drawn as bars, one group of bars per row.
+pub struct Table {
+    /// File stem under `target/article-tables/`.
+    pub name: &'static str,
+    pub title: String,
+    /// Where the article's figures come from, and how our sizes scale down from its.
+    pub notes: Vec<String>,
+    pub columns: Vec<&'static str>,
+    pub rows: Vec<Vec<Value>>,
+    pub plotted: Vec<&'static str>,
+}
+
+/// A worker's last line: the run's summary as JSON, with `rank_peak` and `rank_planned`, the
+/// largest over the ranks (each MPI process's own; thread ranks share their process's), from
+/// the first process only.
+pub fn print_summary(summary: &RunSummary) -> Result<()> {
+    if burnscale::collective::launcher_rank() != 0 {
+        return Ok(());
+    }
+    let mut out = serde_json::to_value(summary)?;
+    let ranks = &summary.ranks;
+    out["rank_peak"] = json!(ranks.iter().map(|r| r.peak_mem_bytes).max());
+    out["rank_planned"] = json!(ranks.iter().filter_map(|r| r.planned_peak_mem_bytes).max());
+    println!("{out}");
+    Ok(())
+}
+
+/// `values` as ratios to the first one (None where a value, or the first, is missing).
+pub fn ratios(values: &[Option<f64>]) -> Vec<Option<f64>> {
+    let first = values.first().copied().flatten();
+    values
+        .iter()
+        .map(|v| Some((*v)? / first?).filter(|r| r.is_finite()))
+        .collect()
+}
+
+/// A cell from an optional figure.
+pub fn cell(value: Option<f64>) -> Value {
+    value.map_or(Value::Null, |v| json!(v))
+}
+
+/// Mebibytes, the unit of every memory column.
+pub fn mib(bytes: f64) -> f64 {
+    bytes / (1u64 << 20) as f64
+}
+
+fn shown(value: &Value) -> String {
+    match value {
+        Value::Null => "-".into(),
+        Value::String(s) => s.clone(),
+        Value::Number(n) => match n.as_f64() {
+            Some(x) if x.fract() == 0.0 && x.abs() < 1e15 => format!("{x:.0}"),
+            Some(x) if x.abs() >= 100.0 => format!("{x:.1}"),
+            Some(x) => format!("{x:.3}"),
+            None => n.to_string(),
+        },
+        other => other.to_string(),
+    }
+}
+
+impl Table {
+    /// Prints the table and writes its CSV, JSON and SVG; returns the directory.
+    pub fn finish(&self) -> Result<PathBuf> {
+        if let Some(row) = self.rows.iter().find(|r| r.len() != self.columns.len()) {
+            anyhow::bail!(
+                "{}: a row of {} cells for {} columns: {row:?}",
+                self.name,
+                row.len(),
+                self.columns.len()
+            );
+        }
+        print!("{}", self.text());
+        let dir = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target"))
+            .join("article-tables");
+        std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {dir:?}"))?;
+        let write = |ext: &str, text: String| {
+            let path = dir.join(format!("{}.{ext}", self.name));
+            std::fs::write(&path, text).with_context(|| format!("cannot write {path:?}"))
+        };
+        write("csv", self.csv())?;
+        write("json", serde_json::to_string_pretty(&self.json())?)?;
+        write("svg", self.svg())?;
+        println!("wrote {}/{}.{{csv,json,svg}}", dir.display(), self.name);
+        Ok(dir)
+    }
+
+    fn text(&self) -> String {
+        let cells: Vec<Vec<String>> = std::iter::once(self.columns.iter().map(|c| c.to_string()))
+            .map(Iterator::collect)
+            .chain(self.rows.iter().map(|r| r.iter().map(shown).collect()))
+            .collect();
+        let widths: Vec<usize> = (0..self.columns.len())
+            .map(|c| cells.iter().map(|r| r[c].len()).max().unwrap_or(0))
+            .collect();
+        let mut out = format!("{}\n", self.title);
+        for note in &self.notes {
+            let _ = writeln!(out, "  {note}");
+        }
+        for row in &cells {
+            out.push(' ');
+            for (c, text) in row.iter().enumerate() {
+                let _ = match c {
+                    0 => write!(out, " {text:<w$}", w = widths[c]),
+                    _ => write!(out, "  {text:>w$}", w = widths[c]),
+                };
+            }
+            out.push('\n');
+        }
+        out
+    }
+
+    fn csv(&self) -> String {
+        let field = |text: String| match text.contains([',', '"']) {
+            true => format!("\"{}\"", text.replace('"', "\"\"")),
+            false => text,
+        };
+        let line = |cells: Vec<String>| cells.into_iter().map(field).collect::<Vec<_>>().join(",");
+        let mut out = line(self.columns.iter().map(|c| c.to_string()).collect()) + "\n";
+        for row in &self.rows {
+            let cells = row.iter().map(|v| match v {
+                Value::Null => String::new(),
+                Value::String(s) => s.clone(),
+                other => other.to_string(),
+            });
+            out += &(line(cells.collect()) + "\n");
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let rows: Vec<Value> = self
+            .rows
+            .iter()
+            .map(|row| {
+                let pairs = self.columns.iter().zip(row);
+                Value::Object(pairs.map(|(c, v)| (c.to_string(), v.clone())).collect())
+            })
+            .collect();
+        json!({ "title": self.title, "notes": self.notes, "columns": self.columns, "rows": rows })
+    }
+
+    /// The plotted ratio columns as grouped bars, one group per row, with a line at 1.
+    fn svg(&self) -> String {
+        const COLORS: [&str; 4] = ["#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"];
+        let index = |name: &str| self.columns.iter().position(|c| *c == name);
+        let series: Vec<(&str, Vec<Option<f64>>)> = self
+            .plotted
+            .iter()
+            .filter_map(|name| {
+                let c = index(name)?;
+                Some((*name, self.rows.iter().map(|r| r[c].as_f64()).collect()))
+            })
+            .collect();
+        let top = series
+            .iter()
+            .flat_map(|(_, v)| v.iter().flatten())
+            .fold(1.0f64, |m, &v| m.max(v))
+            * 1.1;
+        let (left, plot_w, plot_h, base) =
+            (60.0, 90.0 * self.rows.len().max(1) as f64, 300.0, 340.0);
+        let (width, height) = (left + plot_w + 20.0, base + 170.0);
+        let y = |v: f64| base - v / top * plot_h;
+        let mut out = format!(
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="11">
+<text x="{left}" y="16" font-size="13">{}</text>
+<line x1="{left}" y1="{base}" x2="{}" y2="{base}" stroke="black"/>
+<line x1="{left}" y1="{base}" x2="{left}" y2="{}" stroke="black"/>
+"#,
+            escape(&self.title),
+            left + plot_w,
+            base - plot_h
+        );
+        for tick in 0..=4 {
+            let v = top * tick as f64 / 4.0;
+            let _ = writeln!(
+                out,
+                r#"<text x="{}" y="{:.1}" text-anchor="end">{v:.2}</text>"#,
+                left - 4.0,
+                y(v) + 4.0
+            );
+        }
+        let _ = writeln!(
+            out,
+            r#"<line x1="{left}" y1="{:.1}" x2="{}" y2="{:.1}" stroke="gray" stroke-dasharray="4"/>"#,
+            y(1.0),
+            left + plot_w,
+            y(1.0)
+        );
+        let bar = 70.0 / series.len().max(1) as f64;
+        for (r, row) in self.rows.iter().enumerate() {
+            let x0 = left + 90.0 * r as f64 + 10.0;
+            for (s, (_, values)) in series.iter().enumerate() {
+                if let Some(v) = values[r] {
+                    let _ = writeln!(
+                        out,
+                        r#"<rect x="{:.1}" y="{:.1}" width="{bar:.1}" height="{:.1}" fill="{}"/>"#,
+                        x0 + bar * s as f64,
+                        y(v),
+                        base - y(v),
+                        COLORS[s % COLORS.len()]
+                    );
+                }
+            }
+            let _ = writeln!(
+                out,
+                r#"<text transform="translate({:.1},{}) rotate(45)">{}</text>"#,
+                x0 + 10.0,
+                base + 12.0,
+                escape(&shown(&row[0]))
+            );
+        }
+        for (s, (name, _)) in series.iter().enumerate() {
+            let ly = 30.0 + 14.0 * s as f64;
+            let _ = writeln!(
+                out,
+                r#"<rect x="{}" y="{}" width="10" height="10" fill="{}"/><text x="{}" y="{}">{}</text>"#,
+                left + plot_w - 150.0,
+                ly,
+                COLORS[s % COLORS.len()],
+                left + plot_w - 136.0,
+                ly + 9.0,
+                escape(name)
+            );
+        }
+        out + "</svg>\n"
+    }
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
