@@ -17,12 +17,12 @@
 mod article_table;
 
 use anyhow::{Result, bail};
-use article_table::{Table, cell, mib, ratios};
+use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::plan::{MemoryPlan, Probe, off};
+use burnscale::train::plan::{MemoryPlan, Probe};
 use burnscale::train::{TrainArgs, train};
 use clap::Parser;
 use serde_json::{Value, json};
@@ -240,15 +240,14 @@ fn run() -> Result<()> {
     let ckpt = measure(&cli, 3, offload_width)?;
     found.push((offload_width, ckpt, Value::Null, offload_width));
 
-    let num = |v: &Value, k: &str| v[k].as_f64();
-    let sizes: Vec<Option<f64>> = found.iter().map(|f| num(&f.1, "num_params")).collect();
+    let sizes: Vec<Option<f64>> = found.iter().map(|f| num(&f.1, "/num_params")).collect();
     let article: Vec<Option<f64>> = ROWS.iter().map(|r| r.2).collect();
     let (size_ratio, article_ratio) = (ratios(&sizes[..3]), ratios(&article[..3]));
     let rows = found
         .iter()
         .enumerate()
         .map(|(i, (width, fit, above, choice))| {
-            let (peak, planned) = (num(fit, "rank_peak"), num(fit, "rank_planned"));
+            let (peak, planned) = (num(fit, "/rank_peak"), num(fit, "/rank_planned"));
             let article_peak = i.checked_sub(2).map(|k| ARTICLE_OFFLOAD_PEAKS[k]);
             vec![
                 json!(ROWS[i].0),
@@ -257,13 +256,9 @@ fn run() -> Result<()> {
                 cell(sizes[i].map(|p| p / 1e6)),
                 cell(peak.map(mib)),
                 cell(planned.map(mib)),
-                cell(
-                    planned
-                        .zip(peak)
-                        .map(|(p, m)| 100.0 * off(p as usize, m as usize)),
-                ),
-                cell(num(above, "rank_peak").map(mib)),
-                cell(num(fit, "tokens_per_s")),
+                planned_off(planned, peak),
+                cell(num(above, "/rank_peak").map(mib)),
+                cell(num(fit, "/tokens_per_s")),
                 cell(size_ratio.get(i).copied().flatten()),
                 cell(article_ratio.get(i).copied().flatten()),
                 cell(ROWS[i].2),

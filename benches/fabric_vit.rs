@@ -18,7 +18,7 @@
 mod article_table;
 
 use anyhow::{Result, bail};
-use article_table::{Table, cell, mib, ratios};
+use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
@@ -193,22 +193,21 @@ fn run() -> Result<()> {
             n => burnscale::run_mpi_worker(*n, &args)?,
         });
     }
-    let num = |r: &Value, k: &str| r[k].as_f64();
-    let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "rank_peak")).collect();
-    let steps: Vec<Option<f64>> = runs.iter().map(|r| num(r, "step_s_median")).collect();
+    let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/rank_peak")).collect();
+    let steps: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/step_s_median")).collect();
     let (peak_ratio, step_ratio) = (ratios(&peaks), ratios(&steps));
     let article_gb: Vec<Option<f64>> = RUNGS.iter().map(|r| r.3).collect();
     let article_min: Vec<Option<f64>> = RUNGS.iter().map(|r| r.4).collect();
     let (article_ratio, article_time_ratio) = (ratios(&article_gb), ratios(&article_min));
     let mut rows: Vec<Vec<Value>> = (0..RUNGS.len())
         .map(|i| {
-            let planned = num(&runs[i], "rank_planned");
+            let planned = num(&runs[i], "/rank_planned");
             vec![
                 json!(RUNGS[i].0),
                 json!(RUNGS[i].2),
                 cell(peaks[i].map(mib)),
                 cell(planned.map(mib)),
-                cell(planned.zip(peaks[i]).map(|(p, m)| 100.0 * (p / m - 1.0))),
+                planned_off(planned, peaks[i]),
                 cell(steps[i]),
                 cell(peak_ratio[i]),
                 cell(article_ratio[i]),
@@ -226,17 +225,17 @@ fn run() -> Result<()> {
         let mut row = vec![json!(format!("ViT-S/14 {from}")), json!(1)];
         row.extend(
             [
-                num(&r, "rank_peak").map(mib),
-                num(&r, "rank_planned").map(mib),
+                num(&r, "/rank_peak").map(mib),
+                num(&r, "/rank_planned").map(mib),
             ]
             .map(cell),
         );
         row.extend(std::iter::repeat_n(Value::Null, 7));
-        row.push(cell(num(&r, "accuracy").map(|a| 100.0 * a)));
+        row.push(cell(num(&r, "/accuracy").map(|a| 100.0 * a)));
         row.push(json!(article));
         rows.push(row);
     }
-    let params = num(&runs[0], "num_params").unwrap_or(0.0);
+    let params = num(&runs[0], "/num_params").unwrap_or(0.0);
     Table {
         name: if cli.quick { "fabric_vit_quick" } else { "fabric_vit" },
         title: format!(

@@ -17,7 +17,7 @@
 mod article_table;
 
 use anyhow::{Result, bail};
-use article_table::{Table, cell, mib, ratios};
+use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::tasks::TextClassification;
@@ -145,7 +145,6 @@ fn run() -> Result<()> {
         eprintln!("rung {}: {label}", rung + 1);
         runs.push(burnscale::run_worker(&args)?);
     }
-    let num = |r: &Value, path: &str| r.pointer(path).and_then(Value::as_f64);
     let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/peak_mem_bytes")).collect();
     let speeds: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/samples_per_s")).collect();
     let article_mb: Vec<Option<f64>> = RUNGS
@@ -168,7 +167,7 @@ fn run() -> Result<()> {
                 json!(RUNGS[i].0),
                 cell(peaks[i].map(mib)),
                 cell(planned.map(mib)),
-                cell(planned.zip(peaks[i]).map(|(p, m)| 100.0 * (p / m - 1.0))),
+                planned_off(planned, peaks[i]),
                 cell(num(r, "/num_params").map(|n| states / n)),
                 cell(speeds[i]),
                 cell(peak_ratio[i]),

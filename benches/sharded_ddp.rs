@@ -15,7 +15,7 @@
 mod article_table;
 
 use anyhow::{Result, bail};
-use article_table::{Table, cell, mib, ratios};
+use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::tasks::TextClassification;
@@ -106,7 +106,6 @@ fn run() -> Result<()> {
         }
         runs.push(burnscale::run_worker(&args)?);
     }
-    let num = |r: &Value, path: &str| r.pointer(path).and_then(Value::as_f64);
     let column = |path: &str| -> Vec<Option<f64>> { runs.iter().map(|r| num(r, path)).collect() };
     let peaks = column("/peak_mem_bytes");
     let states = column("/model_state_bytes_per_rank");
@@ -123,7 +122,7 @@ fn run() -> Result<()> {
                 cell(num(&runs[i], "/plan/rank_peak").map(mib)),
                 cell(peaks[i].map(mib)),
                 cell(planned.map(mib)),
-                cell(planned.zip(peaks[i]).map(|(p, m)| 100.0 * (p / m - 1.0))),
+                planned_off(planned, peaks[i]),
                 cell(speeds[i]),
                 cell(state_ratio[i]),
                 cell(peak_ratio[i]),

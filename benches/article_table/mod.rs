@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use burnscale::train::RunSummary;
+use burnscale::train::plan::off;
 use serde_json::{Value, json};
 
 /// A table: `columns` name the cells of each row (the first is the row's label); `plotted`
@@ -45,6 +46,20 @@ pub fn ratios(values: &[Option<f64>]) -> Vec<Option<f64>> {
         .iter()
         .map(|v| Some((*v)? / first?).filter(|r| r.is_finite()))
         .collect()
+}
+
+/// A figure of a worker's JSON line, by JSON pointer (`/model_state/optimizer`).
+pub fn num(line: &Value, pointer: &str) -> Option<f64> {
+    line.pointer(pointer).and_then(Value::as_f64)
+}
+
+/// The planner's error in percent of the measured peak ([`off`]), as a cell.
+pub fn planned_off(planned: Option<f64>, measured: Option<f64>) -> Value {
+    cell(
+        planned
+            .zip(measured)
+            .map(|(p, m)| 100.0 * off(p as usize, m as usize)),
+    )
 }
 
 /// A cell from an optional figure.
