@@ -126,7 +126,7 @@ fn planned(cli: &Cli, row: usize, width: usize, device: &Device) -> Result<usize
     let args = args(row)?;
     let model = Gpt::new(&cli.config(width), device)?;
     let probe = Probe::measure(&model, &task()?, &args, device)?;
-    Ok(MemoryPlan::new(&model, &args, RANKS, 1, probe).rank_peak)
+    Ok(MemoryPlan::new(&model, &args, RANKS, 1, probe)?.rank_peak)
 }
 
 /// One rank of a measured run (under mpirun): rank 0 prints the largest rank peak.

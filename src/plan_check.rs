@@ -41,17 +41,24 @@ pub const SHARDED: &[&[&str]] = &[
 
 /// Trains the check's minGPT under `flags` (with `--plan`) on this process's ranks.
 pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
+    let (model, mut task, args, device) = setup(flags)?;
+    Ok(train(model, &mut task, &args, &device)?.1)
+}
+
+/// The check's minGPT (4 blocks of width 256), its task (batch 8 x 128), and `flags` (with
+/// `--plan`, 2 steps).
+pub fn setup(flags: &[&str]) -> anyhow::Result<(Gpt, NextToken, TrainArgs, Device)> {
     let config = GptConfig::new(4, 4, 256, 65, 128).with_dropout(0.1);
     let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % 65) as i64).collect();
     let base = ["--max-steps", "2", "--batch-size", "8", "--plan"];
     let args = TrainArgs::from_flags(&[&base[..], flags].concat())?;
     let device = Device::default().autodiff();
     device.seed(1);
-    let mut task = NextToken::new(tokens.clone(), 128, 8, 1)?.with_validation(
+    let task = NextToken::new(tokens.clone(), 128, 8, 1)?.with_validation(
         tokens[..2_000].to_vec(),
         128,
         1,
     )?;
     let model = Gpt::new(&config, &device)?;
-    Ok(train(model, &mut task, &args, &device)?.1)
+    Ok((model, task, args, device))
 }

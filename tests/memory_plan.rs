@@ -4,15 +4,99 @@
 //! mpirun by `examples/plan_check.rs`, one process per rank). A test binary of its own, as
 //! the peak is process-wide (and one test, running the configurations in turn).
 
-use burnscale::plan_check::{ONE_RANK, TOLERANCE, run};
+use std::sync::Mutex;
+
+use burnscale::plan_check::{ONE_RANK, TOLERANCE, run, setup};
+use burnscale::train::TrainError;
+use burnscale::train::auto::resolve;
 use burnscale::train::memory::{CountingAllocator, human_bytes};
 use burnscale::train::plan::off;
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
+/// The peak is the process's: one test measures at a time.
+static MEASURING: Mutex<()> = Mutex::new(());
+
+/// The per-rank peak planned for `flags` (resolved as a run would be).
+fn planned(flags: &[&str]) -> usize {
+    let (model, task, args, device) = setup(flags).unwrap();
+    let resolved = resolve(&model, &task, &args, &device).unwrap();
+    let probe = resolved.probe.expect("--plan measures the probe");
+    burnscale::train::plan::MemoryPlan::new(&model, &resolved.args, 1, 1, probe)
+        .unwrap()
+        .rank_share()
+}
+
+#[test]
+fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let plain = planned(&[]);
+    let checkpointed = planned(&["--checkpoint-activations"]);
+    assert!(checkpointed < plain, "{checkpointed} {plain}");
+    let auto = |budget: usize| {
+        let budget = budget.to_string();
+        run(&["--strategy", "auto", "--memory-budget", &budget])
+    };
+
+    // Room for the plain run: it is the fastest, so it runs. (Each run's probe reads what
+    // else is live then, so budgets keep clear of the plans' edges.)
+    let roomy = auto(plain + plain / 20).unwrap();
+    let choice = roomy.auto.as_ref().expect("auto reports its choice");
+    assert_eq!(choice.chosen.flags, "--strategy single --precision 32-true");
+    assert!(choice.over_budget.is_empty());
+
+    // Less: checkpointing, the next fastest, and the plain run named as over it.
+    let budget = (plain + checkpointed) / 2;
+    let tight = auto(budget).unwrap();
+    let choice = tight.auto.as_ref().unwrap();
+    assert_eq!(
+        choice.chosen.flags,
+        "--strategy single --precision 32-true --checkpoint-activations"
+    );
+    // The plans named are those configurations' (each probe's baseline moves by a few MiB
+    // with what earlier runs left; the two plans differ by far more).
+    assert!(off(choice.chosen.planned_bytes, checkpointed).abs() < 0.05);
+    assert_eq!(choice.over_budget.len(), 1);
+    assert!(off(choice.over_budget[0].planned_bytes, plain).abs() < 0.05);
+    let measured = tight.peak_mem_bytes;
+    assert!(
+        off(budget, measured) > -TOLERANCE,
+        "the chosen run took {} against a budget of {}",
+        human_bytes(measured),
+        human_bytes(budget)
+    );
+
+    // Nothing fits: every candidate's plan is named, and no step runs.
+    let err = auto(1 << 20).unwrap_err().to_string();
+    assert!(
+        err.contains("no configuration fits") && err.contains("--checkpoint-activations"),
+        "{err}"
+    );
+    assert!(err.contains("bf16-true"), "{err}");
+    // A strategy given is held to the budget too.
+    let budget = (checkpointed / 2).to_string();
+    let err = run(&["--checkpoint-activations", "--memory-budget", &budget])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("try --strategy auto"), "{err}");
+    assert!(
+        matches!(
+            resolve_error(&["--memory-budget", &budget]),
+            Some(TrainError::OverBudget { .. })
+        ),
+        "a plan over the budget is its own error"
+    );
+}
+
+fn resolve_error(flags: &[&str]) -> Option<TrainError> {
+    let (model, task, args, device) = setup(flags).unwrap();
+    resolve(&model, &task, &args, &device).err()
+}
+
 #[test]
 fn the_planned_peak_is_within_ten_percent_of_the_measured_one() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let mut worst = (0.0f64, String::new());
     let mut failures = Vec::new();
     for flags in ONE_RANK {

@@ -121,6 +121,14 @@ pub fn launcher_rank() -> usize {
         .unwrap_or(0)
 }
 
+/// The world mpirun started, when its launcher says (Open MPI, MPICH/Hydra): lets a process
+/// plan for it before joining it.
+pub fn launcher_world_size() -> Option<usize> {
+    ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+}
+
 /// This process's rank among those mpirun started on its node (0 when not started by
 /// mpirun): which GPU of the node it takes.
 pub fn launcher_local_rank() -> usize {

@@ -19,17 +19,26 @@ pub enum Strategy {
     Zero2,
     #[value(alias = "fsdp")]
     Zero3,
+    /// The fastest configuration the memory planner says fits `--memory-budget` (chosen by
+    /// [`crate::train`] before any rank starts; see [`crate::auto`]).
+    Auto,
 }
 
 impl Strategy {
-    /// The engine's strategy (`single` is DDP on one rank).
-    pub fn engine(self) -> burnscale_shard::Strategy {
-        match self {
+    /// The engine's strategy (`single` is DDP on one rank); `auto` has none until it is
+    /// chosen.
+    pub fn engine(self) -> Result<burnscale_shard::Strategy, TrainError> {
+        Ok(match self {
             Strategy::Single | Strategy::Ddp => burnscale_shard::Strategy::Ddp,
             Strategy::Zero1 => burnscale_shard::Strategy::Zero1,
             Strategy::Zero2 => burnscale_shard::Strategy::Zero2,
             Strategy::Zero3 => burnscale_shard::Strategy::Zero3,
-        }
+            Strategy::Auto => {
+                return Err(TrainError::InvalidArgs(
+                    "--strategy auto is chosen by burnscale::train from --memory-budget before any rank starts; train_on and the planner take a chosen strategy".into(),
+                ));
+            }
+        })
     }
 }
 
@@ -85,7 +94,9 @@ pub struct TrainArgs {
     /// else cpu.
     #[arg(long, value_enum)]
     pub accelerator: Option<Accelerator>,
-    /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp).
+    /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp), or auto: the fastest
+    /// strategy, checkpointing and offload (and, only when nothing else fits, bf16) that the
+    /// memory planner says fits --memory-budget.
     #[arg(long, value_enum, default_value = "single")]
     pub strategy: Strategy,
     /// In-process ranks (under mpirun the world comes from MPI).
@@ -186,6 +197,12 @@ pub struct TrainArgs {
     /// (and the measured peak beside it at the end; a summary JSON always carries both).
     #[arg(long)]
     pub plan: bool,
+    /// The most memory one rank may take (on a CPU: this process's heap over the ranks it
+    /// hosts), e.g. 1.5GiB, 800MB, 16G: checked against the memory planner before the first
+    /// step (a configuration planned above it stops there, naming what to change), and what
+    /// --strategy auto chooses within.
+    #[arg(long, value_parser = crate::memory::parse_bytes)]
+    pub memory_budget: Option<usize>,
     /// Write machine-readable results here.
     #[arg(long)]
     pub summary_json: Option<PathBuf>,
@@ -279,7 +296,14 @@ impl TrainArgs {
                 value_name(self.optimizer)
             ));
         }
-        if self.offload == Offload::Params && self.strategy != Strategy::Zero3 {
+        if self.strategy == Strategy::Auto && self.memory_budget.is_none() {
+            return invalid(
+                "--strategy auto chooses what fits a memory budget: give --memory-budget (e.g. 8GiB per rank)".into(),
+            );
+        }
+        if self.offload == Offload::Params
+            && !matches!(self.strategy, Strategy::Zero3 | Strategy::Auto)
+        {
             return invalid(format!(
                 "--offload params keeps ZeRO-3's parameter shards in host memory between uses, so it needs --strategy zero3 (got {}); --offload optimizer works with every strategy",
                 value_name(self.strategy)
@@ -444,6 +468,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("positive"), "{err}");
+    }
+
+    #[test]
+    fn auto_needs_a_budget() {
+        let err = parse(&["--strategy", "auto"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--memory-budget"), "{err}");
+        let args = parse(&["--strategy", "auto", "--memory-budget", "1.5GiB"]).unwrap();
+        assert_eq!(args.memory_budget, Some(3 << 29));
+        args.validate().unwrap();
+        let err = parse(&["--memory-budget", "lots"]).unwrap_err();
+        assert!(err.contains("lots") && err.contains("GiB"), "{err}");
     }
 
     #[test]

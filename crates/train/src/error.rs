@@ -11,6 +11,12 @@ use crate::checkpoint::CheckpointError;
 pub enum TrainError {
     #[error("invalid arguments: {0}")]
     InvalidArgs(String),
+    #[error("no configuration fits --memory-budget {budget} per rank; planned: {planned} ({hint})")]
+    OverBudget {
+        budget: String,
+        planned: String,
+        hint: &'static str,
+    },
     #[error("invalid data: {0}")]
     InvalidData(String),
     #[error(

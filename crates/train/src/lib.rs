@@ -4,6 +4,7 @@
 pub mod accelerator;
 pub mod adafactor;
 pub mod adam8bit;
+pub mod auto;
 pub mod checkpoint;
 mod cli;
 pub mod data;

@@ -121,9 +121,54 @@ pub fn human_bytes(bytes: usize) -> String {
     }
 }
 
+/// A size as `--memory-budget` takes it: bytes, or a number with a unit: KiB, MiB, GiB,
+/// TiB (and K, M, G, T, as `free -g` counts: powers of 1024), or KB, MB, GB, TB (powers of
+/// 1000); `1.5GiB`, `800 MB`, `16G`.
+pub fn parse_bytes(text: &str) -> Result<usize, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = (&text[..split], text[split..].trim());
+    let scale: f64 = match unit.to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kib" => 1024.0,
+        "m" | "mib" => 1024f64.powi(2),
+        "g" | "gib" => 1024f64.powi(3),
+        "t" | "tib" => 1024f64.powi(4),
+        "kb" => 1e3,
+        "mb" => 1e6,
+        "gb" => 1e9,
+        "tb" => 1e12,
+        _ => {
+            return Err(format!(
+                "{text:?}: unknown unit {unit:?} (use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB)"
+            ));
+        }
+    };
+    match number.parse::<f64>() {
+        Ok(value) if value > 0.0 && (value * scale).is_finite() => Ok((value * scale) as usize),
+        _ => Err(format!(
+            "{text:?}: expected a positive size such as 1.5GiB, 800MB or 16G"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::human_bytes;
+    use super::{human_bytes, parse_bytes};
+
+    #[test]
+    fn parses_sizes() {
+        assert_eq!(parse_bytes("1048576"), Ok(1 << 20));
+        assert_eq!(parse_bytes("1.5GiB"), Ok(3 << 29));
+        assert_eq!(parse_bytes("16G"), Ok(16 << 30));
+        assert_eq!(parse_bytes("800 MB"), Ok(800_000_000));
+        assert_eq!(parse_bytes("512mib"), Ok(512 << 20));
+        for bad in ["", "0", "-1G", "12 parsecs", "G", "1.2.3G"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn formats_bytes() {

@@ -346,9 +346,9 @@ impl MemoryPlan {
         world: usize,
         ranks_in_process: usize,
         probe: Probe,
-    ) -> Self {
+    ) -> Result<Self, TrainError> {
         let units = Units::of(model, world);
-        let sharding = args.strategy.engine().sharding();
+        let sharding = args.strategy.engine()?.sharding();
         let w = DType::from(args.precision.param_dtype()).size();
         let c = DType::from(args.precision.compute_dtype()).size();
         let mixed = args.precision.is_mixed();
@@ -499,7 +499,7 @@ impl MemoryPlan {
         let (peak_phase, rank_peak) = peak(|p, _| p.bytes);
         let process_peak =
             probe.baseline + ranks_in_process * probe.task + peak(PhaseBytes::in_process).1;
-        Self {
+        Ok(Self {
             world,
             ranks_in_process,
             params,
@@ -516,7 +516,12 @@ impl MemoryPlan {
             rank_peak,
             process_peak,
             phases,
-        }
+        })
+    }
+
+    /// The process's peak per rank it hosts: what `--memory-budget` holds a rank to.
+    pub fn rank_share(&self) -> usize {
+        self.process_peak.div_ceil(self.ranks_in_process.max(1))
     }
 
     /// The plan as a table, printed before the first step.

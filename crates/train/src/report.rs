@@ -5,7 +5,9 @@ use std::path::Path;
 use serde::Serialize;
 
 use burnscale_precision::Precision;
+use burnscale_shard::Sharding;
 
+use crate::auto::AutoChoice;
 use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
 use crate::plan::{self, MemoryPlan};
@@ -39,9 +41,13 @@ impl ModelStateBytes {
     /// factored moments; none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
     /// part over `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the
     /// gradients, ZeRO-3 everything.
-    pub fn predicted(num_params: usize, args: &TrainArgs, world: usize) -> usize {
-        let (precision, strategy) = (args.precision, args.strategy);
-        let weight = burn::tensor::DType::from(precision.param_dtype()).size();
+    pub fn predicted(
+        num_params: usize,
+        args: &TrainArgs,
+        sharding: Sharding,
+        world: usize,
+    ) -> usize {
+        let weight = burn::tensor::DType::from(args.precision.param_dtype()).size();
         let state = match args.optimizer {
             _ if args.offload_dir.is_some() => 0,
             OptimizerKind::Adamw | OptimizerKind::Adam => 2 * weight,
@@ -51,12 +57,17 @@ impl ModelStateBytes {
             OptimizerKind::Sgd if args.momentum > 0.0 => weight,
             _ => 0,
         };
-        let (replicated, sharded) = match strategy {
-            Strategy::Single | Strategy::Ddp => (2 * weight + state, 0),
-            Strategy::Zero1 => (2 * weight, state),
-            Strategy::Zero2 => (weight, weight + state),
-            Strategy::Zero3 => (0, 2 * weight + state),
-        };
+        let (mut replicated, mut sharded) = (0, 0);
+        for (bytes, is_sharded) in [
+            (weight, sharding.parameters),
+            (weight, sharding.gradients),
+            (state, sharding.optimizer_state),
+        ] {
+            match is_sharded {
+                true => sharded += bytes,
+                false => replicated += bytes,
+            }
+        }
         num_params * replicated + (num_params * sharded).div_ceil(world)
     }
 }
@@ -143,6 +154,10 @@ pub struct RunSummary {
     pub planned_peak_mem_bytes: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plan: Option<MemoryPlan>,
+    /// What `--strategy auto` chose within `--memory-budget`, and the faster candidates it
+    /// passed over (each planned above the budget).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto: Option<AutoChoice>,
     /// What checkpointing (`--checkpoint-dir`) took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<CheckpointReport>,
@@ -217,7 +232,7 @@ impl RunSummary {
             model_state_bytes_per_rank: model_state.total(),
             model_state,
             model_state_convention: "ZeRO paper: weight-dtype params + weight-dtype grads + optimizer state in the weight dtype (none under --offload-dir) per parameter, the strategy's part divided by the world size",
-            model_state_predicted_bytes: ModelStateBytes::predicted(num_params, args, world_size),
+            model_state_predicted_bytes: 0,
             ranks,
             tokens_per_s,
             samples_per_s,
@@ -229,6 +244,7 @@ impl RunSummary {
             save: None,
             planned_peak_mem_bytes: None,
             plan: None,
+            auto: None,
             checkpoints: None,
             history,
         }

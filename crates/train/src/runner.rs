@@ -10,7 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
-use burnscale_collective::{Buffer, Communicator, ReduceOp, launched_by_mpirun};
+use burnscale_collective::{Buffer, Communicator, ReduceOp, launched_by_mpirun, launcher_rank};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
@@ -18,6 +18,7 @@ use burnscale_shard::{ShardError, Sharded};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::accelerator::Accelerator;
+use crate::auto::{self, AutoChoice, Resolved};
 use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Offload, Strategy};
 use crate::fault;
@@ -105,6 +106,16 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
+    // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
+    let Resolved {
+        args,
+        probe,
+        choice,
+    } = auto::resolve(&model, task, args, device)?;
+    let args = &args;
+    if let Some(choice) = choice.as_ref().filter(|_| launcher_rank() == 0) {
+        eprintln!("{}", choice.explain());
+    }
     let model = if args.init_on_device {
         burnscale_precision::init_in(model, args.precision.param_dtype())
     } else {
@@ -116,11 +127,6 @@ pub fn train<T: TrainTask>(
     if args.strategy != Strategy::Zero3 {
         burnscale_shard::params::materialize(&model);
     }
-    // Measured here, on one thread, before any rank allocates.
-    let probe = match args.plan || args.summary_json.is_some() {
-        true => Some(Probe::measure(&model, task, args, device)?),
-        false => None,
-    };
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
     let accelerator = Accelerator::or_default(args.accelerator);
@@ -143,7 +149,11 @@ pub fn train<T: TrainTask>(
             Strategy::Zero3 => model,
             _ => model.fork(&device),
         };
-        train_rank(comm, model, &mut task.clone(), args, &device, probe)
+        let planned = Planned {
+            probe,
+            choice: choice.as_ref(),
+        };
+        train_rank(comm, model, &mut task.clone(), args, &device, planned)
     })?;
     let mut outcome = None;
     let mut errors = Vec::new();
@@ -173,17 +183,26 @@ pub fn train_on<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
-    train_rank(comm, model, task, args, device, None)
+    train_rank(comm, model, task, args, device, Planned::default())
 }
 
-/// One rank's training, with the memory plan when `probe` gives the backend's terms.
+/// What [`train`] planned before the ranks started.
+#[derive(Default, Clone, Copy)]
+struct Planned<'a> {
+    /// The backend's terms of the memory plan, when one is wanted.
+    probe: Option<Probe>,
+    /// What `--strategy auto` chose, and why.
+    choice: Option<&'a AutoChoice>,
+}
+
+/// One rank's training, with the memory plan when `planned` has the backend's terms.
 fn train_rank<T: TrainTask>(
     comm: &dyn Communicator,
     model: T::Model,
     task: &mut T,
     args: &TrainArgs,
     device: &Device,
-    probe: Option<Probe>,
+    planned: Planned,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     // Each rank checks the examples it was given, before its first collective.
@@ -195,18 +214,22 @@ fn train_rank<T: TrainTask>(
                 "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
             )));
         }
-        strategy => strategy.engine(),
+        strategy => strategy.engine()?,
     };
     let lead = rank == 0;
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
-    let plan = probe.map(|probe| {
-        let threads = match launched_by_mpirun() {
-            true => 1,
-            false => world,
-        };
-        MemoryPlan::new(&model, args, world, threads, probe)
-    });
+    let threads = match launched_by_mpirun() {
+        true => 1,
+        false => world,
+    };
+    let plan = planned
+        .probe
+        .map(|probe| MemoryPlan::new(&model, args, world, threads, probe))
+        .transpose()?;
+    if planned.choice.is_some() {
+        agree_on_choice(comm, args)?;
+    }
     if let Some(plan) = plan.as_ref().filter(|_| lead && args.plan) {
         eprintln!("memory plan (per rank unless said):\n{}", plan.table());
     }
@@ -426,6 +449,9 @@ fn train_rank<T: TrainTask>(
         peak_flops,
     );
     summary.set_plan(plan);
+    summary.auto = planned.choice.cloned();
+    summary.model_state_predicted_bytes =
+        ModelStateBytes::predicted(num_params, args, strategy.sharding(), world);
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     if let Some((scale, skipped)) = engine.loss_scale() {
@@ -486,6 +512,26 @@ fn save<M: BlockModel>(
         peak_mem_bytes: memory::peak_bytes(),
         live_before_bytes: before,
     })
+}
+
+/// Stops every rank with a message when the processes of an MPI world chose differently
+/// under `--strategy auto` (each plans on its own; they must run one configuration).
+fn agree_on_choice(comm: &dyn Communicator, args: &TrainArgs) -> Result<(), TrainError> {
+    let code = [
+        args.strategy as u64,
+        args.precision as u64,
+        u64::from(args.checkpoint_activations),
+        u64::from(args.offload_dir.is_some()),
+    ]
+    .iter()
+    .fold(0, |code, part| code * 16 + part);
+    let codes = gather_u64s(comm, &[code])?;
+    match codes.iter().all(|c| *c == codes[0]) {
+        true => Ok(()),
+        false => Err(TrainError::InvalidArgs(format!(
+            "--strategy auto: the ranks' plans chose different configurations (codes {codes:?}): give the strategy explicitly"
+        ))),
+    }
 }
 
 /// Flag values that cannot run, and a precision `device` cannot honour.

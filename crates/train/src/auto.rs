@@ -1,0 +1,337 @@
+//! `--memory-budget` and `--strategy auto`: the memory planner asked before launch. A run's
+//! configuration is planned against the budget before any rank starts; under `auto` the
+//! candidates are planned in a fixed order, fastest first, and the first that fits is run,
+//! with the reason (every faster candidate's plan) printed and put in the summary.
+//!
+//! The order is the techniques' usual cost on GPUs: DDP, then ZeRO-1 and ZeRO-2 (the same
+//! bytes on the wire as DDP's all-reduce), then the same three with activation checkpointing
+//! (a second forward per block), then ZeRO-3 (which gathers parameters around every use and
+//! always recomputes here), then all of them again with the optimizer state on disk when
+//! `--offload-dir` names a place for it. The precision given stays unless nothing fits in
+//! it: it changes what the model learns, so bf16-mixed, then bf16-true, are tried only after
+//! every other candidate.
+
+use burn::prelude::*;
+use burnscale_collective::{launched_by_mpirun, launcher_world_size};
+use serde::Serialize;
+
+use crate::accelerator::Accelerator;
+use crate::cli::{Strategy, TrainArgs, value_name};
+use crate::memory::human_bytes;
+use crate::plan::{MemoryPlan, Probe};
+use crate::runner::TrainTask;
+use crate::{Precision, TrainError};
+
+/// One configuration weighed, and what the planner said of it.
+#[derive(Debug, Clone, Serialize)]
+pub struct Candidate {
+    /// The flags that differ from the run's own, as a user would type them.
+    pub flags: String,
+    /// The planned peak of one rank ([`MemoryPlan::rank_share`]).
+    pub planned_bytes: usize,
+}
+
+/// What `--strategy auto` chose within `--memory-budget`, and what it passed over.
+#[derive(Debug, Clone, Serialize)]
+pub struct AutoChoice {
+    pub budget_bytes: usize,
+    pub chosen: Candidate,
+    /// The faster candidates, in order, each planned above the budget.
+    pub over_budget: Vec<Candidate>,
+}
+
+impl AutoChoice {
+    /// Why this configuration: the faster ones' plans, then the chosen one's.
+    pub fn explain(&self) -> String {
+        let mut lines = vec![format!(
+            "--strategy auto: {} (planned {} per rank, within the budget of {})",
+            self.chosen.flags,
+            human_bytes(self.chosen.planned_bytes),
+            human_bytes(self.budget_bytes)
+        )];
+        for c in &self.over_budget {
+            lines.push(format!(
+                "  faster, but over the budget: {} (planned {})",
+                c.flags,
+                human_bytes(c.planned_bytes)
+            ));
+        }
+        lines.join("\n")
+    }
+}
+
+/// The run as it will go: `args` with `auto` chosen, the probe its plan is made from (when a
+/// plan is wanted: `--plan`, `--summary-json` or `--memory-budget`), and the choice.
+pub struct Resolved {
+    pub args: TrainArgs,
+    pub probe: Option<Probe>,
+    pub choice: Option<AutoChoice>,
+}
+
+/// Plans `args` (every candidate under `auto`) for `model` on `task` against
+/// `--memory-budget`. Run it on one thread before any rank starts: the probe reads the
+/// process-wide counting allocator.
+pub fn resolve<T: TrainTask>(
+    model: &T::Model,
+    task: &T,
+    args: &TrainArgs,
+    device: &Device,
+) -> Result<Resolved, TrainError> {
+    let Some(budget) = args.memory_budget else {
+        let probe = match args.plan || args.summary_json.is_some() {
+            true => Some(Probe::measure(model, task, args, device)?),
+            false => None,
+        };
+        return Ok(Resolved {
+            args: args.clone(),
+            probe,
+            choice: None,
+        });
+    };
+    if Accelerator::or_default(args.accelerator) == Accelerator::Cuda {
+        return Err(TrainError::InvalidArgs(
+            "--memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan GPU memory yet, so it cannot choose for --accelerator cuda".into(),
+        ));
+    }
+    let world = world_size(args)?;
+    let threads = if launched_by_mpirun() { 1 } else { world };
+    let mut probes: Vec<(Precision, Probe)> = Vec::new();
+    let mut over_budget = Vec::new();
+    for candidate in candidates(args, world, device) {
+        let probe = match probes.iter().find(|(p, _)| *p == candidate.precision) {
+            Some((_, probe)) => *probe,
+            None => {
+                let probe = Probe::measure(model, task, &candidate, device)?;
+                probes.push((candidate.precision, probe));
+                probe
+            }
+        };
+        let planned = MemoryPlan::new(model, &candidate, world, threads, probe)?.rank_share();
+        let weighed = Candidate {
+            flags: flags_of(&candidate),
+            planned_bytes: planned,
+        };
+        if planned <= budget {
+            let choice = (args.strategy == Strategy::Auto).then_some(AutoChoice {
+                budget_bytes: budget,
+                chosen: weighed,
+                over_budget,
+            });
+            return Ok(Resolved {
+                args: candidate,
+                probe: Some(probe),
+                choice,
+            });
+        }
+        over_budget.push(weighed);
+    }
+    Err(TrainError::OverBudget {
+        budget: human_bytes(budget),
+        planned: over_budget
+            .iter()
+            .map(|c| format!("{}: {}", c.flags, human_bytes(c.planned_bytes)))
+            .collect::<Vec<_>>()
+            .join("; "),
+        hint: match args.strategy {
+            Strategy::Auto => {
+                "raise --memory-budget, lower --batch-size (and --accumulate more), or give --offload-dir for the optimizer state"
+            }
+            _ => "try --strategy auto, raise --memory-budget, or lower --batch-size",
+        },
+    })
+}
+
+/// The configurations `args` allows on `world` ranks, fastest first: `args` itself unless
+/// its strategy is `auto`. Flags the user gave (checkpointing, `--offload`) stay; each
+/// candidate is one `validate` accepts and `device` can run.
+fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs> {
+    if args.strategy != Strategy::Auto {
+        return vec![args.clone()];
+    }
+    let strategies: &[Strategy] = match world {
+        1 => &[Strategy::Single],
+        _ => &[
+            Strategy::Ddp,
+            Strategy::Zero1,
+            Strategy::Zero2,
+            Strategy::Zero3,
+        ],
+    };
+    let mut precisions = vec![args.precision];
+    for fallback in [Precision::Bf16Mixed, Precision::Bf16True] {
+        if !precisions.contains(&fallback) {
+            precisions.push(fallback);
+        }
+    }
+    let disks = match &args.offload_dir {
+        Some(dir) => vec![None, Some(dir.clone())],
+        None => vec![None],
+    };
+    let mut out = Vec::new();
+    for precision in precisions {
+        for offload_dir in &disks {
+            for checkpoint in [args.checkpoint_activations, true] {
+                for &strategy in strategies {
+                    // ZeRO-3 always recomputes: it is weighed once, with checkpointing.
+                    if strategy == Strategy::Zero3 && !checkpoint {
+                        continue;
+                    }
+                    let candidate = TrainArgs {
+                        strategy,
+                        precision,
+                        checkpoint_activations: checkpoint,
+                        offload_dir: offload_dir.clone(),
+                        ..args.clone()
+                    };
+                    let runs = candidate.validate().is_ok()
+                        && precision.check_device(device).is_ok()
+                        && !out.iter().any(|c: &TrainArgs| same_run(c, &candidate));
+                    if runs {
+                        out.push(candidate);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Whether two candidates run the same way.
+fn same_run(a: &TrainArgs, b: &TrainArgs) -> bool {
+    (
+        a.strategy,
+        a.precision,
+        a.checkpoint_activations,
+        &a.offload_dir,
+    ) == (
+        b.strategy,
+        b.precision,
+        b.checkpoint_activations,
+        &b.offload_dir,
+    )
+}
+
+/// A candidate as the flags that set it.
+fn flags_of(args: &TrainArgs) -> String {
+    let mut flags = vec![
+        format!("--strategy {}", value_name(args.strategy)),
+        format!("--precision {}", args.precision),
+    ];
+    if args.checkpoint_activations && args.strategy != Strategy::Zero3 {
+        flags.push("--checkpoint-activations".into());
+    }
+    if let Some(dir) = &args.offload_dir {
+        flags.push(format!("--offload-dir {}", dir.display()));
+    }
+    flags.join(" ")
+}
+
+/// The ranks the run will have: `--devices` threads, or the world mpirun started.
+fn world_size(args: &TrainArgs) -> Result<usize, TrainError> {
+    match launched_by_mpirun() {
+        false => Ok(args.devices),
+        true => launcher_world_size().ok_or_else(|| {
+            TrainError::InvalidArgs(
+                "--memory-budget under mpirun plans for the world size, but the launcher did not say it (no OMPI_COMM_WORLD_SIZE or PMI_SIZE)".into(),
+            )
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(flags: &[&str], world: usize) -> Vec<String> {
+        let args = TrainArgs::from_flags(flags).unwrap();
+        candidates(&args, world, &Device::default())
+            .iter()
+            .map(flags_of)
+            .collect()
+    }
+
+    #[test]
+    fn candidates_go_fastest_first_and_keep_the_precision_until_nothing_else_fits() {
+        let four = order(&["--strategy", "auto", "--memory-budget", "1G"], 4);
+        let f32: Vec<&str> = four[..7].iter().map(String::as_str).collect();
+        assert_eq!(
+            f32,
+            [
+                "--strategy ddp --precision 32-true",
+                "--strategy zero1 --precision 32-true",
+                "--strategy zero2 --precision 32-true",
+                "--strategy ddp --precision 32-true --checkpoint-activations",
+                "--strategy zero1 --precision 32-true --checkpoint-activations",
+                "--strategy zero2 --precision 32-true --checkpoint-activations",
+                "--strategy zero3 --precision 32-true",
+            ]
+        );
+        assert_eq!(four.len(), 3 * 7);
+        assert!(four[7..14].iter().all(|c| c.contains("bf16-mixed")));
+        assert!(four[14..].iter().all(|c| c.contains("bf16-true")));
+
+        let one = order(&["--strategy", "auto", "--memory-budget", "1G"], 1);
+        assert_eq!(
+            one[..2],
+            [
+                "--strategy single --precision 32-true",
+                "--strategy single --precision 32-true --checkpoint-activations",
+            ]
+        );
+        assert_eq!(one.len(), 3 * 2);
+    }
+
+    #[test]
+    fn flags_given_stay_and_disk_comes_after_memory() {
+        let ckpt = order(
+            &[
+                "--strategy",
+                "auto",
+                "--memory-budget",
+                "1G",
+                "--checkpoint-activations",
+            ],
+            2,
+        );
+        assert!(
+            ckpt.iter()
+                .all(|c| c.contains("checkpoint") || c.contains("zero3"))
+        );
+        assert_eq!(ckpt.len(), 3 * 4);
+        let params = order(
+            &[
+                "--strategy",
+                "auto",
+                "--memory-budget",
+                "1G",
+                "--offload",
+                "params",
+            ],
+            2,
+        );
+        assert!(
+            params.iter().all(|c| c.starts_with("--strategy zero3")),
+            "{params:?}"
+        );
+        let disk = order(
+            &[
+                "--strategy",
+                "auto",
+                "--memory-budget",
+                "1G",
+                "--offload-dir",
+                "/tmp/o",
+            ],
+            2,
+        );
+        assert_eq!(disk.len(), 3 * 2 * 7);
+        assert!(disk[..7].iter().all(|c| !c.contains("offload")));
+        assert!(
+            disk[7..14]
+                .iter()
+                .all(|c| c.contains("--offload-dir /tmp/o"))
+        );
+        let fixed = order(&["--strategy", "zero1", "--memory-budget", "1G"], 2);
+        assert_eq!(fixed, ["--strategy zero1 --precision 32-true"]);
+    }
+}
