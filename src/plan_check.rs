@@ -37,6 +37,8 @@ pub const SHARDED: &[&[&str]] = &[
     &["--strategy", "zero3"],
     &["--strategy", "zero3", "--precision", "bf16-true"],
     &["--strategy", "zero3", "--offload", "params"],
+    // Each process plans for the launcher's world, and the ranks check they chose alike.
+    &["--strategy", "auto", "--memory-budget", "150MiB"],
 ];
 
 /// Trains the check's minGPT under `flags` (with `--plan`) on this process's ranks.

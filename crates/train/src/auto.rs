@@ -129,9 +129,8 @@ pub fn resolve<T: TrainTask>(
         budget: human_bytes(budget),
         planned: over_budget
             .iter()
-            .map(|c| format!("{}: {}", c.flags, human_bytes(c.planned_bytes)))
-            .collect::<Vec<_>>()
-            .join("; "),
+            .map(|c| format!("\n  {}: {}", c.flags, human_bytes(c.planned_bytes)))
+            .collect(),
         hint: match args.strategy {
             Strategy::Auto => {
                 "raise --memory-budget, lower --batch-size (and --accumulate more), or give --offload-dir for the optimizer state"

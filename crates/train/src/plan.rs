@@ -373,7 +373,13 @@ impl MemoryPlan {
         };
         let buffers = if world > 1 { 2 * w * group } else { 0 };
         let activations = probe.embed + depth * probe.block + probe.head;
-        let activations_checkpointed = probe.embed + depth * probe.block_output + probe.head;
+        // With sharded parameters the embeddings run outside autodiff (they are recomputed in
+        // backward), so forward keeps only their output.
+        let embed_kept = match sharding.parameters {
+            true => probe.block_output,
+            false => probe.embed,
+        };
+        let activations_checkpointed = embed_kept + depth * probe.block_output + probe.head;
         let mut phases = Vec::new();
         let gathered_unit;
         let compute_copy;
@@ -436,14 +442,23 @@ impl MemoryPlan {
                 0
             };
             phases.push(PhaseBytes::new(Phase::Forward, held + kept + head_copy, 0));
-            // The top block recomputed: its activations and backward, its unit (and its
-            // gradients, in the compute dtype), the head's gradients summed.
+            // The top block recomputed, the head's gradients summed.
             let head_grads = w * if sharding.gradients {
                 units.head
             } else {
                 head_unit
             };
-            let recompute = unit_copy(block) + probe.block + probe.backward + c * block;
+            // A block recomputed: its unit with its activations and the backward's own peak
+            // (its gradients among them); then those gradients, in the compute dtype, summed
+            // into the unit's (zero2/3: held whole until its reduce-scatter, which packs a
+            // copy once the unit is dropped). One after another, not all at once.
+            let unit_grads = match sharding.gradients && args.accumulate == 1 {
+                true => w * block,
+                false => 0,
+            };
+            let recompute = (unit_copy(block) + probe.block + probe.backward)
+                .max(unit_copy(block) + c * block + unit_grads)
+                .max(2 * unit_grads);
             phases.push(PhaseBytes::new(
                 Phase::BackwardTop,
                 held + kept + recompute + head_grads,
@@ -451,7 +466,7 @@ impl MemoryPlan {
             ));
             // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
             let grads_so_far = if sharding.gradients && args.accumulate == 1 {
-                sharded_grads + w * block
+                sharded_grads
             } else {
                 full_grads
             };
@@ -460,7 +475,7 @@ impl MemoryPlan {
                 params
                     + optimizer
                     + compute_copy
-                    + probe.embed
+                    + embed_kept
                     + probe.block_output
                     + recompute
                     + grads_so_far.max(accumulated),
