@@ -12,14 +12,15 @@
 //! every other candidate.
 
 use burn::prelude::*;
-use burnscale_collective::{launched_by_mpirun, launcher_world_size};
+use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
 use serde::Serialize;
 
 use crate::accelerator::Accelerator;
 use crate::cli::{Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
-use crate::plan::{MemoryPlan, Probe};
+use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::runner::TrainTask;
+use crate::runner::gather_u64s;
 use crate::{Precision, TrainError};
 
 /// One configuration weighed, and what the planner said of it.
@@ -94,7 +95,7 @@ pub fn resolve<T: TrainTask>(
         ));
     }
     let world = world_size(args)?;
-    let threads = if launched_by_mpirun() { 1 } else { world };
+    let threads = ranks_in_process(world);
     let mut probes: Vec<(Precision, Probe)> = Vec::new();
     let mut over_budget = Vec::new();
     for candidate in candidates(args, world, device) {
@@ -184,7 +185,9 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                     };
                     let runs = candidate.validate().is_ok()
                         && precision.check_device(device).is_ok()
-                        && !out.iter().any(|c: &TrainArgs| same_run(c, &candidate));
+                        && !out
+                            .iter()
+                            .any(|c| choice_code(c) == choice_code(&candidate));
                     if runs {
                         out.push(candidate);
                     }
@@ -195,19 +198,29 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
     out
 }
 
-/// Whether two candidates run the same way.
-fn same_run(a: &TrainArgs, b: &TrainArgs) -> bool {
-    (
-        a.strategy,
-        a.precision,
-        a.checkpoint_activations,
-        &a.offload_dir,
-    ) == (
-        b.strategy,
-        b.precision,
-        b.checkpoint_activations,
-        &b.offload_dir,
-    )
+/// What `auto` chooses, as one number: candidates with the same code run the same way
+/// (a candidate's `--offload-dir` is none or the one given).
+fn choice_code(args: &TrainArgs) -> u64 {
+    [
+        args.strategy as u64,
+        args.precision as u64,
+        u64::from(args.checkpoint_activations),
+        u64::from(args.offload_dir.is_some()),
+    ]
+    .iter()
+    .fold(0, |code, part| code * 16 + part)
+}
+
+/// Stops every rank with a message when the processes of an MPI world chose differently
+/// (each plans on its own; they must run one configuration).
+pub(crate) fn agree(comm: &dyn Communicator, chosen: &TrainArgs) -> Result<(), TrainError> {
+    let codes = gather_u64s(comm, &[choice_code(chosen)])?;
+    match codes.iter().all(|c| *c == codes[0]) {
+        true => Ok(()),
+        false => Err(TrainError::InvalidArgs(format!(
+            "--strategy auto: the ranks' plans chose different configurations (codes {codes:?}): give the strategy explicitly"
+        ))),
+    }
 }
 
 /// A candidate as the flags that set it.

@@ -600,6 +600,15 @@ impl MemoryPlan {
     }
 }
 
+/// How many of `world`'s ranks are threads of this process (and so share its peak): all of
+/// them, or one under mpirun.
+pub fn ranks_in_process(world: usize) -> usize {
+    match burnscale_collective::launched_by_mpirun() {
+        true => 1,
+        false => world,
+    }
+}
+
 /// How far a `planned` peak is from the `measured` one, as a signed fraction of it.
 pub fn off(planned: usize, measured: usize) -> f64 {
     planned as f64 / measured.max(1) as f64 - 1.0

@@ -10,7 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
-use burnscale_collective::{Buffer, Communicator, ReduceOp, launched_by_mpirun, launcher_rank};
+use burnscale_collective::{Buffer, Communicator, ReduceOp, launcher_rank};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
@@ -23,7 +23,7 @@ use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Offload, Strategy};
 use crate::fault;
 use crate::optim::{LrSchedule, ParamOptimizer};
-use crate::plan::{MemoryPlan, Probe};
+use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
@@ -219,16 +219,13 @@ fn train_rank<T: TrainTask>(
     let lead = rank == 0;
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
-    let threads = match launched_by_mpirun() {
-        true => 1,
-        false => world,
-    };
+    let threads = ranks_in_process(world);
     let plan = planned
         .probe
         .map(|probe| MemoryPlan::new(&model, args, world, threads, probe))
         .transpose()?;
     if planned.choice.is_some() {
-        agree_on_choice(comm, args)?;
+        auto::agree(comm, args)?;
     }
     if let Some(plan) = plan.as_ref().filter(|_| lead && args.plan) {
         eprintln!("memory plan (per rank unless said):\n{}", plan.table());
@@ -512,26 +509,6 @@ fn save<M: BlockModel>(
         peak_mem_bytes: memory::peak_bytes(),
         live_before_bytes: before,
     })
-}
-
-/// Stops every rank with a message when the processes of an MPI world chose differently
-/// under `--strategy auto` (each plans on its own; they must run one configuration).
-fn agree_on_choice(comm: &dyn Communicator, args: &TrainArgs) -> Result<(), TrainError> {
-    let code = [
-        args.strategy as u64,
-        args.precision as u64,
-        u64::from(args.checkpoint_activations),
-        u64::from(args.offload_dir.is_some()),
-    ]
-    .iter()
-    .fold(0, |code, part| code * 16 + part);
-    let codes = gather_u64s(comm, &[code])?;
-    match codes.iter().all(|c| *c == codes[0]) {
-        true => Ok(()),
-        false => Err(TrainError::InvalidArgs(format!(
-            "--strategy auto: the ranks' plans chose different configurations (codes {codes:?}): give the strategy explicitly"
-        ))),
-    }
 }
 
 /// Flag values that cannot run, and a precision `device` cannot honour.
