@@ -7,7 +7,8 @@
 //! Model states and buffers come from the parameter shapes and the engine's rules. What the
 //! backend keeps for backward is not a formula of the shapes (it is whatever Burn's autodiff
 //! saves), so a [`Probe`] measures it once on the run's own micro-batch: the embeddings, ONE
-//! block and the head run forward and backward on zero-valued copies in the compute dtype,
+//! block and the head run forward and backward on zero-valued copies in the compute dtype
+//! (then the embeddings' backward alone, as the engine's blockwise backward ends),
 //! and one optimizer step runs on the largest parameter, with the counting allocator
 //! ([`crate::memory`]) reading what each adds. The planner composes these into the engine's
 //! phases of a step (forward, backward at each end, the gradient reduction, the optimizer
@@ -45,9 +46,15 @@ pub struct Probe {
     pub block_output: usize,
     /// What the head and loss keep.
     pub head: usize,
-    /// The most a block's backward adds above the forward it undoes (its gradients of the
-    /// input and the weights, the backward's temporaries).
+    /// The most backward through all of them adds above the forward it undoes (gradients of
+    /// the activations and the weights, the backward's temporaries).
     pub backward: usize,
+    /// The same for each part alone, as the blockwise backward runs them: the head and loss
+    /// from the last block's output, one block, and the embeddings (a token table's whole
+    /// gradient, dense, among theirs).
+    pub head_backward: usize,
+    pub block_backward: usize,
+    pub embed_backward: usize,
     /// The optimizer step's temporaries on the model's largest parameter (of `step_elems`
     /// elements), above its state.
     pub step: usize,
@@ -76,30 +83,50 @@ impl Probe {
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.next_batch(device, BatchPart::WHOLE);
         drop(copy);
-        let (embed, block_bytes, block_output, head, backward) = {
+        let (embed, block_bytes, block_output, head, backward, parts) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
             let live = memory::live_bytes();
-            let (x, mask) = root.embed(input);
+            let (x, mask) = root.embed(input.clone());
             let embedded = memory::live_bytes();
             let x = match &block {
                 Some(block) => root.block_forward(block, x, &mask),
                 None => x,
             };
             let blocked = memory::live_bytes();
-            let output = x.shape().num_elements() * x.dtype().size();
-            let loss = root.head_loss(x, target);
+            let dims = x.shape();
+            let output = dims.num_elements() * x.dtype().size();
+            let loss = root.head_loss(x, target.clone());
             let headed = memory::live_bytes();
             let (grads, backward) = memory::peak_added_by(|| loss.backward());
             drop(grads);
+            // Each part's backward on its own, as the blockwise backward runs them: the head
+            // from the last block's output, the block from its input, the embeddings.
+            let leaf = || Tensor::<3>::zeros(dims.clone(), (device, dtype.into())).require_grad();
+            let loss = root.head_loss(leaf(), target);
+            let head_backward = memory::peak_added_by(|| loss.backward()).1;
+            let block_backward = match &block {
+                Some(block) => {
+                    let y = root.block_forward(block, leaf(), &mask);
+                    memory::peak_added_by(|| y.sum().backward()).1
+                }
+                None => 0,
+            };
+            let (x, _) = root.embed(input);
+            let embed_backward = match x.is_tracked() {
+                true => memory::peak_added_by(|| x.sum().backward()).1,
+                false => 0,
+            };
             (
                 embedded.saturating_sub(live),
                 blocked.saturating_sub(embedded),
                 output,
                 headed.saturating_sub(blocked),
                 backward,
+                [head_backward, block_backward, embed_backward],
             )
         };
+        let [head_backward, block_backward, embed_backward] = parts;
         drop((root, block));
         let (step, step_elems) = optimizer_step_bytes(model, args, device)?;
         Ok(Self {
@@ -110,6 +137,9 @@ impl Probe {
             block_output,
             head,
             backward,
+            head_backward,
+            block_backward,
+            embed_backward,
             step,
             step_elems,
         })
@@ -200,6 +230,8 @@ pub enum Phase {
     BackwardTop,
     /// Backward through the first block: the gradients nearly all there.
     BackwardBottom,
+    /// Backward through the embeddings: every other gradient there.
+    Embeddings,
     /// The gradients reduced over the ranks.
     Reduce,
     /// The optimizer step.
@@ -321,6 +353,26 @@ impl Units {
         self.slots.iter().map(Slot::numel).max().unwrap_or(0)
     }
 
+    /// The most backward's gradients (`c` bytes each, the compute dtype) take while the
+    /// engine moves them one parameter at a time, in visit order, into the sums (`w` bytes
+    /// each): cast where the dtypes differ, added to an earlier micro-step's sum when
+    /// `accumulating` (whose own bytes the plan counts apart).
+    fn grads_moved_in(&self, c: usize, w: usize, accumulating: bool) -> usize {
+        let n = self.numel();
+        let (mut done, mut most) = (0, 0);
+        for p in self.slots.iter().map(Slot::numel) {
+            let rest = c * (n - done - p);
+            let grad = w * p;
+            // Both dtypes at once while one is cast; the same bytes moved where they agree.
+            let cast = if c != w { c * p + grad } else { grad };
+            let add = if accumulating { grad + w * p } else { grad };
+            let sums = if accumulating { 0 } else { w * done };
+            most = most.max(rest + sums + cast.max(add));
+            done += p;
+        }
+        most
+    }
+
     fn largest_unit(&self) -> usize {
         self.largest_block().max(self.embeddings).max(self.head)
     }
@@ -383,7 +435,7 @@ impl MemoryPlan {
         let mut phases = Vec::new();
         let gathered_unit;
         let compute_copy;
-        let step_grads = if sharding.gradients {
+        let reduced_grads = if sharding.gradients {
             sharded_grads
         } else {
             full_grads
@@ -398,10 +450,15 @@ impl MemoryPlan {
                 held + activations + probe.backward,
                 probe.backward,
             ));
-            // Backward's gradients (compute dtype), moved into the sums (gradient dtype).
+            // The embeddings last, beside backward's gradients of everything else.
+            phases.push(PhaseBytes::new(
+                Phase::Embeddings,
+                held + probe.embed + c * (n - units.embeddings) + probe.embed_backward,
+                probe.embed_backward,
+            ));
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
-                held + (c * n).max(w * n) + w * units.largest_param(),
+                held + units.grads_moved_in(c, w, args.accumulate > 1),
                 0,
             ));
             phases.push(PhaseBytes::new(
@@ -442,7 +499,8 @@ impl MemoryPlan {
                 0
             };
             phases.push(PhaseBytes::new(Phase::Forward, held + kept + head_copy, 0));
-            // The top block recomputed, the head's gradients summed.
+            // Backward through the head and loss; then the top block recomputed beside the
+            // head's gradients, the head's activations freed.
             let head_grads = w * if sharding.gradients {
                 units.head
             } else {
@@ -456,14 +514,15 @@ impl MemoryPlan {
                 true => w * block,
                 false => 0,
             };
-            let recompute = (unit_copy(block) + probe.block + probe.backward)
+            let recompute = (unit_copy(block) + probe.block + probe.block_backward)
                 .max(unit_copy(block) + c * block + unit_grads)
                 .max(2 * unit_grads);
-            phases.push(PhaseBytes::new(
-                Phase::BackwardTop,
-                held + kept + recompute + head_grads,
-                probe.backward,
-            ));
+            let through_head = held + kept + head_copy + probe.head_backward;
+            let top_block = held + kept.saturating_sub(probe.head) + recompute + head_grads;
+            phases.push(match through_head > top_block {
+                true => PhaseBytes::new(Phase::BackwardTop, through_head, probe.head_backward),
+                false => PhaseBytes::new(Phase::BackwardTop, top_block, probe.block_backward),
+            });
             // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
             let grads_so_far = if sharding.gradients && args.accumulate == 1 {
                 sharded_grads
@@ -479,19 +538,45 @@ impl MemoryPlan {
                     + probe.block_output
                     + recompute
                     + grads_so_far.max(accumulated),
-                probe.backward,
+                probe.block_backward,
+            ));
+            // The embeddings (gathered again under zero3) recomputed and backward through
+            // them; then their gradients summed and, zero2/3, reduce-scattered, as a block's.
+            let embed_copy = match sharding.parameters {
+                true => c * units.embeddings,
+                false => 0,
+            };
+            let embed_grads = match sharding.gradients && args.accumulate == 1 {
+                true => w * units.embeddings,
+                false => 0,
+            };
+            let embeddings = (embed_copy + probe.embed + probe.embed_backward)
+                .max(embed_copy + c * units.embeddings + embed_grads)
+                .max(2 * embed_grads);
+            phases.push(PhaseBytes::new(
+                Phase::Embeddings,
+                params + optimizer + compute_copy + grads_so_far.max(accumulated) + embeddings,
+                probe.embed_backward,
             ));
             phases.push(PhaseBytes::new(
                 Phase::Reduce,
-                params + optimizer + compute_copy + step_grads.max(accumulated) + buffers,
+                params + optimizer + compute_copy + reduced_grads.max(accumulated) + buffers,
                 0,
             ));
         }
-        // ZeRO-1/2 step a copy of their shards and gather the result back into the replica.
-        let shard_copy = if sharding.optimizer_state && !sharding.parameters {
-            w * units.shard_numel() + buffers
+        // The step keeps the gradients of what this rank steps (ZeRO-1 cuts its reduced ones
+        // to its shards first).
+        let step_grads = match sharding.optimizer_state {
+            true => sharded_grads,
+            false => full_grads,
+        };
+        // ZeRO-1/2 step a copy of their shards, then, the gradients gone, gather the result
+        // back into the replica bucket by bucket.
+        let (shard_copy, gather) = if sharding.optimizer_state && !sharding.parameters {
+            let shards = w * units.shard_numel();
+            (shards, shards + 2 * w * units.largest_bucket())
         } else {
-            0
+            (0, 0)
         };
         // The step's temporaries scale with the largest tensor stepped (a shard's rows).
         let largest_stepped = match sharding.optimizer_state {
@@ -501,7 +586,7 @@ impl MemoryPlan {
         let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
         phases.push(PhaseBytes::new(
             Phase::Step,
-            params + optimizer + step_grads + shard_copy + step_temporaries,
+            params + optimizer + (step_grads + shard_copy + step_temporaries).max(gather),
             0,
         ));
         let peak = |bytes: fn(&PhaseBytes, usize) -> usize| {
