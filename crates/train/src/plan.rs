@@ -8,7 +8,7 @@
 //! backend keeps for backward is not a formula of the shapes (it is whatever Burn's autodiff
 //! saves), so a [`Probe`] measures it once on the run's own micro-batch: the embeddings, ONE
 //! block and the head run forward and backward on zero-valued copies in the compute dtype
-//! (then the embeddings' backward alone, as the engine's blockwise backward ends),
+//! (then each one's backward alone, as the engine's blockwise backward runs them),
 //! and one optimizer step runs on the largest parameter, with the counting allocator
 //! ([`crate::memory`]) reading what each adds. The planner composes these into the engine's
 //! phases of a step (forward, backward at each end, the gradient reduction, the optimizer
@@ -506,17 +506,22 @@ impl MemoryPlan {
             } else {
                 head_unit
             };
-            // A block recomputed: its unit with its activations and the backward's own peak
-            // (its gradients among them); then those gradients, in the compute dtype, summed
-            // into the unit's (zero2/3: held whole until its reduce-scatter, which packs a
-            // copy once the unit is dropped). One after another, not all at once.
-            let unit_grads = match sharding.gradients && args.accumulate == 1 {
-                true => w * block,
-                false => 0,
+            // Zero2/3 reduce-scatter each unit's gradients as backward leaves it (on the
+            // last micro-step; earlier ones of an accumulation keep full sums).
+            let per_unit = sharding.gradients && args.accumulate == 1;
+            // A unit of `elems` recomputed: its `copy` with what its forward `kept` and its
+            // backward's own peak (its gradients among them); then those gradients, in the
+            // compute dtype, summed into the unit's (per unit: held whole until its
+            // reduce-scatter, which packs a copy once the unit is dropped). One after
+            // another, not all at once.
+            let unit_backward = |elems: usize, copy: usize, kept: usize, backward: usize| {
+                let whole = if per_unit { w * elems } else { 0 };
+                (copy + kept + backward)
+                    .max(copy + c * elems + whole)
+                    .max(2 * whole)
             };
-            let recompute = (unit_copy(block) + probe.block + probe.block_backward)
-                .max(unit_copy(block) + c * block + unit_grads)
-                .max(2 * unit_grads);
+            let recompute =
+                unit_backward(block, unit_copy(block), probe.block, probe.block_backward);
             let through_head = held + kept + head_copy + probe.head_backward;
             let top_block = held + kept.saturating_sub(probe.head) + recompute + head_grads;
             phases.push(match through_head > top_block {
@@ -524,11 +529,7 @@ impl MemoryPlan {
                 false => PhaseBytes::new(Phase::BackwardTop, top_block, probe.block_backward),
             });
             // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
-            let grads_so_far = if sharding.gradients && args.accumulate == 1 {
-                sharded_grads
-            } else {
-                full_grads
-            };
+            let grads_so_far = if per_unit { sharded_grads } else { full_grads };
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
                 params
@@ -540,19 +541,18 @@ impl MemoryPlan {
                     + grads_so_far.max(accumulated),
                 probe.block_backward,
             ));
-            // The embeddings (gathered again under zero3) recomputed and backward through
-            // them; then their gradients summed and, zero2/3, reduce-scattered, as a block's.
+            // The embeddings, as a block: gathered again under zero3 (else the root's compute
+            // copy serves), recomputed, backward through them.
             let embed_copy = match sharding.parameters {
                 true => c * units.embeddings,
                 false => 0,
             };
-            let embed_grads = match sharding.gradients && args.accumulate == 1 {
-                true => w * units.embeddings,
-                false => 0,
-            };
-            let embeddings = (embed_copy + probe.embed + probe.embed_backward)
-                .max(embed_copy + c * units.embeddings + embed_grads)
-                .max(2 * embed_grads);
+            let embeddings = unit_backward(
+                units.embeddings,
+                embed_copy,
+                probe.embed,
+                probe.embed_backward,
+            );
             phases.push(PhaseBytes::new(
                 Phase::Embeddings,
                 params + optimizer + compute_copy + grads_so_far.max(accumulated) + embeddings,
