@@ -14,10 +14,13 @@ use crate::tasks::NextToken;
 /// The most a prediction may be off, as a fraction of the measured peak.
 pub const TOLERANCE: f64 = 0.10;
 
-/// The check's own flag, first when given: `--vocab N` tokens instead of 65, so that with
+/// The check's own flags, first when given: `--vocab N` tokens instead of 65, so that with
 /// 8192 the token table and the head (2.1M parameters each) outweigh a block (0.8M), as a
-/// BERT's or a GPT-2's do.
+/// BERT's or a GPT-2's do; `--layers N` blocks instead of 4, so that with 24 at batch 1 the
+/// model states outweigh the activations, as a large model's do, and the optimizer step
+/// (with its gradient clipping) is the peak.
 const VOCAB: &str = "--vocab";
+const LAYERS: &str = "--layers";
 
 /// One rank's configurations: every precision, optimizer and technique (4 blocks of width
 /// 256, batch 8 x 128, AdamW, dropout 0.1, unless a flag says otherwise).
@@ -45,6 +48,16 @@ pub const SHARDED: &[&[&str]] = &[
     &["--strategy", "zero3", "--precision", "bf16-true"],
     &["--strategy", "zero3", "--offload", "params"],
     &[VOCAB, "8192", "--strategy", "zero3"],
+    &[
+        LAYERS,
+        "24",
+        "--strategy",
+        "zero3",
+        "--optimizer",
+        "sgd",
+        "--batch-size",
+        "1",
+    ],
     // Each process plans for the launcher's world, and the ranks check they chose alike.
     &["--strategy", "auto", "--memory-budget", "150MiB"],
 ];
@@ -56,23 +69,26 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
 }
 
 /// The check's minGPT (4 blocks of width 256), its task (batch 8 x 128), and `flags` (with
-/// `--plan`, 2 steps; a leading `--vocab N` sizes the token table).
+/// `--plan`, 2 steps; the leading check flags size the token table and the depth).
 pub fn setup(flags: &[&str]) -> anyhow::Result<(Gpt, NextToken, TrainArgs, Device)> {
-    let (vocab, flags) = match flags {
-        [VOCAB, n, rest @ ..] => (
-            n.parse::<usize>()
-                .map_err(|e| anyhow::anyhow!("{VOCAB} {n}: {e}"))?,
-            rest,
-        ),
-        _ => (65, flags),
-    };
-    let config = GptConfig::new(4, 4, 256, vocab, 128).with_dropout(0.1);
+    let (mut vocab, mut layers, mut flags) = (65, 4, flags);
+    while let [flag @ (VOCAB | LAYERS), n, rest @ ..] = flags {
+        let n = n
+            .parse::<usize>()
+            .map_err(|e| anyhow::anyhow!("{flag} {n}: {e}"))?;
+        match *flag {
+            VOCAB => vocab = n,
+            _ => layers = n,
+        }
+        flags = rest;
+    }
+    let config = GptConfig::new(layers, 4, 256, vocab, 128).with_dropout(0.1);
     let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % 65) as i64).collect();
     let base = ["--max-steps", "2", "--batch-size", "8", "--plan"];
     let args = TrainArgs::from_flags(&[&base[..], flags].concat())?;
     let device = Device::default().autodiff();
     device.seed(1);
-    let task = NextToken::new(tokens.clone(), 128, 8, 1)?.with_validation(
+    let task = NextToken::new(tokens.clone(), 128, args.batch_size, 1)?.with_validation(
         tokens[..2_000].to_vec(),
         128,
         1,

@@ -234,7 +234,7 @@ pub enum Phase {
     Embeddings,
     /// The gradients reduced over the ranks.
     Reduce,
-    /// The optimizer step.
+    /// The optimizer step (after the gradients' clipping and unscaling).
     Step,
 }
 
@@ -584,9 +584,22 @@ impl MemoryPlan {
             false => units.largest_param(),
         };
         let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
+        // Clipping (and 16-mixed's unscaling) first replaces the gradients by scaled copies,
+        // in slot order: the gradients one collective reduced are views of its one buffer,
+        // held until the last of them is replaced.
+        let rescaled = match args.grad_clip > 0.0 || args.precision.scales_loss() {
+            false => 0,
+            true if world == 1 || !sharding.gradients && sharding.optimizer_state => {
+                w * largest_stepped
+            }
+            true if !sharding.gradients => w * units.largest_bucket(),
+            true => w * group.div_ceil(world),
+        };
         phases.push(PhaseBytes::new(
             Phase::Step,
-            params + optimizer + (step_grads + shard_copy + step_temporaries).max(gather),
+            params
+                + optimizer
+                + (step_grads + rescaled.max(shard_copy + step_temporaries)).max(gather),
             0,
         ));
         let peak = |bytes: fn(&PhaseBytes, usize) -> usize| {
