@@ -592,8 +592,8 @@ impl MemoryPlan {
             true if world == 1 || !sharding.gradients && sharding.optimizer_state => {
                 w * largest_stepped
             }
-            true if !sharding.gradients => w * units.largest_bucket(),
-            true => w * group.div_ceil(world),
+            true if sharding.gradients => w * group.div_ceil(world),
+            true => w * group,
         };
         phases.push(PhaseBytes::new(
             Phase::Step,
