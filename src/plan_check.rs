@@ -1,15 +1,17 @@
-//! The memory planner against measurement: a minGPT trained for two steps under a
-//! configuration, its planned peak beside the counting allocator's. The tests run the
+//! The memory planner against measurement: a minGPT (or, with `--classifier`, a BERT text
+//! classifier) trained for two steps under a configuration, its planned peak beside the
+//! counting allocator's. The tests run the
 //! one-rank configurations in-process; `examples/plan_check.rs` runs the sharded ones under
 //! mpirun, where each rank is a process and measures its own peak. (Ranks on threads share
 //! one process, whose peak moves by about 10% with how their backward passes interleave:
 //! too much for a 10% check.)
 
 use burn::prelude::*;
+use burnscale_bert::{Bert, BertConfig, BertHead};
 use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_train::{RunSummary, TrainArgs, train};
 
-use crate::tasks::NextToken;
+use crate::tasks::{NextToken, TextClassification};
 
 /// The most a prediction may be off, as a fraction of the measured peak.
 pub const TOLERANCE: f64 = 0.10;
@@ -21,6 +23,11 @@ pub const TOLERANCE: f64 = 0.10;
 /// (with its gradient clipping) is the peak.
 const VOCAB: &str = "--vocab";
 const LAYERS: &str = "--layers";
+/// `--classifier`, first: a DistilBERT-shaped text classifier instead of the minGPT (BERT's
+/// 30522-token table, 4 blocks of width 256, batch 1 x 512 tokens): its head is small and
+/// its token table's gradient, dense, comes at the very end of backward, while the
+/// activations peak at its top.
+const CLASSIFIER: &str = "--classifier";
 
 /// One rank's configurations: every precision, optimizer and technique (4 blocks of width
 /// 256, batch 8 x 128, AdamW, dropout 0.1, unless a flag says otherwise).
@@ -36,6 +43,7 @@ pub const ONE_RANK: &[&[&str]] = &[
     &["--offload", "optimizer"],
     &[VOCAB, "8192", "--precision", "16-mixed"],
     &[VOCAB, "8192", "--checkpoint-activations"],
+    &[CLASSIFIER],
 ];
 
 /// The sharded configurations, each on the MPI world.
@@ -58,14 +66,46 @@ pub const SHARDED: &[&[&str]] = &[
         "--batch-size",
         "1",
     ],
+    &[CLASSIFIER, "--strategy", "ddp"],
     // Each process plans for the launcher's world, and the ranks check they chose alike.
     &["--strategy", "auto", "--memory-budget", "150MiB"],
 ];
 
-/// Trains the check's minGPT under `flags` (with `--plan`) on this process's ranks.
+/// Trains the check's model under `flags` (with `--plan`) on this process's ranks.
 pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
+    if let [CLASSIFIER, flags @ ..] = flags {
+        let (model, mut task, args, device) = classifier(flags)?;
+        return Ok(train(model, &mut task, &args, &device)?.1);
+    }
     let (model, mut task, args, device) = setup(flags)?;
     Ok(train(model, &mut task, &args, &device)?.1)
+}
+
+/// The `--classifier` check: its model, task (random token ids, batch 1 x 512) and `flags`.
+fn classifier(
+    flags: &[&str],
+) -> anyhow::Result<(Bert, TextClassification<Bert>, TrainArgs, Device)> {
+    let config = BertConfig {
+        intermediate_size: 1024,
+        num_hidden_layers: 4,
+        num_attention_heads: 4,
+        hidden_size: 256,
+        ..BertConfig::distilbert_base()
+    }
+    .with_dropout(0.1)
+    .with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let args = check_args("1", flags)?;
+    let device = Device::default().autodiff();
+    device.seed(1);
+    let task = TextClassification::random_tokens(16, 512, args.batch_size)?;
+    let model = Bert::new(&config, &device)?;
+    Ok((model, task, args, device))
+}
+
+/// `flags` after the check's own: 2 steps of `batch` with `--plan`.
+fn check_args(batch: &str, flags: &[&str]) -> anyhow::Result<TrainArgs> {
+    let base = ["--max-steps", "2", "--batch-size", batch, "--plan"];
+    Ok(TrainArgs::from_flags(&[&base[..], flags].concat())?)
 }
 
 /// The check's minGPT (4 blocks of width 256), its task (batch 8 x 128), and `flags` (with
@@ -84,8 +124,7 @@ pub fn setup(flags: &[&str]) -> anyhow::Result<(Gpt, NextToken, TrainArgs, Devic
     }
     let config = GptConfig::new(layers, 4, 256, vocab, 128).with_dropout(0.1);
     let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % 65) as i64).collect();
-    let base = ["--max-steps", "2", "--batch-size", "8", "--plan"];
-    let args = TrainArgs::from_flags(&[&base[..], flags].concat())?;
+    let args = check_args("8", flags)?;
     let device = Device::default().autodiff();
     device.seed(1);
     let task = NextToken::new(tokens.clone(), 128, args.batch_size, 1)?.with_validation(

@@ -46,12 +46,10 @@ pub struct Probe {
     pub block_output: usize,
     /// What the head and loss keep.
     pub head: usize,
-    /// The most backward through all of them adds above the forward it undoes (gradients of
-    /// the activations and the weights, the backward's temporaries).
-    pub backward: usize,
-    /// The same for each part alone, as the blockwise backward runs them: the head and loss
-    /// from the last block's output, one block, and the embeddings (a token table's whole
-    /// gradient, dense, among theirs).
+    /// The most backward adds above the forward it undoes (gradients of the activations and
+    /// the weights, the backward's temporaries), for each part alone, as backward meets
+    /// them: the head and loss from the last block's output, one block, and the embeddings
+    /// (a token table's whole gradient, dense, among theirs).
     pub head_backward: usize,
     pub block_backward: usize,
     pub embed_backward: usize,
@@ -83,7 +81,7 @@ impl Probe {
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.next_batch(device, BatchPart::WHOLE);
         drop(copy);
-        let (embed, block_bytes, block_output, head, backward, parts) = {
+        let (embed, block_bytes, block_output, head, parts) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
             let live = memory::live_bytes();
@@ -98,10 +96,9 @@ impl Probe {
             let output = dims.num_elements() * x.dtype().size();
             let loss = root.head_loss(x, target.clone());
             let headed = memory::live_bytes();
-            let (grads, backward) = memory::peak_added_by(|| loss.backward());
-            drop(grads);
-            // Each part's backward on its own, as the blockwise backward runs them: the head
-            // from the last block's output, the block from its input, the embeddings.
+            drop(loss);
+            // Each part's backward on its own, as backward meets them: the head from the last
+            // block's output, the block from its input, the embeddings.
             let leaf = || Tensor::<3>::zeros(dims.clone(), (device, dtype.into())).require_grad();
             let loss = root.head_loss(leaf(), target);
             let head_backward = memory::peak_added_by(|| loss.backward()).1;
@@ -122,7 +119,6 @@ impl Probe {
                 blocked.saturating_sub(embedded),
                 output,
                 headed.saturating_sub(blocked),
-                backward,
                 [head_backward, block_backward, embed_backward],
             )
         };
@@ -136,7 +132,6 @@ impl Probe {
             block: block_bytes,
             block_output,
             head,
-            backward,
             head_backward,
             block_backward,
             embed_backward,
@@ -373,6 +368,14 @@ impl Units {
         most
     }
 
+    /// Elements the head's forward reads: its own, and the token table where it is tied.
+    fn head_unit(&self) -> usize {
+        match self.head_reads_embeddings {
+            true => self.head + self.embeddings,
+            false => self.head,
+        }
+    }
+
     fn largest_unit(&self) -> usize {
         self.largest_block().max(self.embeddings).max(self.head)
     }
@@ -445,10 +448,10 @@ impl MemoryPlan {
             gathered_unit = 0;
             let held = params + optimizer + accumulated + compute_copy;
             phases.push(PhaseBytes::new(Phase::Forward, held + activations, 0));
-            phases.push(PhaseBytes::new(
-                Phase::BackwardTop,
-                held + activations + probe.backward,
-                probe.backward,
+            phases.push(backward_top(
+                held + activations + probe.head_backward,
+                held + activations - probe.head + c * units.head_unit() + probe.block_backward,
+                &probe,
             ));
             // The embeddings last, beside backward's gradients of everything else.
             phases.push(PhaseBytes::new(
@@ -480,12 +483,7 @@ impl MemoryPlan {
             } else {
                 0
             };
-            let head_unit = units.head
-                + if units.head_reads_embeddings {
-                    units.embeddings
-                } else {
-                    0
-                };
+            let head_unit = units.head_unit();
             gathered_unit = if sharding.parameters {
                 c * block.max(head_unit).max(units.embeddings)
             } else {
@@ -522,12 +520,11 @@ impl MemoryPlan {
             };
             let recompute =
                 unit_backward(block, unit_copy(block), probe.block, probe.block_backward);
-            let through_head = held + kept + head_copy + probe.head_backward;
-            let top_block = held + kept.saturating_sub(probe.head) + recompute + head_grads;
-            phases.push(match through_head > top_block {
-                true => PhaseBytes::new(Phase::BackwardTop, through_head, probe.head_backward),
-                false => PhaseBytes::new(Phase::BackwardTop, top_block, probe.block_backward),
-            });
+            phases.push(backward_top(
+                held + kept + head_copy + probe.head_backward,
+                held + kept.saturating_sub(probe.head) + recompute + head_grads,
+                &probe,
+            ));
             // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
             let grads_so_far = if per_unit { sharded_grads } else { full_grads };
             phases.push(PhaseBytes::new(
@@ -695,6 +692,16 @@ impl MemoryPlan {
             ),
         ));
         aligned(&rows)
+    }
+}
+
+/// Backward's top: through the head and loss (`through_head`), or the top block's backward
+/// beside the head's gradients, the head's activations freed (`top_block`), whichever holds
+/// more.
+fn backward_top(through_head: usize, top_block: usize, probe: &Probe) -> PhaseBytes {
+    match through_head > top_block {
+        true => PhaseBytes::new(Phase::BackwardTop, through_head, probe.head_backward),
+        false => PhaseBytes::new(Phase::BackwardTop, top_block, probe.block_backward),
     }
 }
 
