@@ -26,7 +26,8 @@ const LAYERS: &str = "--layers";
 /// `--classifier`, first: a DistilBERT-shaped text classifier instead of the minGPT (BERT's
 /// 30522-token table, 4 blocks of width 256, batch 1 x 512 tokens): its head is small and
 /// its token table's gradient, dense, comes at the very end of backward, while the
-/// activations peak at its top.
+/// activations peak at its top; under ZeRO-3 the table is gathered again for that backward,
+/// and its gradient is reduce-scattered last.
 const CLASSIFIER: &str = "--classifier";
 
 /// One rank's configurations: every precision, optimizer and technique (4 blocks of width
@@ -67,6 +68,7 @@ pub const SHARDED: &[&[&str]] = &[
         "1",
     ],
     &[CLASSIFIER, "--strategy", "ddp"],
+    &[CLASSIFIER, "--strategy", "zero3"],
     // Each process plans for the launcher's world, and the ranks check they chose alike.
     &["--strategy", "auto", "--memory-budget", "150MiB"],
 ];

@@ -298,6 +298,8 @@ struct Units {
     /// Every slot of the model, over `world` ranks.
     slots: Vec<Slot>,
     embeddings: usize,
+    /// Elements of the embeddings' shard on one rank.
+    embeddings_shard: usize,
     head: usize,
     /// Elements of each block.
     blocks: Vec<usize>,
@@ -312,11 +314,9 @@ impl Units {
         let blocks = root.take_blocks();
         let embedding: HashSet<ParamId> = root.embedding_params().into_iter().collect();
         let root_slots = layout::slots(&root, world);
-        let embeddings = root_slots
-            .iter()
-            .filter(|s| embedding.contains(&s.id))
-            .map(Slot::numel)
-            .sum();
+        let embedding_slots = || root_slots.iter().filter(|s| embedding.contains(&s.id));
+        let embeddings = embedding_slots().map(Slot::numel).sum();
+        let embeddings_shard = embedding_slots().map(Slot::shard_numel).sum();
         let head = root_slots.iter().map(Slot::numel).sum::<usize>() - embeddings;
         let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
         let blocks = blocks
@@ -326,6 +326,7 @@ impl Units {
         Self {
             slots,
             embeddings,
+            embeddings_shard,
             head,
             blocks,
             head_reads_embeddings,
@@ -438,11 +439,6 @@ impl MemoryPlan {
         let mut phases = Vec::new();
         let gathered_unit;
         let compute_copy;
-        let reduced_grads = if sharding.gradients {
-            sharded_grads
-        } else {
-            full_grads
-        };
         if !checkpoint {
             compute_copy = if mixed { c * n } else { 0 };
             gathered_unit = 0;
@@ -525,8 +521,14 @@ impl MemoryPlan {
                 held + kept.saturating_sub(probe.head) + recompute + head_grads,
                 &probe,
             ));
-            // The bottom block: nearly every gradient summed, full or (zero2/3) sharded.
-            let grads_so_far = if per_unit { sharded_grads } else { full_grads };
+            // The bottom block: nearly every gradient summed. Full sums are counted whole (the
+            // last units' own, cast into the weights' dtype, take their place); reduced per
+            // unit, the shards of all but the embeddings, whose shard comes with their reduce,
+            // the last (the packed copy it is cut from counts in `buffers`).
+            let grads_so_far = match per_unit {
+                true => w * (units.shard_numel() - units.embeddings_shard),
+                false => full_grads,
+            };
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
                 params
@@ -557,7 +559,7 @@ impl MemoryPlan {
             ));
             phases.push(PhaseBytes::new(
                 Phase::Reduce,
-                params + optimizer + compute_copy + reduced_grads.max(accumulated) + buffers,
+                params + optimizer + compute_copy + grads_so_far.max(accumulated) + buffers,
                 0,
             ));
         }
