@@ -149,14 +149,17 @@ fn measured_model_states_are_the_engines_tensors_not_the_formula() {
     );
     // Backward block by block (ZeRO-2 with checkpointing, ZeRO-3): a block's full gradients
     // live until its reduce-scatter, the root unit's until the end of backward, so the
-    // measurement lies between the shard and a full copy.
+    // measurement lies between the shard and a full copy. So too when accumulating: each
+    // micro-step reduce-scatters its own, and only the shards are summed (no full sums).
     for flags in [&["zero2", "--checkpoint-activations"][..], &["zero3"]] {
-        let (_, summary) = run(&[&two[..], flags].concat());
-        let grads = summary.model_state.grads;
-        assert!(
-            grads > 4 * p / 2 && grads < 4 * p,
-            "{flags:?}: {grads} bytes, {p} params"
-        );
+        for accumulate in ["1", "2"] {
+            let (_, summary) = run(&[&two[..], flags, &["--accumulate", accumulate]].concat());
+            let grads = summary.model_state.grads;
+            assert!(
+                grads > 4 * p / 2 && grads < 4 * p,
+                "{flags:?}, accumulating {accumulate}: {grads} bytes, {p} params"
+            );
+        }
     }
 }
 

@@ -23,9 +23,11 @@ const PRESENT: &str = "the model is only moved out during a step";
 
 /// One rank's view of a model trained under a [`Strategy`]: what the rank holds, and the
 /// collectives that keep the ranks in step. Every rank must call the same methods in the same
-/// order. A micro-step reads this rank's slice of the global batch; gradients are summed
-/// locally over micro-steps (no collective until the last one, as `no_sync`), then
-/// averaged over the ranks.
+/// order. A micro-step reads this rank's slice of the global batch. Where gradients are
+/// whole (DDP, ZeRO-1) they are summed locally over the micro-steps of an optimizer step (no
+/// collective until the last one, as `no_sync`), then averaged over the ranks; where they
+/// are sharded (ZeRO-2/3) every micro-step reduce-scatters its own and the shards are
+/// summed, as DeepSpeed and FSDP2 do, so that no full gradient sum outlives a micro-step.
 ///
 /// Everything lives on the rank's device as tensors (parameters, shards, gathered units,
 /// gradients, optimizer state) and the collectives take and return tensors; only
@@ -229,8 +231,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
-    /// divided by `accumulate`; the `last` micro-step of an optimizer step reduces the
-    /// gradients over the ranks. Its loss is reported by [`Sharded::step`].
+    /// divided by `accumulate`. Sharded gradients are reduce-scattered every micro-step;
+    /// whole ones on the `last` micro-step of an optimizer step. Its loss is reported by
+    /// [`Sharded::step`].
     pub fn micro_step(
         &mut self,
         input: M::Input,
@@ -248,7 +251,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         let loss = self.scaled(loss, accumulate);
         self.add_grads(&model, loss.backward());
-        if last {
+        if last || self.sharding.gradients {
             for bucket in self.all_buckets() {
                 self.reduce(bucket)?;
             }
@@ -709,7 +712,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Averages the local gradients of one group over the ranks: all-reduce, or
-    /// reduce-scatter to this rank's shards when gradients are sharded.
+    /// reduce-scatter to this rank's shards when gradients are sharded, added to the shards
+    /// earlier micro-steps of the step reduced.
     fn reduce(&mut self, group: Group) -> Result<(), ShardError> {
         let world = self.comm.world_size();
         let slots: Vec<Slot> = self.group(group).into_iter().cloned().collect();
@@ -746,7 +750,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             layout::split(mine, slots.iter().map(|s| s.shard_numel()))
         };
         for (slot, grad) in slots.iter().zip(reduced) {
-            self.reduced.insert(slot.id, grad);
+            let sum = match self.reduced.remove(&slot.id) {
+                Some(earlier) => earlier + grad,
+                None => grad,
+            };
+            self.reduced.insert(slot.id, sum);
         }
         self.note_grads();
         Ok(())
@@ -756,9 +764,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// autodiff, keeping only their input; backward takes each block again, recomputes it
     /// under autodiff (with the same dropout masks) and back-propagates the incoming gradient
     /// through it. With sharded gradients a unit's are reduce-scattered as soon as backward
-    /// leaves it on the last micro-step (the head's, each block's, the embeddings'), so a rank
-    /// holds one unit's full gradients at a time (earlier micro-steps of an accumulation keep
-    /// full sums). Sharded parameters are gathered just before a unit runs and dropped after:
+    /// leaves it, on every micro-step (the head's, each block's, the embeddings'), so a rank
+    /// holds one unit's full gradients at a time. Sharded parameters are gathered just before a unit runs and dropped after:
     /// each block for its forward and for its backward, the head's unit for the head's
     /// forward and backward, the embeddings' for their forward and (recomputed) backward.
     /// DDP and ZeRO-1 reduce their buckets after the whole backward.
@@ -813,7 +820,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .expect("the head reads the last block's output");
         self.add_grads(head_root, grads);
         drop(head);
-        let per_unit = self.sharding.gradients && last;
+        let per_unit = self.sharding.gradients;
         // The head's own unit is complete: the embeddings do not read it.
         if per_unit {
             self.reduce(Group::Unit(HEAD))?;
@@ -850,13 +857,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 .backward();
             self.add_grads(gathered.as_ref().unwrap_or(&root), grads);
         }
-        if last {
-            if self.sharding.gradients {
-                self.reduce(Group::Unit(EMBEDDINGS))?;
-            } else {
-                for bucket in self.all_buckets() {
-                    self.reduce(bucket)?;
-                }
+        if per_unit {
+            self.reduce(Group::Unit(EMBEDDINGS))?;
+        } else if last {
+            for bucket in self.all_buckets() {
+                self.reduce(bucket)?;
             }
         }
         Ok(())

@@ -5,8 +5,8 @@
 //! |---|---|---|---|---|
 //! | `ddp` | full | full, all-reduced | full | all-reduce |
 //! | `zero1` | full | full, all-reduced | this rank's shard | all-reduce, all-gather |
-//! | `zero2` | full | this rank's shard (after the reduce-scatter) | this rank's shard | reduce-scatter (per unit, as its backward ends, when checkpointing), all-gather |
-//! | `zero3` (FSDP) | this rank's shard | this rank's shard | this rank's shard | all-gather per unit (forward and backward), reduce-scatter per unit |
+//! | `zero2` | full | this rank's shard (after the reduce-scatter) | this rank's shard | reduce-scatter every micro-step (per unit, as its backward ends, when checkpointing), all-gather |
+//! | `zero3` (FSDP) | this rank's shard | this rank's shard | this rank's shard | all-gather per unit (forward and backward), reduce-scatter per unit every micro-step |
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
 //! plus two root units (the embeddings', and the head's): a unit's full parameters exist only

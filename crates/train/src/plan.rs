@@ -418,8 +418,14 @@ impl MemoryPlan {
         let optimizer = optimizer_bytes(model, args, &units, sharding.optimizer_state);
         let full_grads = w * n;
         let sharded_grads = w * units.shard_numel();
-        // Gradients summed over earlier micro-steps of an accumulation stay full.
-        let accumulated = if args.accumulate > 1 { full_grads } else { 0 };
+        // Gradients summed over earlier micro-steps of an accumulation: whole where the
+        // engine reduces only on the last (DDP, ZeRO-1), else the shards every micro-step
+        // reduced (ZeRO-2/3).
+        let accumulated = match (args.accumulate > 1, sharding.gradients) {
+            (false, _) => 0,
+            (true, false) => full_grads,
+            (true, true) => sharded_grads,
+        };
         let checkpoint = args.checkpoint_activations || sharding.parameters;
         // The engine reduces unit by unit where it shards gradients along the blockwise
         // path, else bucket by bucket.
@@ -455,14 +461,19 @@ impl MemoryPlan {
                 held + probe.embed + c * (n - units.embeddings) + probe.embed_backward,
                 probe.embed_backward,
             ));
+            // Added into whole sums when accumulating them; sharded ones are reduced apart.
+            let into_sums = args.accumulate > 1 && !sharding.gradients;
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
-                held + units.grads_moved_in(c, w, args.accumulate > 1),
+                held + units.grads_moved_in(c, w, into_sums),
                 0,
             ));
+            // This micro-step's whole gradients (which are the sums when they are whole), and
+            // sharded ones beside the shards earlier micro-steps reduced.
+            let shard_sums = if sharding.gradients { accumulated } else { 0 };
             phases.push(PhaseBytes::new(
                 Phase::Reduce,
-                params + optimizer + compute_copy + full_grads + buffers,
+                params + optimizer + compute_copy + full_grads + shard_sums + buffers,
                 0,
             ));
         } else {
@@ -500,9 +511,9 @@ impl MemoryPlan {
             } else {
                 head_unit
             };
-            // Zero2/3 reduce-scatter each unit's gradients as backward leaves it (on the
-            // last micro-step; earlier ones of an accumulation keep full sums).
-            let per_unit = sharding.gradients && args.accumulate == 1;
+            // Zero2/3 reduce-scatter each unit's gradients as backward leaves it, on every
+            // micro-step.
+            let per_unit = sharding.gradients;
             // A unit of `elems` recomputed: its `copy` with what its forward `kept` and its
             // backward's own peak (its gradients among them); then those gradients, in the
             // compute dtype, summed into the unit's (per unit: held whole until its
