@@ -1,5 +1,5 @@
-//! The memory planner against measurement: a minGPT (or, with `--classifier`, a BERT text
-//! classifier) trained for two steps under a configuration, its planned peak beside the
+//! The memory planner against measurement: a minGPT (or, with `--classifier` or
+//! `--masked-lm`, a BERT text classifier or masked-LM) trained for two steps under a configuration, its planned peak beside the
 //! counting allocator's. The tests run the
 //! one-rank configurations in-process; `examples/plan_check.rs` runs the sharded ones under
 //! mpirun, where each rank is a process and measures its own peak. (Ranks on threads share
@@ -7,9 +7,11 @@
 //! too much for a 10% check.)
 
 use burn::prelude::*;
-use burnscale_bert::{Bert, BertConfig, BertHead};
+use burnscale_bert::{Bert, BertConfig, BertHead, BertInput};
 use burnscale_mingpt::{Gpt, GptConfig};
-use burnscale_train::{RunSummary, TrainArgs, train};
+use burnscale_train::{
+    Batch, BatchPart, Logits, RunSummary, TrainArgs, TrainError, TrainTask, train,
+};
 
 use crate::tasks::{NextToken, TextClassification};
 
@@ -29,6 +31,11 @@ const LAYERS: &str = "--layers";
 /// activations peak at its top; under ZeRO-3 the table is gathered again for that backward,
 /// and its gradient is reduce-scattered last.
 const CLASSIFIER: &str = "--classifier";
+/// `--masked-lm`, first: the classifier's BERT with a masked-LM head instead, whose decoder
+/// reads the token table: its logits span the vocabulary at every position, and under
+/// ZeRO-2/3 the head's backward gives the table a whole gradient, held until the embeddings'
+/// own backward and reduce-scatter, the step's last.
+const MASKED_LM: &str = "--masked-lm";
 
 /// One rank's configurations: every precision, optimizer and technique (4 blocks of width
 /// 256, batch 8 x 128, AdamW, dropout 0.1, unless a flag says otherwise).
@@ -71,24 +78,44 @@ pub const SHARDED: &[&[&str]] = &[
     ],
     &[CLASSIFIER, "--strategy", "ddp"],
     &[CLASSIFIER, "--strategy", "zero3"],
+    &[MASKED_LM, "--strategy", "zero3"],
+    &[MASKED_LM, "--strategy", "zero2", "--checkpoint-activations"],
     // Each process plans for the launcher's world, and the ranks check they chose alike.
     &["--strategy", "auto", "--memory-budget", "150MiB"],
 ];
 
 /// Trains the check's model under `flags` (with `--plan`) on this process's ranks.
 pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
-    if let [CLASSIFIER, flags @ ..] = flags {
-        let (model, mut task, args, device) = classifier(flags)?;
-        return Ok(train(model, &mut task, &args, &device)?.1);
+    match flags {
+        [CLASSIFIER, flags @ ..] => {
+            let head = BertHead::SequenceClassification { num_labels: 2 };
+            let (model, args, device) = bert(head, flags)?;
+            let mut task = TextClassification::random_tokens(16, LENGTH, args.batch_size)?;
+            Ok(train(model, &mut task, &args, &device)?.1)
+        }
+        [MASKED_LM, flags @ ..] => {
+            let (model, args, device) = bert(BertHead::MaskedLm, flags)?;
+            // Short sequences, so that the logits over the vocabulary do not set the
+            // peak: the table's gradients do.
+            let mut task = MaskedTokens {
+                batch: args.batch_size,
+                len: 128,
+            };
+            Ok(train(model, &mut task, &args, &device)?.1)
+        }
+        _ => {
+            let (model, mut task, args, device) = setup(flags)?;
+            Ok(train(model, &mut task, &args, &device)?.1)
+        }
     }
-    let (model, mut task, args, device) = setup(flags)?;
-    Ok(train(model, &mut task, &args, &device)?.1)
 }
 
-/// The `--classifier` check: its model, task (random token ids, batch 1 x 512) and `flags`.
-fn classifier(
-    flags: &[&str],
-) -> anyhow::Result<(Bert, TextClassification<Bert>, TrainArgs, Device)> {
+/// Tokens per sequence of the BERT checks.
+const LENGTH: usize = 512;
+
+/// The BERT checks' model (DistilBERT's 30522-token table, 4 blocks of width 256) with
+/// `head`, and `flags` at batch 1.
+fn bert(head: BertHead, flags: &[&str]) -> anyhow::Result<(Bert, TrainArgs, Device)> {
     let config = BertConfig {
         intermediate_size: 1024,
         num_hidden_layers: 4,
@@ -97,13 +124,62 @@ fn classifier(
         ..BertConfig::distilbert_base()
     }
     .with_dropout(0.1)
-    .with_head(BertHead::SequenceClassification { num_labels: 2 });
+    .with_head(head);
     let args = check_args("1", flags)?;
     let device = Device::default().autodiff();
     device.seed(1);
-    let task = TextClassification::random_tokens(16, 512, args.batch_size)?;
     let model = Bert::new(&config, &device)?;
-    Ok((model, task, args, device))
+    Ok((model, args, device))
+}
+
+/// Masked-LM batches for the memory check: fixed token ids (each rank its own), every
+/// seventh position to predict (its own token; the rest -1, ignored). The same batch each
+/// step: only memory is measured.
+#[derive(Clone)]
+struct MaskedTokens {
+    batch: usize,
+    len: usize,
+}
+
+impl TrainTask for MaskedTokens {
+    type Model = Bert;
+
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Bert> {
+        let (b, t) = (self.batch, self.len);
+        let ids: Vec<i64> = (0..b * t)
+            .map(|i| ((part.rank * b * t + i) * 7919 % 29900 + 100) as i64)
+            .collect();
+        let targets = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| if i % 7 == 0 { id } else { -1 })
+            .collect();
+        let input = BertInput {
+            input_ids: Tensor::from_data(TensorData::new(ids, [b, t]), device),
+            token_type_ids: Tensor::zeros([b, t], device),
+            attention_mask: Tensor::ones([b, t], device),
+        };
+        let targets = Tensor::from_data(TensorData::new(targets, [b * t]), device);
+        (input, targets)
+    }
+
+    fn items(&self, input: &BertInput) -> usize {
+        input.input_ids.shape().num_elements()
+    }
+
+    fn counts_tokens(&self) -> bool {
+        true
+    }
+
+    fn evaluate(
+        &mut self,
+        logits: &mut Logits<'_, Bert>,
+        device: &Device,
+    ) -> Result<(f64, Option<f64>), TrainError> {
+        let (input, targets) = self.next_batch(device, BatchPart::WHOLE);
+        let loss = burnscale_nn::cross_entropy(logits(input)?, targets);
+        Ok((loss.into_scalar::<f32>() as f64, None))
+    }
 }
 
 /// `flags` after the check's own: 2 steps of `batch` with `--plan`.

@@ -505,15 +505,17 @@ impl MemoryPlan {
             };
             phases.push(PhaseBytes::new(Phase::Forward, held + kept + head_copy, 0));
             // Backward through the head and loss; then the top block recomputed beside the
-            // head's gradients, the head's activations freed.
-            let head_grads = w * if sharding.gradients {
-                units.head
-            } else {
-                head_unit
-            };
+            // head's gradients (a tied decoder's include the token table's), the head's
+            // activations freed.
+            let head_grads = w * head_unit;
             // Zero2/3 reduce-scatter each unit's gradients as backward leaves it, on every
-            // micro-step.
+            // micro-step. A tied decoder's gradient of the token table stays whole until the
+            // embeddings' own backward adds theirs and reduce-scatters the sum, the last.
             let per_unit = sharding.gradients;
+            let tied_table_grads = match per_unit {
+                true => w * (head_unit - units.head),
+                false => 0,
+            };
             // A unit of `elems` recomputed: its `copy` with what its forward `kept` and its
             // backward's own peak (its gradients among them); then those gradients, in the
             // compute dtype, summed into the unit's (per unit: held whole until its
@@ -548,7 +550,8 @@ impl MemoryPlan {
                     + embed_kept
                     + probe.block_output
                     + recompute
-                    + grads_so_far.max(accumulated),
+                    + grads_so_far.max(accumulated)
+                    + tied_table_grads,
                 probe.block_backward,
             ));
             // The embeddings, as a block: gathered again under zero3 (else the root's compute
@@ -565,7 +568,12 @@ impl MemoryPlan {
             );
             phases.push(PhaseBytes::new(
                 Phase::Embeddings,
-                params + optimizer + compute_copy + grads_so_far.max(accumulated) + embeddings,
+                params
+                    + optimizer
+                    + compute_copy
+                    + grads_so_far.max(accumulated)
+                    + tied_table_grads
+                    + embeddings,
                 probe.embed_backward,
             ));
             phases.push(PhaseBytes::new(
