@@ -765,10 +765,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// under autodiff (with the same dropout masks) and back-propagates the incoming gradient
     /// through it. With sharded gradients a unit's are reduce-scattered as soon as backward
     /// leaves it, on every micro-step (the head's, each block's, the embeddings'), so a rank
-    /// holds one unit's full gradients at a time. Sharded parameters are gathered just before a unit runs and dropped after:
-    /// each block for its forward and for its backward, the head's unit for the head's
-    /// forward and backward, the embeddings' for their forward and (recomputed) backward.
-    /// DDP and ZeRO-1 reduce their buckets after the whole backward.
+    /// holds one unit's full gradients at a time. Sharded parameters are gathered just
+    /// before a unit runs and dropped after: each block for its forward and for its
+    /// backward, the head's unit for the head's forward and backward, the embeddings' for
+    /// their forward and (recomputed) backward. DDP and ZeRO-1 reduce their buckets after
+    /// the whole backward of the last micro-step.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
