@@ -242,7 +242,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         last: bool,
     ) -> Result<(), ShardError> {
         if self.checkpoint {
-            return self.blockwise_micro_step(input, target, accumulate, last);
+            return self.blockwise_micro_step(input, target, accumulate, last, Keep::Inputs);
+        }
+        // Later micro-steps of an accumulation into whole sums: a plain backward would hand
+        // back every gradient at once, a second whole copy beside the sums.
+        if !self.local.is_empty() {
+            return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
         }
         let model = self.compute(self.model.as_ref().expect(PRESENT).clone());
         let loss = {
@@ -770,12 +775,19 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// backward, the head's unit for the head's forward and backward, the embeddings' for
     /// their forward and (recomputed) backward. DDP and ZeRO-1 reduce their buckets after
     /// the whole backward of the last micro-step.
+    ///
+    /// With [`Keep::Graphs`] (replicated parameters only) nothing is recomputed: each block
+    /// runs forward under autodiff from an input of its own and keeps its graph, and backward
+    /// goes through the graphs block by block, adding each block's gradients into the sums
+    /// as it leaves it (PyTorch adds into `.grad` as backward goes), instead of a plain
+    /// backward's whole second copy at its end.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
         target: M::Target,
         accumulate: usize,
         last: bool,
+        keep: Keep,
     ) -> Result<(), ShardError> {
         let sharded_params = self.sharding.parameters;
         let _autocast = autocast::scope(self.precision.is_mixed());
@@ -794,14 +806,31 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         let inner_mask = mask.clone().map(|m| m.inner());
         let mask = mask.map(|m| autodiff_on(m, &self.device));
-        // Each block's input, and where the dropout stream stood when it ran.
         let mut saved = Vec::with_capacity(blocks.len());
         {
             let _training = dropout::training_scope();
             for (i, block) in blocks.iter().enumerate() {
-                let block = self.unit(block, &[FIRST_BLOCK + i], false)?;
-                saved.push((x.clone(), dropout::position()));
-                x = root.block_forward(&block, x, &inner_mask);
+                let unit = [FIRST_BLOCK + i];
+                saved.push(match keep {
+                    Keep::Inputs => {
+                        let at = dropout::position();
+                        let block = self.unit(block, &unit, false)?;
+                        let input = x.clone();
+                        x = root.block_forward(&block, x, &inner_mask);
+                        Saved::Input(input, at)
+                    }
+                    Keep::Graphs => {
+                        let block = self.unit(block, &unit, true)?;
+                        let input = autodiff_on(x, &self.device).require_grad();
+                        let output = root.block_forward(&block, input.clone(), &mask);
+                        x = output.clone().inner();
+                        Saved::Graph {
+                            block,
+                            input,
+                            output,
+                        }
+                    }
+                });
             }
         }
         let x = autodiff_on(x, &self.device).require_grad();
@@ -827,11 +856,20 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             self.reduce(Group::Unit(HEAD))?;
         }
         for (i, block) in blocks.iter().enumerate().rev() {
-            let (x, at) = saved.pop().expect("one saved input per block");
-            let block = self.unit(block, &[FIRST_BLOCK + i], true)?;
-            dropout::rewind(at);
-            let input = autodiff_on(x, &self.device).require_grad();
-            let y = root.block_forward(&block, input.clone(), &mask);
+            let (block, input, y) = match saved.pop().expect("one saved part per block") {
+                Saved::Input(x, at) => {
+                    let block = self.unit(block, &[FIRST_BLOCK + i], true)?;
+                    dropout::rewind(at);
+                    let input = autodiff_on(x, &self.device).require_grad();
+                    let y = root.block_forward(&block, input.clone(), &mask);
+                    (block, input, y)
+                }
+                Saved::Graph {
+                    block,
+                    input,
+                    output,
+                } => (block, input, output),
+            };
             let grads = (y * autodiff_on(grad_x, &self.device)).sum().backward();
             grad_x = input
                 .grad(&grads)
@@ -908,6 +946,31 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             params::detached(module)
         }))
     }
+}
+
+/// What a blockwise forward keeps of each block for backward.
+#[derive(Debug, Clone, Copy)]
+enum Keep {
+    /// Only its input: backward recomputes it (activation checkpointing).
+    Inputs,
+    /// Its whole graph: backward goes through it as it is.
+    Graphs,
+}
+
+/// One block's part of a blockwise forward, as [`Keep`] says.
+#[expect(
+    clippy::large_enum_variant,
+    reason = "one per block, for one micro-step: the handles' bytes do not matter"
+)]
+enum Saved<B> {
+    /// Its input (outside autodiff), and where the dropout stream stood when it ran.
+    Input(Tensor<3>, dropout::StreamPosition),
+    /// The block as it ran (its compute copy), its input leaf and its output, tracked.
+    Graph {
+        block: B,
+        input: Tensor<3>,
+        output: Tensor<3>,
+    },
 }
 
 /// Slots moved by one collective: one of the size-capped buckets, or one unit.

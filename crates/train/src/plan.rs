@@ -349,21 +349,17 @@ impl Units {
         self.slots.iter().map(Slot::numel).max().unwrap_or(0)
     }
 
-    /// The most backward's gradients (`c` bytes each, the compute dtype) take while the
-    /// engine moves them one parameter at a time, in visit order, into the sums (`w` bytes
-    /// each): cast where the dtypes differ, added to an earlier micro-step's sum when
-    /// `accumulating` (whose own bytes the plan counts apart).
-    fn grads_moved_in(&self, c: usize, w: usize, accumulating: bool) -> usize {
+    /// The most a plain backward's gradients (`c` bytes each, the compute dtype) take while
+    /// the engine moves them one parameter at a time, in visit order, into its (empty) sums
+    /// (`w` bytes each): cast where the dtypes differ.
+    fn grads_moved_in(&self, c: usize, w: usize) -> usize {
         let n = self.numel();
         let (mut done, mut most) = (0, 0);
         for p in self.slots.iter().map(Slot::numel) {
             let rest = c * (n - done - p);
-            let grad = w * p;
             // Both dtypes at once while one is cast; the same bytes moved where they agree.
-            let cast = if c != w { c * p + grad } else { grad };
-            let add = if accumulating { grad + w * p } else { grad };
-            let sums = if accumulating { 0 } else { w * done };
-            most = most.max(rest + sums + cast.max(add));
+            let moved = if c != w { c * p + w * p } else { w * p };
+            most = most.max(rest + w * done + moved);
             done += p;
         }
         most
@@ -455,19 +451,30 @@ impl MemoryPlan {
                 held + activations - probe.head + c * units.head_unit() + probe.block_backward,
                 &probe,
             ));
-            // The embeddings last, beside backward's gradients of everything else.
+            // A plain backward: the embeddings last, beside its gradients of everything else;
+            // then all of them moved into the sums.
+            let embeddings =
+                |held| held + probe.embed + c * (n - units.embeddings) + probe.embed_backward;
+            let bottom = |held| held + units.grads_moved_in(c, w);
+            let (embeddings, bottom) = match args.accumulate > 1 && !sharding.gradients {
+                false => (embeddings(held), bottom(held)),
+                // Accumulating whole sums, the first micro-step (no sums yet) is plain, the
+                // later ones go block by block beside the sums, each block's gradients
+                // added in as backward leaves it.
+                true => {
+                    let first = held - accumulated;
+                    (
+                        embeddings(first).max(held + probe.embed + probe.embed_backward),
+                        bottom(first).max(held + probe.embed + probe.block + probe.block_backward),
+                    )
+                }
+            };
             phases.push(PhaseBytes::new(
                 Phase::Embeddings,
-                held + probe.embed + c * (n - units.embeddings) + probe.embed_backward,
+                embeddings,
                 probe.embed_backward,
             ));
-            // Added into whole sums when accumulating them; sharded ones are reduced apart.
-            let into_sums = args.accumulate > 1 && !sharding.gradients;
-            phases.push(PhaseBytes::new(
-                Phase::BackwardBottom,
-                held + units.grads_moved_in(c, w, into_sums),
-                0,
-            ));
+            phases.push(PhaseBytes::new(Phase::BackwardBottom, bottom, 0));
             // This micro-step's whole gradients (which are the sums when they are whole), and
             // sharded ones beside the shards earlier micro-steps reduced.
             let shard_sums = if sharding.gradients { accumulated } else { 0 };
