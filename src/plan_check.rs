@@ -1,6 +1,6 @@
 //! The memory planner against measurement: a minGPT (or, with `--classifier` or
-//! `--masked-lm`, a BERT text classifier or masked-LM) trained for two steps under a configuration, its planned peak beside the
-//! counting allocator's. The tests run the
+//! `--masked-lm`, a BERT text classifier or masked-LM) trained for two steps under a
+//! configuration, its planned peak beside the counting allocator's. The tests run the
 //! one-rank configurations in-process; `examples/plan_check.rs` runs the sharded ones under
 //! mpirun, where each rank is a process and measures its own peak. (Ranks on threads share
 //! one process, whose peak moves by about 10% with how their backward passes interleave:

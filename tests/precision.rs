@@ -219,6 +219,16 @@ fn checkpointing_composes_with_mixed_precision() {
     assert_matches_plain("zero2", 2, &flags);
 }
 
+/// Accumulation's later micro-batches run each block on a graph of its own (whole sums), or
+/// reduce-scatter every micro-batch (sharded): both on the 16-bit compute copies.
+#[test]
+fn accumulation_composes_with_mixed_precision() {
+    for strategy in ["ddp", "zero2"] {
+        let flags = [&["--precision", "bf16-mixed", "--accumulate", "2"], SGD].concat();
+        assert_matches_plain(strategy, 2, &flags);
+    }
+}
+
 #[test]
 fn sixteen_mixed_stops_after_consecutive_overflows() {
     let mut model = common::seeded_model(3, |device| {

@@ -51,13 +51,16 @@ fn checkpointed_blocks_take_the_plain_steps() {
 #[test]
 fn recomputed_blocks_drop_what_their_forward_dropped() {
     // ZeRO-3 and --checkpoint-activations run blocks forward outside autodiff and recompute
-    // them in backward: both must apply the masks of a plain step (one rank, whose dropout
-    // stream is the plain loop's).
+    // them in backward, and accumulation's later micro-batches run each block on a graph of
+    // its own: all must apply the masks of a plain step (one rank, whose dropout stream is
+    // the plain loop's).
     for optimizer in [SGD, ADAMW] {
         for (strategy, extra) in [
             ("zero3", &[][..]),
             ("ddp", &["--checkpoint-activations"][..]),
             ("single", &[][..]),
+            ("single", &["--accumulate", "2"][..]),
+            ("zero1", &["--accumulate", "2"][..]),
         ] {
             let flags = [optimizer, extra].concat();
             let ranks = run_ranks(1, DEFAULT_TIMEOUT, |comm| {

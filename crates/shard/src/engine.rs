@@ -49,11 +49,12 @@ pub struct Sharded<'c, M: BlockModel> {
     head_units: Vec<usize>,
     /// The full replica, or this rank's shards when parameters are sharded.
     model: Option<M>,
-    /// This rank's own gradients (flat, in the gradient dtype), summed over the micro-steps
-    /// of an optimizer step.
+    /// This rank's own gradients not reduced yet (flat, in the gradient dtype): whole ones
+    /// summed over the micro-steps of an optimizer step; sharded ones only until their
+    /// unit's or bucket's reduce-scatter in the same micro-step.
     local: Flat,
     /// Gradients after the collective (flat, in the gradient dtype): full, or this rank's
-    /// shards.
+    /// shards, summed over the micro-steps.
     reduced: Flat,
     /// The most gradient bytes (`local` and `reduced` together) held at once so far in this
     /// step, and in the last finished one.
@@ -958,7 +959,7 @@ enum Keep {
 }
 
 /// One block's part of a blockwise forward, as [`Keep`] says.
-#[expect(
+#[allow(
     clippy::large_enum_variant,
     reason = "one per block, for one micro-step: the handles' bytes do not matter"
 )]

@@ -10,10 +10,12 @@
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
 //! plus two root units (the embeddings', and the head's): a unit's full parameters exist only
-//! while it runs, and its full gradients until its reduce-scatter (so too under ZeRO-2 with
-//! checkpointing, whose backward also runs block by block). Burn's autodiff graph keeps every weight a forward used alive until backward, so a
-//! block's forward runs outside autodiff and backward recomputes it from its saved input with
-//! re-gathered weights ([`Sharded`]).
+//! while it runs, and its full gradients until its reduce-scatter, on every micro-step (so too
+//! under ZeRO-2 with checkpointing, whose backward also runs block by block; a decoder tied to
+//! the token table leaves the table's whole gradient until the embeddings' reduce-scatter,
+//! the last). Burn's autodiff graph keeps every weight a forward used alive until backward, so
+//! a block's forward runs outside autodiff and backward recomputes it from its saved input
+//! with re-gathered weights ([`Sharded`]).
 //!
 //! [`BlockModel`]: burnscale_nn::BlockModel
 
