@@ -90,16 +90,14 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
         [CLASSIFIER, flags @ ..] => {
             let head = BertHead::SequenceClassification { num_labels: 2 };
             let (model, args, device) = bert(head, flags)?;
-            let mut task = TextClassification::random_tokens(16, LENGTH, args.batch_size)?;
+            let mut task =
+                TextClassification::random_tokens(16, CLASSIFIER_TOKENS, args.batch_size)?;
             Ok(train(model, &mut task, &args, &device)?.1)
         }
         [MASKED_LM, flags @ ..] => {
             let (model, args, device) = bert(BertHead::MaskedLm, flags)?;
-            // Short sequences, so that the logits over the vocabulary do not set the
-            // peak: the table's gradients do.
             let mut task = MaskedTokens {
                 batch: args.batch_size,
-                len: 128,
             };
             Ok(train(model, &mut task, &args, &device)?.1)
         }
@@ -110,8 +108,11 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
     }
 }
 
-/// Tokens per sequence of the BERT checks.
-const LENGTH: usize = 512;
+/// Tokens per sequence of the classifier check, whose activations peak at the top of
+/// backward; and of the masked-LM check: short, so that the logits over the vocabulary do not
+/// set the peak, the table's gradients do.
+const CLASSIFIER_TOKENS: usize = 512;
+const MASKED_LM_TOKENS: usize = 128;
 
 /// The BERT checks' model (DistilBERT's 30522-token table, 4 blocks of width 256) with
 /// `head`, and `flags` at batch 1.
@@ -138,14 +139,13 @@ fn bert(head: BertHead, flags: &[&str]) -> anyhow::Result<(Bert, TrainArgs, Devi
 #[derive(Clone)]
 struct MaskedTokens {
     batch: usize,
-    len: usize,
 }
 
 impl TrainTask for MaskedTokens {
     type Model = Bert;
 
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Bert> {
-        let (b, t) = (self.batch, self.len);
+        let (b, t) = (self.batch, MASKED_LM_TOKENS);
         let ids: Vec<i64> = (0..b * t)
             .map(|i| ((part.rank * b * t + i) * 7919 % 29900 + 100) as i64)
             .collect();
