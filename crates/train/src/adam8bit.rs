@@ -13,16 +13,17 @@ use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::{DType as TensorDType, FloatDType, IntDType};
+use std::sync::OnceLock;
 
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
 pub const BLOCK: usize = 256;
 
 /// The most elements a step computes at once (or one row, if longer): a tensor is stepped
-/// in chunks of whole rows, so that the update's f32 temporaries (the dequantized moments,
-/// the gradient, the update) stay a few times 16 MB for a tensor of many rows, however many
-/// (bitsandbytes' kernels bound them the same way, block by block). Rows are independent,
-/// so the result is the same.
-const CHUNK_ELEMS: usize = 1 << 22;
+/// in chunks of whole rows, so that the update's temporaries (the dequantized moments, the
+/// gradient, the update, the encoder's 8-byte keys) stay a few times 8-16 MB for a tensor of
+/// many rows, however many (bitsandbytes' kernels bound them the same way, block by block).
+/// Rows are independent, so the result is the same.
+const CHUNK_ELEMS: usize = 1 << 21;
 
 /// The dynamic map's exponents, as literals (parsed exactly, as the fixture script's are).
 const SCALES: [f64; 7] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0];
@@ -64,58 +65,114 @@ pub fn dynamic_map(signed: bool) -> [f32; 256] {
     map
 }
 
-/// A dynamic map on a device, with what encoding needs: the midpoints between neighbouring
-/// values (and +inf past the last, so a binary search over 256 entries never leaves them).
+/// Keys of the encoder's lookup (see [`Codebook`]), over the whole of [-1, 1].
+const KEYS: usize = 8192;
+
+/// The encoder's key of `x` in [-1, 1], as a real number: `(1 + sign(x) |x|^(1/4)) KEYS / 2`,
+/// in [0, KEYS]. The fourth root spreads the map's thresholds (10^-7 to 1 apart by up to five
+/// decades) to at least 3 keys apart.
+fn key_position(x: f64) -> f64 {
+    (1.0 + x.signum() * x.abs().powf(0.25)) * (KEYS / 2) as f64
+}
+
+/// A dynamic map on a device, with a lookup that encodes in two gathers instead of a binary
+/// search over 256 entries (eight gathers, each the size of the tensor).
+///
+/// Code `c` of `x` is the number of thresholds `t_j <= x`, where `t_j` is the float just above
+/// the midpoint between map values `j` and `j + 1` (so a tie at a midpoint goes to the lower
+/// value), except that in the signed map the threshold between the smallest negative value and
+/// 0 is 0 itself: as in bitsandbytes, a negative value never rounds to zero, it keeps its
+/// sign. On the device, `x`'s key `k` is its [`key_position`] truncated, which is within one key
+/// of the exact position; the thresholds are at least 3 keys apart, so at most one of them
+/// (`threshold[k]`, else +inf) lies within one key of `k`, and `below[k]` counts those
+/// surely under `x`: the code is `below[k] + (x >= threshold[k])`, exactly the binary
+/// search's.
 struct Codebook {
-    signed: bool,
-    values: Tensor<1>,    // [256]
-    midpoints: Tensor<1>, // [256]
+    values: Tensor<2>,    // [256, 1]
+    below: Tensor<2>,     // [KEYS + 1, 1], codes as f32
+    threshold: Tensor<2>, // [KEYS + 1, 1]
+}
+
+/// A [`Codebook`]'s tables on the host, built once per map.
+struct Tables {
+    values: [f32; 256],
+    below: Vec<f32>,
+    threshold: Vec<f32>,
+}
+
+impl Tables {
+    fn of(signed: bool) -> &'static Self {
+        static SIGNED: OnceLock<Tables> = OnceLock::new();
+        static UNSIGNED: OnceLock<Tables> = OnceLock::new();
+        let cell = if signed { &SIGNED } else { &UNSIGNED };
+        cell.get_or_init(|| Self::build(signed))
+    }
+
+    fn build(signed: bool) -> Self {
+        let values = dynamic_map(signed);
+        let thresholds: Vec<f32> = values
+            .windows(2)
+            .map(|pair| match (pair[0] < 0.0, pair[1] == 0.0) {
+                (true, true) => 0.0,
+                _ => ((pair[0] + pair[1]) / 2.0).next_up(),
+            })
+            .collect();
+        let positions: Vec<f64> = thresholds.iter().map(|&t| key_position(t.into())).collect();
+        let (below, threshold) = (0..=KEYS)
+            .map(|key| {
+                let key = key as f64;
+                let below = positions.partition_point(|&p| p <= key - 1.0);
+                let threshold = match positions.get(below) {
+                    Some(&p) if p < key + 2.0 => thresholds[below],
+                    _ => f32::INFINITY,
+                };
+                (below as f32, threshold)
+            })
+            .unzip();
+        Self {
+            values,
+            below,
+            threshold,
+        }
+    }
 }
 
 impl Codebook {
     fn new(signed: bool, device: &Device) -> Self {
-        let map = dynamic_map(signed);
-        let mut midpoints = [f32::INFINITY; 256];
-        for (mid, pair) in midpoints.iter_mut().zip(map.windows(2)) {
-            *mid = (pair[0] + pair[1]) / 2.0;
-        }
-        let f32_on = |v: [f32; 256]| {
+        let tables = Tables::of(signed);
+        let column = |v: &[f32]| {
             Tensor::from_data(
-                TensorData::new(v.to_vec(), [256]),
+                TensorData::new(v.to_vec(), [v.len(), 1]),
                 (device, TensorDType::F32),
             )
         };
         Self {
-            signed,
-            values: f32_on(map),
-            midpoints: f32_on(midpoints),
+            values: column(&tables.values),
+            below: column(&tables.below),
+            threshold: column(&tables.threshold),
         }
     }
 
-    /// The code of the nearest map value to each of `x` (in [-1, 1]; ties to the lower), by
-    /// a branch-free binary search over the midpoints. As bitsandbytes, a negative value
-    /// never rounds to zero: it keeps its sign.
+    /// The code of the nearest map value to each of `x` (in [-1, 1]).
     fn encode(&self, x: Tensor<1>) -> Tensor<1, Int> {
-        let mut code = Tensor::<1, Int>::zeros(x.shape(), (&x.device(), TensorDType::I32));
-        for step in [128, 64, 32, 16, 8, 4, 2, 1] {
-            let probe = code.clone().add_scalar(step - 1);
-            let below = self
-                .midpoints
-                .clone()
-                .select(0, probe.clone())
-                .lower(x.clone());
-            code = code.mask_where(below, probe.add_scalar(1));
-        }
-        if self.signed {
-            let value = self.values.clone().select(0, code.clone());
-            let flip = x.lower_elem(0.0).bool_and(value.greater_equal_elem(0.0));
-            code = code.clone().mask_where(flip, code.sub_scalar(1));
-        }
-        code.cast(IntDType::U8)
+        let n = x.dims()[0];
+        let root_2 = x.clone().abs().sqrt();
+        let root_4 = root_2.clone().sqrt();
+        // sign(x) |x|^(1/4), without a sign pass; 1e-30 keeps 0 at 0.
+        let signed_root = x.clone() / (root_2 * root_4 + 1e-30);
+        let half = (KEYS / 2) as f64;
+        let key = (signed_root * half + half).int().cast(IntDType::I64);
+        let gather = |table: &Tensor<2>| table.clone().select(0, key.clone()).reshape([n]);
+        let code = gather(&self.below) + x.greater_equal(gather(&self.threshold)).float();
+        code.int().cast(IntDType::U8)
     }
 
     fn decode(&self, codes: Tensor<1, Int>) -> Tensor<1> {
-        self.values.clone().select(0, codes.cast(IntDType::I32))
+        let n = codes.dims()[0];
+        self.values
+            .clone()
+            .select(0, codes.cast(IntDType::I64))
+            .reshape([n])
     }
 }
 
@@ -382,6 +439,68 @@ mod tests {
             assert_eq!(map[255], 1.0);
             assert!(map.contains(&0.0));
             assert_eq!(map[0], if signed { -0.992_968_75 } else { 0.0 }, "{signed}");
+        }
+    }
+
+    /// The code by definition: the nearest map value (ties to the lower), a negative value
+    /// never rounded to zero.
+    fn nearest(map: &[f32; 256], x: f32) -> u8 {
+        let code = map
+            .windows(2)
+            .filter(|pair| (pair[0] + pair[1]) / 2.0 < x)
+            .count();
+        let code = code - usize::from(x < 0.0 && map[code] >= 0.0);
+        code as u8
+    }
+
+    #[test]
+    fn encoder_thresholds_are_more_than_three_keys_apart() {
+        for signed in [true, false] {
+            let tables = Tables::of(signed);
+            let mut thresholds: Vec<f32> = tables.threshold.clone();
+            thresholds.retain(|t| t.is_finite());
+            thresholds.dedup();
+            assert_eq!(thresholds.len(), 255, "{signed}");
+            let positions: Vec<f64> = thresholds.iter().map(|&t| key_position(t.into())).collect();
+            let closest = positions
+                .windows(2)
+                .map(|p| p[1] - p[0])
+                .fold(f64::INFINITY, f64::min);
+            assert!(closest > 3.0, "{signed}: {closest}");
+        }
+    }
+
+    #[test]
+    fn encoding_gives_the_nearest_map_value_at_every_threshold_and_between() {
+        let device = Device::flex();
+        for signed in [true, false] {
+            let map = dynamic_map(signed);
+            let book = Codebook::new(signed, &device);
+            let mut xs = vec![0.0, -0.0, 1.0, f32::MIN_POSITIVE, 1e-45, 1e-38, 1e-30];
+            for pair in map.windows(2) {
+                let mid = (pair[0] + pair[1]) / 2.0;
+                xs.extend([
+                    mid,
+                    mid.next_down(),
+                    mid.next_up(),
+                    pair[0],
+                    pair[0].next_up(),
+                ]);
+            }
+            // Log-spaced and uniform sweeps.
+            xs.extend((0..200_000).map(|i| 10f32.powf(-8.0 + 8.0 * i as f32 / 200_000.0)));
+            xs.extend((0..200_000).map(|i| i as f32 / 200_000.0));
+            if signed {
+                let negatives: Vec<f32> = xs.iter().map(|x| -x).collect();
+                xs.extend(negatives);
+                xs.push(map[0]);
+            }
+            xs.retain(|x| (-1.0..=1.0).contains(x) && (signed || *x >= 0.0));
+            let tensor = Tensor::<1>::from_data(TensorData::new(xs.clone(), [xs.len()]), &device);
+            let codes = book.encode(tensor).into_data().try_to_vec::<u8>().unwrap();
+            for (x, code) in xs.iter().zip(codes) {
+                assert_eq!(code, nearest(&map, *x), "signed {signed}, x {x:e}");
+            }
         }
     }
 

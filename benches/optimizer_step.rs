@@ -1,0 +1,102 @@
+//! One optimizer step on one matrix, on Flex: burn-optim's AdamW, burnscale's 8-bit AdamW and
+//! Adafactor, side by side in one run, each as a ratio to AdamW. The matrix is BERT-large's
+//! MLP weight (1024 x 4096, 4.2M elements, f32); the steps after the first (the state exists)
+//! are timed, the median taken.
+//!
+//!     cargo bench --bench optimizer_step [-- --rows 1024 --cols 4096 --steps 7]
+
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use burn::optim::{AdamWConfig, Optimizer};
+use burn::prelude::*;
+use burn::tensor::Distribution;
+use burnscale::train::adafactor::Adafactor;
+use burnscale::train::adam8bit::AdamW8bit;
+use burnscale::train::memory::CountingAllocator;
+use clap::Parser;
+
+// The allocator every runner binary uses.
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator;
+
+#[derive(Parser)]
+struct Cli {
+    #[arg(long, default_value_t = 1024)]
+    rows: usize,
+    #[arg(long, default_value_t = 4096)]
+    cols: usize,
+    /// Timed steps (after one untimed step that creates the state).
+    #[arg(long, default_value_t = 7)]
+    steps: usize,
+    /// Cargo passes `--bench` to harness-less benches.
+    #[arg(long, hide = true)]
+    bench: bool,
+}
+
+/// The median wall time of `steps` steps of `optim` on `param` with the same `grad`.
+fn median_step<O: Optimizer>(
+    optim: &O,
+    param: &Tensor<2>,
+    grad: &Tensor<2>,
+    steps: usize,
+) -> Duration {
+    let (mut param, mut state) = optim.step(1e-3, param.clone(), grad.clone(), None);
+    let mut times: Vec<Duration> = (0..steps)
+        .map(|_| {
+            let start = Instant::now();
+            (param, state) = optim.step(1e-3, param.clone(), grad.clone(), state.take());
+            // Flex computes eagerly; reading one element keeps the timing honest on any backend.
+            let _ = param.clone().slice([0..1, 0..1]).into_scalar::<f32>();
+            start.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[steps / 2]
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    anyhow::ensure!(cli.steps > 0, "--steps must be at least 1");
+    let device = Device::flex();
+    let shape = [cli.rows, cli.cols];
+    let param = Tensor::<2>::random(shape, Distribution::Normal(0.0, 0.02), &device);
+    let grad = Tensor::<2>::random(shape, Distribution::Normal(0.0, 1e-3), &device);
+    let adamw = median_step(
+        &AdamWConfig::new().with_weight_decay(0.01).build(),
+        &param,
+        &grad,
+        cli.steps,
+    );
+    let adam8bit = AdamW8bit {
+        beta_1: 0.9,
+        beta_2: 0.999,
+        epsilon: 1e-8,
+        weight_decay: 0.01,
+    };
+    let adafactor = Adafactor {
+        beta_1: None,
+        weight_decay: 0.01,
+        relative_step: false,
+    };
+    let rows = [
+        ("adamw (burn-optim)", adamw),
+        ("adam8bit", median_step(&adam8bit, &param, &grad, cli.steps)),
+        (
+            "adafactor",
+            median_step(&adafactor, &param, &grad, cli.steps),
+        ),
+    ];
+    println!(
+        "one step on a {} x {} f32 matrix, median of {} steps",
+        cli.rows, cli.cols, cli.steps
+    );
+    for (name, time) in rows {
+        println!(
+            "{name:<20} {:>9.1} ms  {:>5.2}x adamw",
+            time.as_secs_f64() * 1e3,
+            time.as_secs_f64() / adamw.as_secs_f64()
+        );
+    }
+    Ok(())
+}
