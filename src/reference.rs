@@ -2,7 +2,9 @@
 //! model's loss on the whole global batch, `backward`, Burn's gradient accumulator and a
 //! burn-optim optimizer. It shares no code with the engine's step or the runner (no host
 //! vectors, buckets, collectives, loss scaler or per-parameter optimizer glue), so a bug
-//! there cannot hide by appearing on both sides of a comparison. What it does share is the
+//! there cannot hide by appearing on both sides of a comparison. It reads the device once a
+//! step (the losses and the gradients' sums of squares, for clipping), so that it is also the
+//! speed floor `benches/mingpt_throughput.rs` puts beside the engine. What it does share is the
 //! starting point: the model (built by the caller) and, under `*-true`, its cast to 16 bits
 //! (`burnscale_precision::cast`, whose dtypes `tests/precision.rs` checks on its own).
 
@@ -133,16 +135,25 @@ impl PlainConfig {
         };
         for _ in 0..self.steps {
             let mut accumulator = GradientsAccumulator::new();
-            let mut loss_sum = 0.0;
+            let mut losses = Vec::with_capacity(self.accumulate);
             for _ in 0..self.accumulate {
                 let (input, target) = task.next_batch(device, BatchPart::WHOLE);
                 let loss = model.loss(input, target) / self.accumulate as f64;
-                loss_sum += loss.clone().into_scalar::<f32>() as f64;
+                losses.push(loss.clone().detach().cast(FloatDType::F32));
                 accumulator
                     .accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
             }
             let mut grads = accumulator.grads();
-            let norm = global_norm(&model, &grads);
+            // One read from the device per step: the micro-batches' losses, then each
+            // gradient's sum of squares, added up on the host in f64.
+            let read = Tensor::cat([losses, squared_sums(&model, &grads)].concat(), 0)
+                .into_data()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .expect("converted to f32");
+            let (losses, squares) = read.split_at(self.accumulate);
+            let loss_sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
+            let norm = squares.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt();
             if self.grad_clip > 0.0 && norm > self.grad_clip {
                 grads = scaled(&model, grads, self.grad_clip / (norm + 1e-6));
             }
@@ -259,24 +270,19 @@ fn param_ids<M: Module>(model: &M, keep: impl Fn(&[usize]) -> bool) -> Vec<Param
     visit.1
 }
 
-/// The L2 norm of all of `grads` together, summed in f64.
-fn global_norm<M: Module>(model: &M, grads: &GradientsParams) -> f64 {
-    struct SumSquares<'a>(&'a GradientsParams, f64);
+/// Each of `grads`' sum of squares, in f32 on their device (one `[1]` tensor each).
+fn squared_sums<M: Module>(model: &M, grads: &GradientsParams) -> Vec<Tensor<1>> {
+    struct SumSquares<'a>(&'a GradientsParams, Vec<Tensor<1>>);
     impl ModuleVisitor for SumSquares<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(grad) = self.0.get::<D>(param.id) {
-                let values: Vec<f32> = grad
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec()
-                    .expect("converted to f32");
-                self.1 += values.iter().map(|&g| g as f64 * g as f64).sum::<f64>();
+                self.1.push(grad.cast(FloatDType::F32).square().sum());
             }
         }
     }
-    let mut visit = SumSquares(grads, 0.0);
+    let mut visit = SumSquares(grads, Vec::new());
     model.visit(&mut visit);
-    visit.1.sqrt()
+    visit.1
 }
 
 /// `grads` times `factor`.
