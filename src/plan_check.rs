@@ -4,7 +4,7 @@
 //! one-rank configurations in-process; `examples/plan_check.rs` runs the sharded ones under
 //! mpirun, where each rank is a process and measures its own peak. (Ranks on threads share
 //! one process, whose peak moves by about 10% with how their backward passes interleave:
-//! too much for a 10% check.)
+//! too much for this check.)
 
 use burn::prelude::*;
 use burnscale_bert::{Bert, BertConfig, BertHead, BertInput};
@@ -15,8 +15,9 @@ use burnscale_train::{
 
 use crate::tasks::{NextToken, TextClassification};
 
-/// The most a prediction may be off, as a fraction of the measured peak.
-pub const TOLERANCE: f64 = 0.10;
+/// The most a prediction may be off, as a fraction of the measured peak: the goal
+/// beyond its 10% (every configuration here reads within 2%).
+pub const TOLERANCE: f64 = 0.05;
 
 /// The check's own flags, first when given: `--vocab N` tokens instead of 65, so that with
 /// 8192 the token table and the head (2.1M parameters each) outweigh a block (0.8M), as a
@@ -77,8 +78,20 @@ pub const SHARDED: &[&[&str]] = &[
         "1",
     ],
     &[CLASSIFIER, "--strategy", "ddp"],
+    // After the step ZeRO-2 gathers its updated shards back bucket by bucket, the token
+    // table's alone; the shards already sent are gone.
+    &[
+        CLASSIFIER,
+        "--strategy",
+        "zero2",
+        "--checkpoint-activations",
+    ],
     &[CLASSIFIER, "--strategy", "zero3"],
     &[MASKED_LM, "--strategy", "zero3"],
+    // A plain backward's gradients reduce-scattered bucket by bucket, the tied table's
+    // alone: here its bucket takes twice its size beside the whole gradients (planned once,
+    // it read -7.6%; the classifier's, untied, stays below twice).
+    &[MASKED_LM, "--strategy", "zero2"],
     &[MASKED_LM, "--strategy", "zero2", "--checkpoint-activations"],
     // Each process plans for the launcher's world, and the ranks check they chose alike.
     &["--strategy", "auto", "--memory-budget", "150MiB"],

@@ -1,5 +1,5 @@
 //! The memory planner predicts, before the first step, the process peak the counting
-//! allocator then measures: within 10% under every precision, optimizer and technique, and
+//! allocator then measures: within 5% under every precision, optimizer and technique, and
 //! the optimizer state to the byte (one rank; the sharded strategies are checked under
 //! mpirun by `examples/plan_check.rs`, one process per rank). A test binary of its own, as
 //! the peak is process-wide (and one test, running the configurations in turn).
@@ -10,7 +10,7 @@ use burnscale::plan_check::{ONE_RANK, TOLERANCE, run, setup};
 use burnscale::train::TrainError;
 use burnscale::train::auto::resolve;
 use burnscale::train::memory::{CountingAllocator, human_bytes};
-use burnscale::train::plan::off;
+use burnscale::train::plan::{Probe, off};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -89,13 +89,40 @@ fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
     );
 }
 
+/// A thread's first matmul leaves buffers the backend keeps for good (gemm's packing
+/// buffers, the thread's own); the probe counts them once, outside the model, not as what
+/// the first block it measures keeps (which the plan multiplies by the depth).
+#[test]
+fn the_probe_counts_what_a_block_keeps_not_what_the_backend_keeps_for_good() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let (first, second) = std::thread::spawn(|| {
+        let (model, task, args, device) = setup(&[]).unwrap();
+        let probe = || Probe::measure(&model, &task, &args, &device).unwrap();
+        (probe(), probe())
+    })
+    .join()
+    .unwrap();
+    for (what, first, second) in [
+        ("embeddings", first.embed, second.embed),
+        ("block", first.block, second.block),
+        ("head", first.head, second.head),
+    ] {
+        assert!(
+            off(first, second).abs() < 0.01,
+            "{what}: {} on the thread's first probe, {} on its second",
+            human_bytes(first),
+            human_bytes(second)
+        );
+    }
+}
+
 fn resolve_error(flags: &[&str]) -> Option<TrainError> {
     let (model, task, args, device) = setup(flags).unwrap();
     resolve(&model, &task, &args, &device).err()
 }
 
 #[test]
-fn the_planned_peak_is_within_ten_percent_of_the_measured_one() {
+fn the_planned_peak_is_within_five_percent_of_the_measured_one() {
     let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
     let mut worst = (0.0f64, String::new());
     let mut failures = Vec::new();
