@@ -81,37 +81,36 @@ impl Probe {
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.next_batch(device, BatchPart::WHOLE);
         drop(copy);
-        // A first forward and backward leave what the backend keeps for good (the matmul's
-        // packing buffers, ~3 MiB for a block of width 512 on Flex): outside the model, once,
-        // not in the first part measured after them. Backward, not a drop, frees the graph.
-        let live = memory::live_bytes();
-        {
+        let (baseline, embed, block_bytes, block_output, head, parts) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
-            let (x, mask) = root.embed(input.clone());
-            let x = match &block {
-                Some(block) => root.block_forward(block, x, &mask),
-                None => x,
+            // The forward through the embeddings, the block and the head, with `mark` called
+            // after each of the first two: the loss, the mask, and the block output's shape
+            // and bytes.
+            let forward = |mark: &mut dyn FnMut()| {
+                let (x, mask) = root.embed(input.clone());
+                mark();
+                let x = match &block {
+                    Some(block) => root.block_forward(block, x, &mask),
+                    None => x,
+                };
+                mark();
+                let (dims, bytes) = (x.shape(), x.shape().num_elements() * x.dtype().size());
+                (root.head_loss(x, target.clone()), mask, dims, bytes)
             };
-            drop(root.head_loss(x, target.clone()).backward());
-        }
-        let baseline = baseline + memory::live_bytes().saturating_sub(live);
-        let (embed, block_bytes, block_output, head, parts) = {
-            let _autocast = autocast::scope(args.precision.is_mixed());
-            let _training = dropout::training_scope();
+            // A first forward and backward leave what the backend keeps for good (the
+            // matmul's packing buffers, ~3 MiB for a block of width 512 on Flex): outside the
+            // model, once, not in the first part measured after them. Backward, not a drop,
+            // frees the graph.
             let live = memory::live_bytes();
-            let (x, mask) = root.embed(input.clone());
-            let embedded = memory::live_bytes();
-            let x = match &block {
-                Some(block) => root.block_forward(block, x, &mask),
-                None => x,
-            };
-            let blocked = memory::live_bytes();
-            let dims = x.shape();
-            let output = dims.num_elements() * x.dtype().size();
-            let loss = root.head_loss(x, target.clone());
+            drop(forward(&mut || ()).0.backward());
+            let baseline = baseline + memory::live_bytes().saturating_sub(live);
+            let mut marks = Vec::with_capacity(2);
+            let live = memory::live_bytes();
+            let (loss, mask, dims, output) = forward(&mut || marks.push(memory::live_bytes()));
             let headed = memory::live_bytes();
             drop(loss);
+            let (embedded, blocked) = (marks[0], marks[1]);
             // Each part's backward on its own, as backward meets them: the head from the last
             // block's output, the block from its input, the embeddings.
             let leaf = || Tensor::<3>::zeros(dims.clone(), (device, dtype.into())).require_grad();
@@ -130,6 +129,7 @@ impl Probe {
                 false => 0,
             };
             (
+                baseline,
                 embedded.saturating_sub(live),
                 blocked.saturating_sub(embedded),
                 output,
