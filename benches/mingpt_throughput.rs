@@ -40,7 +40,8 @@ struct Cli {
     n_head: Option<usize>,
     #[arg(long)]
     n_embd: Option<usize>,
-    /// cpu or cuda (burnscale's `--accelerator`; PyTorch runs on the same device).
+    /// cpu, cuda or cubecl-cpu (burnscale's `--accelerator`; PyTorch runs on the same
+    /// device, on the CPU for cubecl-cpu).
     #[arg(long, default_value = "cpu")]
     accelerator: String,
     /// burnscale's `--precision` (PyTorch: 32-true, bf16-mixed or bf16-true).
@@ -154,7 +155,14 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
         .args(["--steps", &cli.steps.to_string()])
         .args(["--warmup", &cli.warmup.to_string()])
         .args(["--threads", &cli.threads.to_string()])
-        .args(["--device", &cli.accelerator])
+        .args([
+            "--device",
+            if cli.accelerator == "cuda" {
+                "cuda"
+            } else {
+                "cpu"
+            },
+        ])
         .args(["--precision", &cli.precision])
         .output()
         .context("cannot start python3")?;

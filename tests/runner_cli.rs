@@ -110,6 +110,10 @@ fn bad_flags_are_named() {
     // This CPU build has no CUDA (a cuda build on a machine without a GPU says so instead).
     fails_with(&["--accelerator", "cuda"], "built without CUDA");
     fails_with(
+        &["--accelerator", "cubecl-cpu"],
+        "built without cubecl's CPU runtime",
+    );
+    fails_with(
         &["--data", "/nonexistent/text.txt"],
         "/nonexistent/text.txt",
     );

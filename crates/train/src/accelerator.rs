@@ -1,5 +1,7 @@
 //! Where ranks run (Fabric's `accelerator`): on the CPU (ranks as threads or MPI processes,
-//! collectives through host memory), or one rank per CUDA GPU with NCCL collectives.
+//! collectives through host memory), or one rank per CUDA GPU with NCCL collectives; or, to
+//! study the GPU's code path on a machine without one, on cubecl's CPU runtime (the CUDA
+//! backend's fusion, kernels and memory pool, compiled for the CPU through LLVM).
 
 use std::time::Duration;
 
@@ -17,6 +19,12 @@ use crate::TrainError;
 pub enum Accelerator {
     Cpu,
     Cuda,
+    /// cubecl's CPU runtime (a `cubecl-cpu` build): ranks as on `cpu`, tensors on the
+    /// runtime Burn's GPU backends share, so a step fuses and launches the kernels a GPU's
+    /// would, and its pool reports device memory as a GPU's does. Far slower than `cpu`.
+    #[value(name = "cubecl-cpu")]
+    #[serde(rename = "cubecl-cpu")]
+    CubeclCpu,
 }
 
 impl Accelerator {
@@ -27,6 +35,12 @@ impl Accelerator {
         } else {
             Accelerator::Cpu
         })
+    }
+
+    /// The flag's value naming it (`cubecl-cpu`).
+    pub fn name(self) -> String {
+        self.to_possible_value()
+            .map_or_else(String::new, |v| v.get_name().to_string())
     }
 
     /// Runs `f` for each rank this process hosts (`devices` threads, or its one MPI rank),
@@ -42,7 +56,9 @@ impl Accelerator {
         let local = |comm: &dyn Communicator| local_index(comm.rank());
         self.check(devices)?;
         match self {
-            Accelerator::Cpu => Ok(run_ranks(devices, timeout, |comm| f(comm, local(comm)))?),
+            Accelerator::Cpu | Accelerator::CubeclCpu => {
+                Ok(run_ranks(devices, timeout, |comm| f(comm, local(comm)))?)
+            }
             Accelerator::Cuda => {
                 #[cfg(feature = "cuda")]
                 return Ok(burnscale_collective::run_gpu_ranks(
@@ -59,10 +75,14 @@ impl Accelerator {
     /// Whether this process can run its ranks (`devices` threads, or its one MPI rank) here:
     /// on CUDA, one GPU for each.
     pub fn check(self, devices: usize) -> Result<(), TrainError> {
-        if self == Accelerator::Cpu {
-            return Ok(());
-        }
-        let gpus = gpu_count();
+        let gpus = match self {
+            Accelerator::Cpu => return Ok(()),
+            Accelerator::CubeclCpu if cfg!(feature = "cubecl-cpu") => return Ok(()),
+            Accelerator::CubeclCpu => return Err(TrainError::InvalidArgs(
+                "--accelerator cubecl-cpu: this binary was built without cubecl's CPU runtime; rebuild with --features cubecl-cpu".into(),
+            )),
+            Accelerator::Cuda => gpu_count(),
+        };
         let needed = match launched_by_mpirun() {
             true => mpi_local_gpu(gpus) + 1,
             false => devices,
@@ -81,24 +101,31 @@ impl Accelerator {
     }
 
     /// The device of the rank whose device index on this node is `local`: `like` itself on
-    /// the CPU, else GPU `local` with `like`'s autodiff and gradient checkpointing (after
-    /// [`Accelerator::check`]).
+    /// the CPU, else GPU `local` (or cubecl's CPU runtime) with `like`'s autodiff and
+    /// gradient checkpointing (after [`Accelerator::check`]).
     pub fn device(self, like: &Device, local: usize) -> Device {
         match self {
             Accelerator::Cpu => like.clone(),
             #[cfg(feature = "cuda")]
-            Accelerator::Cuda => {
-                use burn::tensor::GradientCheckpointingStrategy::Balanced;
-                let gpu = Device::cuda(local);
-                match like.gradient_checkpointing_strategy() {
-                    None => gpu,
-                    Some(Balanced) => gpu.autodiff().gradient_checkpointing(),
-                    Some(_) => gpu.autodiff(),
-                }
-            }
+            Accelerator::Cuda => autodiff_as(Device::cuda(local), like),
             #[cfg(not(feature = "cuda"))]
             Accelerator::Cuda => unreachable!("checked: GPU {local} in a build without cuda"),
+            #[cfg(feature = "cubecl-cpu")]
+            Accelerator::CubeclCpu => autodiff_as(Device::cpu(), like),
+            #[cfg(not(feature = "cubecl-cpu"))]
+            Accelerator::CubeclCpu => unreachable!("checked: a build without cubecl-cpu"),
         }
+    }
+}
+
+/// `device` with `like`'s autodiff and gradient checkpointing.
+#[cfg(any(feature = "cuda", feature = "cubecl-cpu"))]
+fn autodiff_as(device: Device, like: &Device) -> Device {
+    use burn::tensor::GradientCheckpointingStrategy::Balanced;
+    match like.gradient_checkpointing_strategy() {
+        None => device,
+        Some(Balanced) => device.autodiff().gradient_checkpointing(),
+        Some(_) => device.autodiff(),
     }
 }
 

@@ -89,10 +89,12 @@ pub fn resolve<T: TrainTask>(
             choice: None,
         });
     };
-    if Accelerator::or_default(args.accelerator) == Accelerator::Cuda {
-        return Err(TrainError::InvalidArgs(
-            "--memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan GPU memory yet, so it cannot choose for --accelerator cuda".into(),
-        ));
+    let accelerator = Accelerator::or_default(args.accelerator);
+    if accelerator != Accelerator::Cpu {
+        return Err(TrainError::InvalidArgs(format!(
+            "--memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan a cubecl memory pool yet, so it cannot choose for --accelerator {}",
+            accelerator.name()
+        )));
     }
     let world = world_size(args)?;
     let threads = ranks_in_process(world);

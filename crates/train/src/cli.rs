@@ -90,8 +90,9 @@ pub enum Schedule {
 #[derive(Debug, Clone, Args)]
 pub struct TrainArgs {
     /// Where ranks run: cpu, or cuda (rank i on GPU i; under mpirun the node-local rank's
-    /// GPU; collectives over NCCL). Default: cuda in a cuda build on a machine with a GPU,
-    /// else cpu.
+    /// GPU; collectives over NCCL), or cubecl-cpu (a cubecl-cpu build: the GPU backends'
+    /// runtime, compiled for the CPU). Default: cuda in a cuda build on a machine with a
+    /// GPU, else cpu.
     #[arg(long, value_enum)]
     pub accelerator: Option<Accelerator>,
     /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp), or auto: the fastest
