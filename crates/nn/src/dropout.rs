@@ -6,7 +6,7 @@
 //! for a given seed and call order on a thread (each thread, so each in-process rank, has
 //! its own stream, seeded with [`seed`]), and drawn by tensor ops on the activations' device.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 
 use burn::module::{Flag, Param};
 use burn::prelude::*;
@@ -98,25 +98,60 @@ const LOW_31: u64 = (1 << 31) - 1;
 /// through a cumulative sum that is quadratic in its length on a GPU.
 fn element_index<const D: usize>(shape: &Shape, device: &Device) -> Tensor<D, Int> {
     let dims = shape.dims::<D>();
-    let mut index = Tensor::<D, Int>::zeros([1; D], device);
+    let mut index: Option<Tensor<D, Int>> = None;
     let mut stride = 1i64;
     for d in (0..D).rev() {
         let mut along = [1; D];
         along[d] = dims[d];
-        index = index + range(dims[d], device).reshape(along).mul_scalar(stride);
+        let term = range(dims[d], device).reshape(along).mul_scalar(stride);
+        index = Some(match index {
+            Some(index) => index + term,
+            None => term,
+        });
         stride *= dims[d] as i64;
     }
-    index
+    index.unwrap_or_else(|| Tensor::zeros([1; D], device))
+}
+
+thread_local! {
+    /// The ranges [`range`] built on this thread, by device and length.
+    static RANGES: RefCell<Vec<(Device, usize, Tensor<1, Int>)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `0..n` on `device`, built once per thread (each range is a kernel or two on a GPU, and a
+/// step draws the same shapes' masks again and again; one range per dimension length seen,
+/// a few KiB).
+fn range(n: usize, device: &Device) -> Tensor<1, Int> {
+    let cached = RANGES.with_borrow(|ranges| {
+        ranges
+            .iter()
+            .find(|(on, len, _)| *len == n && same_context(on, device))
+            .map(|(_, _, range)| range.clone())
+    });
+    cached.unwrap_or_else(|| {
+        let range = build_range(n, device);
+        RANGES.with_borrow_mut(|ranges| ranges.push((device.clone(), n, range.clone())));
+        range
+    })
+}
+
+/// Whether `a` and `b` are the same hardware with the same autodiff and checkpointing
+/// (devices compare equal on hardware alone: a range built on the plain device that ZeRO-3
+/// runs forward on must not serve the autodiff device its recomputation runs on).
+fn same_context(a: &Device, b: &Device) -> bool {
+    a == b
+        && a.is_autodiff() == b.is_autodiff()
+        && a.gradient_checkpointing_strategy() == b.gradient_checkpointing_strategy()
 }
 
 /// `0..n` on `device`, built from ranges of at most `CHUNK` (one per chunk, one within).
-fn range(n: usize, device: &Device) -> Tensor<1, Int> {
+fn build_range(n: usize, device: &Device) -> Tensor<1, Int> {
     const CHUNK: usize = 1 << 12;
     if n <= CHUNK {
         return Tensor::arange(0..n as i64, device);
     }
     let chunks = n.div_ceil(CHUNK);
-    let index = range(chunks, device)
+    let index = build_range(chunks, device)
         .reshape([chunks, 1])
         .mul_scalar(CHUNK as i64)
         + Tensor::<1, Int>::arange(0..CHUNK as i64, device).reshape([1, CHUNK]);
@@ -267,6 +302,30 @@ mod tests {
             let n = shape.num_elements() as i64;
             assert_eq!(index(shape), (0..n).collect::<Vec<_>>());
         }
+    }
+
+    /// Each range is built once per thread, device and length, and a cached one is never
+    /// handed to another device (plain, autodiff and checkpointing devices are three).
+    #[test]
+    fn ranges_are_built_once_per_device_and_length() {
+        let plain = Device::default();
+        let autodiff = plain.clone().autodiff();
+        let checkpointing = plain.clone().autodiff().gradient_checkpointing();
+        let cached = || RANGES.with_borrow(Vec::len);
+        let before = cached();
+        let values = |t: Tensor<1, Int>| -> Vec<i64> {
+            t.into_data().convert::<i64>().try_into_vec().unwrap()
+        };
+        for _ in 0..2 {
+            for device in [&plain, &autodiff, &checkpointing] {
+                for n in [7, 9000] {
+                    let range = range(n, device);
+                    assert!(same_context(&range.device(), device));
+                    assert_eq!(values(range), (0..n as i64).collect::<Vec<_>>());
+                }
+            }
+        }
+        assert_eq!(cached() - before, 6);
     }
 
     #[test]
