@@ -6,10 +6,12 @@
 //! for a given seed and call order on a thread (each thread, so each in-process rank, has
 //! its own stream, seeded with [`seed`]), and drawn by tensor ops on the activations' device.
 
-use std::cell::{Cell, RefCell};
+use std::cell::Cell;
 
 use burn::module::{Flag, Param};
 use burn::prelude::*;
+
+use crate::device_cache;
 
 thread_local! {
     /// (seed, calls so far) of this thread's dropout stream.
@@ -113,35 +115,10 @@ fn element_index<const D: usize>(shape: &Shape, device: &Device) -> Tensor<D, In
     index.unwrap_or_else(|| Tensor::zeros([1; D], device))
 }
 
-thread_local! {
-    /// The ranges [`range`] built on this thread, by device and length.
-    static RANGES: RefCell<Vec<(Device, usize, Tensor<1, Int>)>> = const { RefCell::new(Vec::new()) };
-}
-
-/// `0..n` on `device`, built once per thread (each range is a kernel or two on a GPU, and a
-/// step draws the same shapes' masks again and again; one range per dimension length seen,
-/// a few KiB).
+/// `0..n` on `device`, built once per thread and device (a step draws the same shapes'
+/// masks again and again; one range per dimension length seen).
 fn range(n: usize, device: &Device) -> Tensor<1, Int> {
-    let cached = RANGES.with_borrow(|ranges| {
-        ranges
-            .iter()
-            .find(|(on, len, _)| *len == n && same_context(on, device))
-            .map(|(_, _, range)| range.clone())
-    });
-    cached.unwrap_or_else(|| {
-        let range = build_range(n, device);
-        RANGES.with_borrow_mut(|ranges| ranges.push((device.clone(), n, range.clone())));
-        range
-    })
-}
-
-/// Whether `a` and `b` are the same hardware with the same autodiff and checkpointing
-/// (devices compare equal on hardware alone: a range built on the plain device that ZeRO-3
-/// runs forward on must not serve the autodiff device its recomputation runs on).
-fn same_context(a: &Device, b: &Device) -> bool {
-    a == b
-        && a.is_autodiff() == b.is_autodiff()
-        && a.gradient_checkpointing_strategy() == b.gradient_checkpointing_strategy()
+    device_cache::cached("dropout range", n, device, || build_range(n, device))
 }
 
 /// `0..n` on `device`, built from ranges of at most `CHUNK` (one per chunk, one within).
@@ -302,30 +279,6 @@ mod tests {
             let n = shape.num_elements() as i64;
             assert_eq!(index(shape), (0..n).collect::<Vec<_>>());
         }
-    }
-
-    /// Each range is built once per thread, device and length, and a cached one is never
-    /// handed to another device (plain, autodiff and checkpointing devices are three).
-    #[test]
-    fn ranges_are_built_once_per_device_and_length() {
-        let plain = Device::default();
-        let autodiff = plain.clone().autodiff();
-        let checkpointing = plain.clone().autodiff().gradient_checkpointing();
-        let cached = || RANGES.with_borrow(Vec::len);
-        let before = cached();
-        let values = |t: Tensor<1, Int>| -> Vec<i64> {
-            t.into_data().convert::<i64>().try_into_vec().unwrap()
-        };
-        for _ in 0..2 {
-            for device in [&plain, &autodiff, &checkpointing] {
-                for n in [7, 9000] {
-                    let range = range(n, device);
-                    assert!(same_context(&range.device(), device));
-                    assert_eq!(values(range), (0..n as i64).collect::<Vec<_>>());
-                }
-            }
-        }
-        assert_eq!(cached() - before, 6);
     }
 
     #[test]

@@ -5,6 +5,7 @@ mod activation;
 pub mod autocast;
 mod blocks;
 pub mod config;
+pub mod device_cache;
 pub mod dropout;
 pub mod init;
 mod loss;

@@ -13,6 +13,7 @@ use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::{DType as TensorDType, FloatDType, IntDType};
+use burnscale_nn::device_cache;
 use std::sync::OnceLock;
 
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
@@ -87,6 +88,7 @@ fn key_position(x: f64) -> f64 {
 /// (`threshold[k]`, else +inf) lies within one key of `k`, and `below[k]` counts those
 /// surely under `x`: the code is `below[k] + (x >= threshold[k])`, exactly the binary
 /// search's.
+#[derive(Clone)]
 struct Codebook {
     values: Tensor<2>,    // [256, 1]
     below: Tensor<2>,     // [KEYS + 1, 1], codes as f32
@@ -138,19 +140,22 @@ impl Tables {
 }
 
 impl Codebook {
-    fn new(signed: bool, device: &Device) -> Self {
-        let tables = Tables::of(signed);
-        let column = |v: &[f32]| {
-            Tensor::from_data(
-                TensorData::new(v.to_vec(), [v.len(), 1]),
-                (device, TensorDType::F32),
-            )
-        };
-        Self {
-            values: column(&tables.values),
-            below: column(&tables.below),
-            threshold: column(&tables.threshold),
-        }
+    /// The map's tables on `device`, uploaded once per thread and device.
+    fn on(signed: bool, device: &Device) -> Self {
+        device_cache::cached("8-bit codebook", signed.into(), device, || {
+            let tables = Tables::of(signed);
+            let column = |v: &[f32]| {
+                Tensor::from_data(
+                    TensorData::new(v.to_vec(), [v.len(), 1]),
+                    (device, TensorDType::F32),
+                )
+            };
+            Self {
+                values: column(&tables.values),
+                below: column(&tables.below),
+                threshold: column(&tables.threshold),
+            }
+        })
     }
 
     /// The code of the nearest map value to each of `x` (in [-1, 1]).
@@ -349,7 +354,7 @@ impl Optimizer for AdamW8bit {
             return (tensor, state);
         }
         let device = tensor.device();
-        let books = (Codebook::new(true, &device), Codebook::new(false, &device));
+        let books = (Codebook::on(true, &device), Codebook::on(false, &device));
         let time = state.as_ref().map_or(1, |s| s.time + 1);
         let dtype = tensor.dtype();
         let param = tensor.reshape([rows, row_len]);
@@ -475,7 +480,7 @@ mod tests {
         let device = Device::flex();
         for signed in [true, false] {
             let map = dynamic_map(signed);
-            let book = Codebook::new(signed, &device);
+            let book = Codebook::on(signed, &device);
             let mut xs = vec![0.0, -0.0, 1.0, f32::MIN_POSITIVE, 1e-45, 1e-38, 1e-30];
             for pair in map.windows(2) {
                 let mid = (pair[0] + pair[1]) / 2.0;
@@ -520,7 +525,7 @@ mod tests {
             epsilon: 1e-8,
             weight_decay: 0.01,
         };
-        let books = (Codebook::new(true, &device), Codebook::new(false, &device));
+        let books = (Codebook::on(true, &device), Codebook::on(false, &device));
         let whole = Blocks::new(rows, row_len);
         let (mut chunked, mut state) = (values(0), None);
         let (mut reference, mut moments) = (values(0), None);
@@ -540,7 +545,7 @@ mod tests {
     #[test]
     fn quantization_round_trip_stays_within_one_step_of_the_map() {
         let device = Device::flex();
-        let book = Codebook::new(true, &device);
+        let book = Codebook::on(true, &device);
         let blocks = Blocks::new(3, 300); // two blocks per row: 256 and 44 (zero-padded)
         let values: Vec<f32> = (0..900)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.01)

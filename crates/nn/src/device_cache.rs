@@ -1,0 +1,78 @@
+//! Constant tensors built once per thread and device: dropout's index ranges and 8-bit
+//! AdamW's codebooks are the same at every step, and on a GPU each would otherwise be an
+//! upload or a kernel or two per call.
+
+use std::any::Any;
+use std::cell::RefCell;
+
+use burn::prelude::*;
+
+/// One cached value: the device it lives on, what it is, and the value.
+type Entry = (Device, &'static str, usize, Box<dyn Any>);
+
+thread_local! {
+    static CACHE: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The value `build` gives for (`name`, `key`) on `device`, built on the first call on this
+/// thread for that device and kept for the thread's life (a few KiB to a few hundred KiB per
+/// entry; each thread rank has its own).
+pub fn cached<T: Clone + 'static>(
+    name: &'static str,
+    key: usize,
+    device: &Device,
+    build: impl FnOnce() -> T,
+) -> T {
+    let found = CACHE.with_borrow(|cache| {
+        cache
+            .iter()
+            .find(|(on, n, k, _)| *n == name && *k == key && same_context(on, device))
+            .and_then(|(_, _, _, value)| value.downcast_ref::<T>().cloned())
+    });
+    found.unwrap_or_else(|| {
+        let value = build();
+        CACHE.with_borrow_mut(|cache| {
+            cache.push((device.clone(), name, key, Box::new(value.clone())));
+        });
+        value
+    })
+}
+
+/// Whether `a` and `b` are the same hardware with the same autodiff and checkpointing
+/// (devices compare equal on hardware alone: a tensor built on the plain device that ZeRO-3
+/// runs forward on must not serve the autodiff device its recomputation runs on).
+fn same_context(a: &Device, b: &Device) -> bool {
+    a == b
+        && a.is_autodiff() == b.is_autodiff()
+        && a.gradient_checkpointing_strategy() == b.gradient_checkpointing_strategy()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// Each value is built once per thread, device context, name and key, and a cached one
+    /// is never handed to another context (plain, autodiff and checkpointing devices are
+    /// three, and compare equal).
+    #[test]
+    fn values_are_built_once_per_device_context_and_key() {
+        let plain = Device::default();
+        let autodiff = plain.clone().autodiff();
+        let checkpointing = plain.clone().autodiff().gradient_checkpointing();
+        let builds = Cell::new(0);
+        for _ in 0..2 {
+            for device in [&plain, &autodiff, &checkpointing] {
+                for (name, key) in [("a", 7), ("a", 9), ("b", 7)] {
+                    let tensor = cached(name, key, device, || {
+                        builds.set(builds.get() + 1);
+                        Tensor::<1, Int>::arange(0..key as i64, device)
+                    });
+                    assert!(same_context(&tensor.device(), device), "{name} {key}");
+                    assert_eq!(tensor.dims(), [key]);
+                }
+            }
+        }
+        assert_eq!(builds.get(), 9);
+    }
+}
