@@ -1,14 +1,14 @@
-//! Constant tensors built once per thread and device: dropout's index ranges and 8-bit
-//! AdamW's codebooks are the same at every step, and on a GPU each would otherwise be an
-//! upload or a kernel or two per call.
+//! Constant tensors built once per thread and device: dropout's index ranges, 8-bit AdamW's
+//! codebooks, position ids and causal masks are the same at every step, and on a GPU each
+//! would otherwise be an upload or a kernel or two per call.
 
 use std::any::Any;
 use std::cell::RefCell;
 
 use burn::prelude::*;
 
-/// One cached value: the device it lives on, what it is, and the value.
-type Entry = (Device, &'static str, usize, Box<dyn Any>);
+/// One cached value: the device it lives on, what it is (a name and a key), and the value.
+type Entry = (Device, &'static str, Box<dyn Any>, Box<dyn Any>);
 
 thread_local! {
     static CACHE: RefCell<Vec<Entry>> = const { RefCell::new(Vec::new()) };
@@ -17,24 +17,33 @@ thread_local! {
 /// The value `build` gives for (`name`, `key`) on `device`, built on the first call on this
 /// thread for that device and kept for the thread's life (a few KiB to a few hundred KiB per
 /// entry; each thread rank has its own).
-pub fn cached<T: Clone + 'static>(
+pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     name: &'static str,
-    key: usize,
+    key: K,
     device: &Device,
     build: impl FnOnce() -> T,
 ) -> T {
     let found = CACHE.with_borrow(|cache| {
         cache
             .iter()
-            .find(|(on, n, k, _)| *n == name && *k == key && same_context(on, device))
+            .find(|(on, n, k, _)| {
+                *n == name && k.downcast_ref() == Some(&key) && same_context(on, device)
+            })
             .and_then(|(_, _, _, value)| value.downcast_ref::<T>().cloned())
     });
     found.unwrap_or_else(|| {
         let value = build();
         CACHE.with_borrow_mut(|cache| {
-            cache.push((device.clone(), name, key, Box::new(value.clone())));
+            cache.push((device.clone(), name, Box::new(key), Box::new(value.clone())));
         });
         value
+    })
+}
+
+/// Position ids `0..t` (`[1, t]`) on `device`, cached.
+pub fn positions(t: usize, device: &Device) -> Tensor<2, Int> {
+    cached("positions", t, device, || {
+        Tensor::arange(0..t as i64, device).reshape([1, t])
     })
 }
 
@@ -63,7 +72,7 @@ mod tests {
         let builds = Cell::new(0);
         for _ in 0..2 {
             for device in [&plain, &autodiff, &checkpointing] {
-                for (name, key) in [("a", 7), ("a", 9), ("b", 7)] {
+                for (name, key) in [("a", 7usize), ("a", 9), ("b", 7)] {
                     let tensor = cached(name, key, device, || {
                         builds.set(builds.get() + 1);
                         Tensor::<1, Int>::arange(0..key as i64, device)

@@ -142,7 +142,7 @@ impl Tables {
 impl Codebook {
     /// The map's tables on `device`, uploaded once per thread and device.
     fn on(signed: bool, device: &Device) -> Self {
-        device_cache::cached("8-bit codebook", signed.into(), device, || {
+        device_cache::cached("8-bit codebook", signed, device, || {
             let tables = Tables::of(signed);
             let column = |v: &[f32]| {
                 Tensor::from_data(

@@ -4,7 +4,7 @@ use burn::prelude::*;
 use burn::tensor::activation::relu;
 use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache};
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
 
@@ -99,7 +99,7 @@ impl Embeddings {
 
     pub fn forward(&self, input_ids: Tensor<2, Int>, token_type_ids: Tensor<2, Int>) -> Tensor<3> {
         let [_, t] = input_ids.dims();
-        let positions = Tensor::<1, Int>::arange(0..t as i64, &input_ids.device()).reshape([1, t]);
+        let positions = device_cache::positions(t, &input_ids.device()); // [1, t]
         let mut x =
             self.word_embeddings.forward(input_ids) + self.position_embeddings.forward(positions); // [b, t, d]
         if let Some(types) = &self.token_type_embeddings {

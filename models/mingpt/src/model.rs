@@ -4,7 +4,7 @@ use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burnscale_nn::autocast::{layer_norm, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, gelu_tanh};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache, gelu_tanh};
 
 use crate::{GptConfig, GptError};
 
@@ -44,7 +44,11 @@ impl CausalSelfAttention {
         // Scaling q rather than the scores touches t·hd elements per head instead of t².
         let q = q * (1.0 / (hd as f64).sqrt());
         let att = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
-        let future = Tensor::<2, Bool>::tril_mask([t, t], 0, &att.device()).unsqueeze::<4>(); // true where j > i
+        // Built once per device, as nanoGPT registers its `bias` buffer once.
+        let device = att.device();
+        let future = device_cache::cached("causal mask", t, &device, || {
+            Tensor::<2, Bool>::tril_mask([t, t], 0, &device).unsqueeze::<4>() // true where j > i
+        });
         let att = softmax(att.mask_fill(future, f32::NEG_INFINITY), 3);
         let att = self.attn_dropout.forward(att);
         let y = att.matmul(v); // [b, nh, t, hd]
@@ -162,7 +166,7 @@ impl Gpt {
             "cannot forward a sequence of length {t}, block size is only {}",
             self.block_size
         );
-        let pos = Tensor::<1, Int>::arange(0..t as i64, &idx.device()).reshape([1, t]);
+        let pos = device_cache::positions(t, &idx.device()); // [1, t]
         let tok_emb = self.wte.forward(idx); // [b, t, c]
         let pos_emb = self.wpe.forward(pos); // [1, t, c]
         self.drop.forward(tok_emb + pos_emb)
