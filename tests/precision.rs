@@ -153,7 +153,10 @@ fn scaled_step(
             engine.micro_step(input, target, 1, true).unwrap();
             let mut optim = SgdConfig::new().init();
             skipped = engine
-                .step(0.0, |model, grads| optim.step(0.1, model, grads))
+                .step(0.0, |model, grads| {
+                    let grads = grads.into_gradients(&model);
+                    optim.step(0.1, model, grads)
+                })
                 .unwrap()
                 .skipped;
         }

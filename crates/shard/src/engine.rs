@@ -10,7 +10,7 @@ use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
 use crate::params::{self, Flat};
-use crate::{ShardError, Sharding, Strategy, host};
+use crate::{ShardError, Sharding, StepGrads, Strategy, host};
 
 /// The root's units: the embeddings', then the rest (the head's); blocks follow them.
 const EMBEDDINGS: usize = 0;
@@ -265,14 +265,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
-    /// Unscales the reduced gradients (`16-mixed`), skips the step if any rank's overflowed,
-    /// clips them to a global L2 norm of `max_norm` (0: only measures; the norm is taken
-    /// across shards), hands this rank's part of the model with its gradients to `optimize`,
-    /// and redistributes the result.
+    /// Skips the step if any rank's gradients overflowed (`16-mixed`), measures their global
+    /// L2 norm (unscaled, taken across shards), and hands this rank's part of the model with
+    /// its gradients to `optimize`, then redistributes the result. The gradients come with the
+    /// factor that unscales them and clips them to a norm of `max_norm` (0: only measures),
+    /// which the optimizer applies as it steps each one ([`StepGrads`]).
     pub fn step(
         &mut self,
         max_norm: f64,
-        optimize: impl FnOnce(M, GradientsParams) -> M,
+        optimize: impl FnOnce(M, StepGrads) -> M,
     ) -> Result<StepOutcome, ShardError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let mut grads = std::mem::take(&mut self.reduced);
@@ -285,18 +286,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 }
             }
         }
-        if let Some(loss_scale) = self.scaler.as_ref().map(LossScaler::scale) {
-            let unscale = (&self.inner_device(), TensorDType::F32);
-            scale_by(
-                &self.slots,
-                &mut grads,
-                Tensor::full([1], 1.0 / loss_scale, unscale),
-            );
-        }
+        let unscale = self.scaler.as_ref().map(|s| 1.0 / s.scale());
         // The squared norm stays on the device (summed over the ranks when sharded; when
         // replicated, the ranks' maximum, so that they skip or clip alike): it is not finite
         // when any gradient overflowed (or squares past f32's range, a norm above ~1.8e19).
+        // Loss scales are powers of two, so unscaling the sum is exact.
         let mut sum_sq = self.squared_norm(&grads);
+        if let Some(unscale) = unscale {
+            sum_sq = sum_sq * (unscale * unscale);
+        }
         if world > 1 && (self.sharding.optimizer_state || self.scaler.is_some()) {
             let op = match self.sharding.optimizer_state {
                 true => ReduceOp::Sum,
@@ -318,13 +316,16 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 });
             }
         }
-        if max_norm > 0.0 {
-            scale_by(
-                &self.slots,
-                &mut grads,
-                clip_coefficient(sum_sq.clone(), max_norm),
-            );
-        }
+        let factor = match (unscale, max_norm > 0.0) {
+            (None, false) => None,
+            (Some(unscale), false) => Some(Tensor::full(
+                [1],
+                unscale,
+                (&self.inner_device(), TensorDType::F32),
+            )),
+            (None, true) => Some(clip_coefficient(sum_sq.clone(), max_norm)),
+            (Some(unscale), true) => Some(clip_coefficient(sum_sq.clone(), max_norm) * unscale),
+        };
 
         let model = self.model.take().expect(PRESENT);
         let (target, replica) = if self.sharding.optimizer_state && !self.sharding.parameters {
@@ -337,7 +338,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         } else {
             (model, None)
         };
-        let grads = params::to_grads(&target, grads);
+        let grads = StepGrads::new(params::to_grads(&target, grads), factor);
         let updated = optimize(target, grads);
         self.model = Some(match replica {
             None => updated,
@@ -993,22 +994,4 @@ fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
         .bool_and(norm.clone().is_finite());
     let coefficient = (norm.clone() + 1e-6).recip() * max_norm;
     norm.ones_like().mask_where(clipped, coefficient)
-}
-
-/// Multiplies every gradient by `by` (`[1]`, f32, on the device; rounded to 16-bit
-/// gradients' dtype, as a scalar factor would be, so a clipped bf16 norm may exceed its
-/// maximum by a rounding of the factor, as in PyTorch). In slot order: the gradients one
-/// collective reduced are views of its one buffer, which lives until the last of them is
-/// replaced, so that only one such buffer at a time is held beside its scaled copies (in
-/// hash order, nearly all of them were: +245 MiB on a ViT-L/16 FSDP rank of 1.16 GiB).
-fn scale_by(slots: &[Slot], grads: &mut Flat, by: Tensor<1>) {
-    let Some(dtype) = grads.values().next().map(Tensor::dtype) else {
-        return;
-    };
-    let by = by.cast(dtype);
-    for slot in slots {
-        if let Some(grad) = grads.get_mut(&slot.id) {
-            *grad = grad.clone() * by.clone();
-        }
-    }
 }

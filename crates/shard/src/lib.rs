@@ -23,8 +23,10 @@ mod engine;
 pub mod host;
 pub mod layout;
 pub mod params;
+mod step_grads;
 
 pub use engine::{BUCKET_ELEMS, Sharded, StepOutcome};
+pub use step_grads::StepGrads;
 
 use burnscale_collective::CollectiveError;
 

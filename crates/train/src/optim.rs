@@ -11,11 +11,12 @@ use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::momentum::{MomentumConfig, MomentumState};
 use burn::optim::{
     AdamConfig, AdamState, AdamWConfig, AdamWState, AdaptiveMomentumState, DynOptimizer, DynState,
-    GradientsParams, RecordState, SgdConfig, SgdState, StateSink, StateSource,
+    RecordState, SgdConfig, SgdState, StateSink, StateSource,
 };
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burnscale_collective::{Communicator, ReduceOp};
+use burnscale_shard::StepGrads;
 use burnscale_shard::layout::{self, Slot};
 
 use crate::TrainError;
@@ -136,9 +137,10 @@ impl ParamOptimizer {
         &mut self,
         lr: f64,
         model: M,
-        mut grads: GradientsParams,
+        grads: impl Into<StepGrads>,
         span: Option<&dyn Communicator>,
     ) -> (M, Result<(), TrainError>) {
+        let mut grads = grads.into();
         let spans = match self.adafactor.is_some() {
             true => match self.adafactor_spans(&model, &grads, span) {
                 Ok(spans) => Some(spans),
@@ -163,7 +165,7 @@ impl ParamOptimizer {
     fn adafactor_spans<M: Module>(
         &self,
         model: &M,
-        grads: &GradientsParams,
+        grads: &StepGrads,
         span: Option<&dyn Communicator>,
     ) -> Result<Spans, TrainError> {
         let (rank, world) = span.map_or((0, 1), |c| (c.rank(), c.world_size()));
@@ -449,7 +451,7 @@ fn reduced(
 /// its update's sum of squares given every row's sums.
 struct AdafactorPhase<'a> {
     optim: &'a ParamOptimizer,
-    grads: &'a GradientsParams,
+    grads: &'a StepGrads,
     sums: Option<&'a BTreeMap<String, Tensor<1>>>,
     rank: usize,
     world: usize,
@@ -510,7 +512,7 @@ impl ModuleVisitor for AdafactorPhase<'_> {
 struct StepMapper<'a> {
     path: Vec<String>,
     optim: &'a mut ParamOptimizer,
-    grads: &'a mut GradientsParams,
+    grads: &'a mut StepGrads,
     spans: Option<&'a Spans>,
     lr: f64,
     error: Option<TrainError>,

@@ -640,16 +640,11 @@ impl MemoryPlan {
             false => units.largest_param(),
         };
         let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
-        // Clipping (and 16-mixed's unscaling) first replaces the gradients by scaled copies,
-        // in slot order: the gradients one collective reduced are views of its one buffer,
-        // held until the last of them is replaced.
+        // Clipping (and 16-mixed's unscaling) multiply each gradient as it is stepped: one
+        // scaled copy at a time.
         let rescaled = match args.grad_clip > 0.0 || args.precision.scales_loss() {
             false => 0,
-            true if world == 1 || !sharding.gradients && sharding.optimizer_state => {
-                w * largest_stepped
-            }
-            true if sharding.gradients => w * group.div_ceil(world),
-            true => w * group,
+            true => w * largest_stepped,
         };
         phases.push(PhaseBytes::new(
             Phase::Step,
