@@ -15,8 +15,10 @@ thread_local! {
 }
 
 /// The value `build` gives for (`name`, `key`) on `device`, built on the first call on this
-/// thread for that device and kept for the thread's life (a few KiB to a few hundred KiB per
-/// entry; each thread rank has its own).
+/// thread for that device and kept for the thread's life (each thread rank has its own).
+/// Callers keep the keys few: a length is rounded up to a power of two and the tensor cut to
+/// size ([`positions`]), so that sampling through every length up to a block size keeps a
+/// handful of tensors, not one per length.
 pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     name: &'static str,
     key: K,
@@ -26,10 +28,10 @@ pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     let found = CACHE.with_borrow(|cache| {
         cache
             .iter()
-            .find(|(on, n, k, _)| {
+            .filter(|(on, n, k, _)| {
                 *n == name && k.downcast_ref() == Some(&key) && same_context(on, device)
             })
-            .and_then(|(_, _, _, value)| value.downcast_ref::<T>().cloned())
+            .find_map(|(_, _, _, value)| value.downcast_ref::<T>().cloned())
     });
     found.unwrap_or_else(|| {
         let value = build();
@@ -40,11 +42,17 @@ pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     })
 }
 
-/// Position ids `0..t` (`[1, t]`) on `device`, cached.
+/// Position ids `0..t` (`[1, t]`) on `device`, cut from a cached `0..n` (`n` the power of two
+/// at or above `t`).
 pub fn positions(t: usize, device: &Device) -> Tensor<2, Int> {
-    cached("positions", t, device, || {
-        Tensor::arange(0..t as i64, device).reshape([1, t])
-    })
+    let n = t.next_power_of_two();
+    let all = cached("positions", n, device, || {
+        Tensor::arange(0..n as i64, device).reshape([1, n])
+    });
+    match n == t {
+        true => all,
+        false => all.narrow(1, 0, t),
+    }
 }
 
 /// Whether `a` and `b` are the same hardware with the same autodiff and checkpointing

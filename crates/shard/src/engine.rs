@@ -289,8 +289,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let unscale = self.scaler.as_ref().map(|s| 1.0 / s.scale());
         // The squared norm stays on the device (summed over the ranks when sharded; when
         // replicated, the ranks' maximum, so that they skip or clip alike): it is not finite
-        // when any gradient overflowed (or squares past f32's range, a norm above ~1.8e19).
-        // Loss scales are powers of two, so unscaling the sum is exact.
+        // when any gradient overflowed (or squares past f32's range, a norm, still scaled,
+        // above ~1.8e19). Unscaling the sum is exact for power-of-two loss scales (the
+        // scaler's default and its steps), one rounding otherwise.
         let mut sum_sq = self.squared_norm(&grads);
         if let Some(unscale) = unscale {
             sum_sq = sum_sq * (unscale * unscale);

@@ -244,7 +244,8 @@ pub enum Phase {
     Embeddings,
     /// The gradients reduced over the ranks.
     Reduce,
-    /// The optimizer step (after the gradients' clipping and unscaling).
+    /// The optimizer step (each gradient multiplied by the clipping and unscaling factor as
+    /// it is stepped).
     Step,
 }
 
@@ -641,7 +642,8 @@ impl MemoryPlan {
         };
         let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
         // Clipping (and 16-mixed's unscaling) multiply each gradient as it is stepped: one
-        // scaled copy at a time.
+        // scaled copy at a time. Measured, it does not add to the update's temporaries
+        // (counted beside them, the classifier's ZeRO-2 check reads +3.2% instead of -0.5%).
         let rescaled = match args.grad_clip > 0.0 || args.precision.scales_loss() {
             false => 0,
             true => w * largest_stepped,

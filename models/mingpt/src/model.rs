@@ -44,11 +44,16 @@ impl CausalSelfAttention {
         // Scaling q rather than the scores touches t·hd elements per head instead of t².
         let q = q * (1.0 / (hd as f64).sqrt());
         let att = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
-        // Built once per device, as nanoGPT registers its `bias` buffer once.
-        let device = att.device();
-        let future = device_cache::cached("causal mask", t, &device, || {
-            Tensor::<2, Bool>::tril_mask([t, t], 0, &device).unsqueeze::<4>() // true where j > i
+        // Built once per device, as nanoGPT registers its `bias` buffer once (for lengths
+        // rounded up to a power of two, and cut to `t`).
+        let (device, n) = (att.device(), t.next_power_of_two());
+        let future = device_cache::cached("causal mask", n, &device, || {
+            Tensor::<2, Bool>::tril_mask([n, n], 0, &device).unsqueeze::<4>() // true where j > i
         });
+        let future = match n == t {
+            true => future,
+            false => future.narrow(2, 0, t).narrow(3, 0, t),
+        };
         let att = softmax(att.mask_fill(future, f32::NEG_INFINITY), 3);
         let att = self.attn_dropout.forward(att);
         let y = att.matmul(v); // [b, nh, t, hd]
@@ -235,5 +240,34 @@ impl BlockModel for Gpt {
 
     fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
         Box::new(crate::loader::Gpt2Keys)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prefix's logits are the whole sequence's first logits (causal attention), at every
+    /// prefix length: those that cut the cached power-of-two mask and positions as well as
+    /// those that use them whole.
+    #[test]
+    fn every_prefix_sees_only_itself() {
+        let device = Device::default();
+        let config = GptConfig::tiny();
+        let model = Gpt::new(&config, &device).unwrap();
+        let t = config.block_size;
+        let tokens: Vec<i64> = (0..t as i64).map(|i| (i * 7 + 3) % 11).collect();
+        let idx = |n: usize| {
+            Tensor::<2, Int>::from_data(TensorData::new(tokens[..n].to_vec(), [1, n]), &device)
+        };
+        let whole = model.forward(idx(t)); // [1, t, vocab]
+        for n in 1..t {
+            let prefix = model.forward(idx(n));
+            let diff = (prefix - whole.clone().narrow(1, 0, n))
+                .abs()
+                .max()
+                .into_scalar::<f32>();
+            assert!(diff < 1e-5, "prefix of {n} differs by {diff}");
+        }
     }
 }
