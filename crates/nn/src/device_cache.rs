@@ -6,6 +6,7 @@ use std::any::Any;
 use std::cell::RefCell;
 
 use burn::prelude::*;
+use burn::tensor::kind::Basic;
 
 /// One cached value: the device it lives on, what it is (a name and a key), and the value.
 type Entry = (Device, &'static str, Box<dyn Any>, Box<dyn Any>);
@@ -16,9 +17,7 @@ thread_local! {
 
 /// The value `build` gives for (`name`, `key`) on `device`, built on the first call on this
 /// thread for that device and kept for the thread's life (each thread rank has its own).
-/// Callers keep the keys few: a length is rounded up to a power of two and the tensor cut to
-/// size ([`positions`]), so that sampling through every length up to a block size keeps a
-/// handful of tensors, not one per length.
+/// Callers keep the keys few: a length goes through [`for_length`].
 pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     name: &'static str,
     key: K,
@@ -42,17 +41,29 @@ pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     })
 }
 
-/// Position ids `0..t` (`[1, t]`) on `device`, cut from a cached `0..n` (`n` the power of two
-/// at or above `t`).
-pub fn positions(t: usize, device: &Device) -> Tensor<2, Int> {
+/// The tensor `build` gives for a length `n`, the power of two at or above `t` (cached under
+/// `name` and `n`), cut to `t` along each of `dims`: sampling through every length up to a
+/// block size keeps a handful of tensors, not one per length.
+pub fn for_length<const D: usize, K: Basic + 'static>(
+    name: &'static str,
+    t: usize,
+    dims: &[usize],
+    device: &Device,
+    build: impl FnOnce(usize) -> Tensor<D, K>,
+) -> Tensor<D, K> {
     let n = t.next_power_of_two();
-    let all = cached("positions", n, device, || {
-        Tensor::arange(0..n as i64, device).reshape([1, n])
-    });
+    let all = cached(name, n, device, || build(n));
     match n == t {
         true => all,
-        false => all.narrow(1, 0, t),
+        false => dims.iter().fold(all, |x, &dim| x.narrow(dim, 0, t)),
     }
+}
+
+/// Position ids `0..t` (`[1, t]`) on `device`.
+pub fn positions(t: usize, device: &Device) -> Tensor<2, Int> {
+    for_length("positions", t, &[1], device, |n| {
+        Tensor::arange(0..n as i64, device).reshape([1, n])
+    })
 }
 
 /// Whether `a` and `b` are the same hardware with the same autodiff and checkpointing

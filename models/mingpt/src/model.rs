@@ -44,16 +44,11 @@ impl CausalSelfAttention {
         // Scaling q rather than the scores touches t·hd elements per head instead of t².
         let q = q * (1.0 / (hd as f64).sqrt());
         let att = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
-        // Built once per device, as nanoGPT registers its `bias` buffer once (for lengths
-        // rounded up to a power of two, and cut to `t`).
-        let (device, n) = (att.device(), t.next_power_of_two());
-        let future = device_cache::cached("causal mask", n, &device, || {
+        // Built once per device, as nanoGPT registers its `bias` buffer once.
+        let device = att.device();
+        let future = device_cache::for_length("causal mask", t, &[2, 3], &device, |n| {
             Tensor::<2, Bool>::tril_mask([n, n], 0, &device).unsqueeze::<4>() // true where j > i
         });
-        let future = match n == t {
-            true => future,
-            false => future.narrow(2, 0, t).narrow(3, 0, t),
-        };
         let att = softmax(att.mask_fill(future, f32::NEG_INFINITY), 3);
         let att = self.attn_dropout.forward(att);
         let y = att.matmul(v); // [b, nh, t, hd]
