@@ -4,6 +4,11 @@
 //!
 //!     cargo bench --bench mingpt_throughput                 # gpt-mini, block 128, batch 16
 //!     cargo bench --bench mingpt_throughput -- --steps 40 --summary-json /tmp/bench.json
+//!     # ZeRO-3 on one rank beside single: resharded after forward (recomputing each block),
+//!     # kept gathered until backward, and with its shards offloaded:
+//!     cargo bench --bench mingpt_throughput -- --no-torch --also "--strategy zero3" \
+//!         --also "--strategy zero3 --reshard-after-forward false" \
+//!         --also "--strategy zero3 --offload params"
 //!     # on a GPU (a `cuda` build), the 57M config in bf16-mixed:
 //!     cargo bench --features cuda --bench mingpt_throughput -- --accelerator cuda \
 //!         --n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --precision bf16-mixed
@@ -70,6 +75,10 @@ struct Cli {
     /// Skip the plain Burn loop.
     #[arg(long)]
     no_plain: bool,
+    /// Another burnscale run after the first, with these runner flags added (repeatable; a
+    /// later flag overrides), its step time as a ratio to the first's.
+    #[arg(long, allow_hyphen_values = true)]
+    also: Vec<String>,
     #[arg(long)]
     summary_json: Option<std::path::PathBuf>,
     // `cargo bench` passes `--bench` to every bench target.
@@ -77,10 +86,10 @@ struct Cli {
     bench: bool,
 }
 
-/// The runner's flags for `steps` steps of this benchmark.
-fn train_args(cli: &Cli, steps: usize) -> Result<TrainArgs> {
+/// The runner's flags for `steps` steps of this benchmark, then `extra`.
+fn train_args(cli: &Cli, steps: usize, extra: &[&str]) -> Result<TrainArgs> {
     let (steps, batch) = (steps.to_string(), cli.batch_size.to_string());
-    Ok(TrainArgs::from_flags(&[
+    let base = [
         "--max-steps",
         &steps,
         "--batch-size",
@@ -93,7 +102,8 @@ fn train_args(cli: &Cli, steps: usize) -> Result<TrainArgs> {
         &cli.precision,
         "--strategy",
         &cli.strategy,
-    ])?)
+    ];
+    Ok(TrainArgs::from_flags(&[&base[..], extra].concat())?)
 }
 
 /// Random tokens, the same for every side.
@@ -110,8 +120,13 @@ fn task(cli: &Cli, config: &GptConfig) -> Result<NextToken> {
     )?)
 }
 
-fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSummary> {
-    let args = train_args(cli, steps)?;
+fn burnscale_run(
+    cli: &Cli,
+    config: &GptConfig,
+    steps: usize,
+    extra: &[&str],
+) -> Result<RunSummary> {
+    let args = train_args(cli, steps, extra)?;
     let device = args.device()?;
     device.seed(1337);
     let model = Gpt::new(config, &device)?;
@@ -121,7 +136,7 @@ fn burnscale_run(cli: &Cli, config: &GptConfig, steps: usize) -> Result<RunSumma
 /// Tokens per second of the plain Burn loop over `cli.steps` steps, after `cli.warmup`
 /// untimed ones.
 fn plain_run(cli: &Cli, config: &GptConfig) -> Result<f64> {
-    let args = train_args(cli, cli.warmup)?;
+    let args = train_args(cli, cli.warmup, &[])?;
     if args.precision.is_mixed() {
         anyhow::bail!("the plain loop has no autocast: run it with a *-true precision");
     }
@@ -130,7 +145,8 @@ fn plain_run(cli: &Cli, config: &GptConfig) -> Result<f64> {
     let mut task = task(cli, config)?;
     let warm = PlainConfig::from_args(&args).map_err(anyhow::Error::msg)?;
     let (_, model) = warm.train(Gpt::new(config, &device)?, &mut task, &device);
-    let timed = PlainConfig::from_args(&train_args(cli, cli.steps)?).map_err(anyhow::Error::msg)?;
+    let timed =
+        PlainConfig::from_args(&train_args(cli, cli.steps, &[])?).map_err(anyhow::Error::msg)?;
     let start = std::time::Instant::now();
     let (trajectory, _) = timed.train(model, &mut task, &device);
     // The losses were read every step: the device has finished.
@@ -191,10 +207,17 @@ fn run() -> Result<()> {
     config.n_head = cli.n_head.unwrap_or(config.n_head);
     config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
     // A short untimed run pays one-time costs (allocator warm-up, lazy init) first.
-    burnscale_run(&cli, &config, cli.warmup)?;
+    burnscale_run(&cli, &config, cli.warmup, &[])?;
     memory::reset_peak();
-    let ours = burnscale_run(&cli, &config, cli.steps)?;
+    let ours = burnscale_run(&cli, &config, cli.steps, &[])?;
     let ours_tps = ours.tokens_per_s.unwrap_or(0.0);
+    let mut others = Vec::new();
+    for flags in &cli.also {
+        let extra: Vec<&str> = flags.split_whitespace().collect();
+        burnscale_run(&cli, &config, cli.warmup, &extra)?;
+        memory::reset_peak();
+        others.push((flags, burnscale_run(&cli, &config, cli.steps, &extra)?));
+    }
     let plain = if cli.no_plain {
         Err(anyhow::anyhow!("skipped (--no-plain)"))
     } else {
@@ -228,6 +251,16 @@ fn run() -> Result<()> {
         step_ms(ours_tps),
         ours.warmup_s
     );
+    for (flags, summary) in &others {
+        let tps = summary.tokens_per_s.unwrap_or(0.0);
+        println!(
+            "  {flags}: {tps:.0} tokens/s, {:.1} ms a step ({:.2}x the first run's), first step {:.2} s, peak process memory {}",
+            step_ms(tps),
+            ours_tps / tps,
+            summary.warmup_s,
+            memory::human_bytes(summary.peak_mem_bytes)
+        );
+    }
     match &plain {
         Ok(tps) => println!(
             "{:<22} {tps:>12.0} {:>10.1}   burnscale/plain tokens/s {:.2}",
@@ -273,6 +306,7 @@ fn run() -> Result<()> {
     if let Some(path) = &cli.summary_json {
         let report = json!({
             "burnscale": ours,
+            "also": others.iter().map(|(flags, s)| json!({"flags": flags, "summary": s})).collect::<Vec<_>>(),
             "plain_tokens_per_s": plain.as_ref().ok(),
             "pytorch": torch.as_ref().ok(),
             "ratio_burnscale_over_pytorch": ratio,

@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use burnscale::check_ranks;
 use burnscale::collective::Communicator;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAMW, Comparison, SGD, check, check_resume};
+use burnscale::equivalence::{ADAMW, Comparison, KEPT_GATHERED, SGD, check, check_resume};
 use burnscale::train::TrainError;
 use clap::Parser;
 
@@ -69,6 +69,12 @@ fn report(comm: &dyn Communicator, checkpoint_dir: Option<&Path>) -> usize {
                 check_resume(comm, strategy, &dir.join(strategy), ADAMW),
             );
         }
+    }
+    // ZeRO-3 keeping each unit gathered from its forward to the end of its backward.
+    for (optimizer, extra) in [SETTINGS[0], SETTINGS[3]] {
+        let flags = [optimizer, extra, KEPT_GATHERED].concat();
+        let case = format!("[rank {rank}/{world}] zero3 {}", flags.join(" "));
+        outcome(case, check(comm, "zero3", &flags));
     }
     failed
 }

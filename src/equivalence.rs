@@ -90,6 +90,11 @@ pub const ADAFACTOR: &[&str] = &[
     "0",
 ];
 
+/// ZeRO-3 keeping each unit gathered from its forward to the end of its backward (FSDP2's
+/// `reshard_after_forward=False`): each block runs once, under autodiff with its gathered
+/// parameters, and backward goes through the graphs forward kept.
+pub const KEPT_GATHERED: &[&str] = &["--reshard-after-forward", "false"];
+
 /// What a check found.
 #[derive(Debug, Clone)]
 pub struct Comparison {

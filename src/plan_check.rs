@@ -50,6 +50,7 @@ pub const ONE_RANK: &[&[&str]] = &[
     &["--optimizer", "adafactor"],
     &["--optimizer", "sgd"],
     &["--offload", "optimizer"],
+    &["--strategy", "zero3", "--reshard-after-forward", "false"],
     &[VOCAB, "8192", "--precision", "16-mixed"],
     &[VOCAB, "8192", "--checkpoint-activations"],
     &[CLASSIFIER],
@@ -66,6 +67,23 @@ pub const SHARDED: &[&[&str]] = &[
     &["--strategy", "zero3", "--accumulate", "2"],
     &["--strategy", "zero3", "--precision", "bf16-true"],
     &["--strategy", "zero3", "--offload", "params"],
+    // Each unit kept gathered, with its graph, from its forward to its backward.
+    &["--strategy", "zero3", "--reshard-after-forward", "false"],
+    &[
+        "--strategy",
+        "zero3",
+        "--reshard-after-forward",
+        "false",
+        "--precision",
+        "bf16-mixed",
+    ],
+    &[
+        "--strategy",
+        "zero3",
+        "--reshard-after-forward",
+        "false",
+        "--checkpoint-activations",
+    ],
     &[VOCAB, "8192", "--strategy", "zero3"],
     &[
         LAYERS,
@@ -88,6 +106,14 @@ pub const SHARDED: &[&[&str]] = &[
     ],
     &[CLASSIFIER, "--strategy", "zero3"],
     &[MASKED_LM, "--strategy", "zero3"],
+    // The head gathers the token table again beside the embeddings' kept copy.
+    &[
+        MASKED_LM,
+        "--strategy",
+        "zero3",
+        "--reshard-after-forward",
+        "false",
+    ],
     // A plain backward's gradients reduce-scattered bucket by bucket, the tied table's
     // alone: here its bucket takes twice its size beside the whole gradients (planned once,
     // it read -7.6%; the classifier's, untied, stays below twice).

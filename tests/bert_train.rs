@@ -158,7 +158,8 @@ fn tiny_bert_learns_a_toy_task() {
 
 /// A masked-LM head reads the word embeddings too, so ZeRO-3 gathers the embeddings' unit for
 /// the head as well: two SGD steps on 2 thread ranks (half the batch each) leave the same
-/// model as one rank on the whole batch.
+/// model as one rank on the whole batch, with each unit resharded after forward or kept
+/// gathered until its backward.
 #[test]
 fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
     use burnscale::bert::BertInput;
@@ -186,7 +187,7 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
         };
         (input, ids.reshape([n * t]))
     };
-    let train = |strategy: Strategy, world: usize| {
+    let train = |strategy: Strategy, world: usize, reshard: bool| {
         let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
             let model = seeded_model(5, |device| Bert::new(&config, device).unwrap());
             let sgd = [
@@ -200,6 +201,9 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
             let args = TrainArgs::from_flags(&sgd).unwrap();
             let mut optim = ParamOptimizer::new(&args, 0, &model).unwrap();
             let mut engine = Sharded::new(strategy, model, comm, &device).unwrap();
+            if !reshard {
+                engine = engine.reshard_after_forward(false).unwrap();
+            }
             let rows = batch / world;
             for _ in 0..2 {
                 let (input, target) = part(comm.rank() * rows..(comm.rank() + 1) * rows);
@@ -214,9 +218,11 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
         .unwrap();
         ranks.into_iter().next().unwrap().unwrap()
     };
-    let single = train(Strategy::Ddp, 1);
-    let sharded = train(Strategy::Zero3, 2);
+    let single = train(Strategy::Ddp, 1, true);
+    let sharded = train(Strategy::Zero3, 2, true);
     assert_same(&single, &sharded, "zero3 masked LM");
+    let kept = train(Strategy::Zero3, 2, false);
+    assert_same(&single, &kept, "zero3 masked LM, kept gathered");
 }
 
 /// Checking examples reads shapes only: a lazily built model stays uninitialised (under

@@ -6,7 +6,7 @@
 
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAMW, SGD, check_with_dropout};
+use burnscale::equivalence::{ADAMW, KEPT_GATHERED, SGD, check_with_dropout};
 
 mod common;
 use common::{assert_every_strategy_matches_plain, assert_matches_plain};
@@ -48,6 +48,21 @@ fn checkpointed_blocks_take_the_plain_steps() {
     }
 }
 
+/// ZeRO-3 keeping each unit gathered from its forward to its backward; with checkpointing it
+/// recomputes from the parameters it kept, without gathering them again.
+#[test]
+fn zero3_kept_gathered_takes_the_plain_steps() {
+    for optimizer in [SGD, ADAMW] {
+        for world in 1..=4 {
+            assert_matches_plain("zero3", world, &[optimizer, KEPT_GATHERED].concat());
+        }
+    }
+    let clipped = ["--accumulate", "2", "--grad-clip", "0.05"];
+    assert_matches_plain("zero3", 2, &[SGD, KEPT_GATHERED, &clipped].concat());
+    let checkpointed = ["--checkpoint-activations"];
+    assert_matches_plain("zero3", 3, &[ADAMW, KEPT_GATHERED, &checkpointed].concat());
+}
+
 #[test]
 fn recomputed_blocks_drop_what_their_forward_dropped() {
     // ZeRO-3 and --checkpoint-activations run blocks forward outside autodiff and recompute
@@ -57,6 +72,15 @@ fn recomputed_blocks_drop_what_their_forward_dropped() {
     for optimizer in [SGD, ADAMW] {
         for (strategy, extra) in [
             ("zero3", &[][..]),
+            ("zero3", KEPT_GATHERED),
+            (
+                "zero3",
+                &[
+                    "--reshard-after-forward",
+                    "false",
+                    "--checkpoint-activations",
+                ][..],
+            ),
             ("ddp", &["--checkpoint-activations"][..]),
             ("single", &[][..]),
             ("single", &["--accumulate", "2"][..]),

@@ -63,7 +63,8 @@ pub struct Sharded<'c, M: BlockModel> {
     /// This step's micro-step losses (each divided by the accumulation), on the device:
     /// read once, when the step ends, so that nothing waits for the device mid-step.
     losses: Vec<Tensor<1>>,
-    /// Per-block activation checkpointing (always on when parameters are sharded).
+    /// Per-block activation checkpointing, as asked (sharded parameters resharded after
+    /// forward recompute anyway: [`Sharding::recomputes`]).
     checkpoint: bool,
     precision: Precision,
     /// Where the parameter shards live between uses when offloaded (else the device).
@@ -141,7 +142,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             grad_peak: 0,
             grad_bytes: 0,
             losses: Vec::new(),
-            checkpoint: sharding.parameters,
+            checkpoint: false,
             precision: Precision::F32True,
             home: None,
             reduce_dtype: DType::F32,
@@ -156,11 +157,24 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward. Sharded parameters always work this way (gathered weights are
-    /// dropped after forward).
+    /// recomputed in backward. Sharded parameters resharded after forward always work this
+    /// way (gathered weights are dropped after forward).
     pub fn checkpoint_activations(mut self, on: bool) -> Self {
-        self.checkpoint = on || self.sharding.parameters;
+        self.checkpoint = on;
         self
+    }
+
+    /// Whether sharded parameters are dropped after each unit's forward and gathered again
+    /// for its backward (the default), or kept gathered from forward to the end of backward
+    /// ([`Sharding::reshard_after_forward`]). Only sharded parameters can be resharded.
+    pub fn reshard_after_forward(mut self, on: bool) -> Result<Self, ShardError> {
+        if !self.sharding.parameters {
+            return Err(ShardError::NotSharded(
+                "reshard_after_forward chooses when gathered parameter shards are dropped (zero3)",
+            ));
+        }
+        self.sharding.reshard_after_forward = on;
+        Ok(self)
     }
 
     /// Trains under `precision`: the `*-true` policies keep the weights (and so the optimizer
@@ -181,8 +195,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// are stepped where they live.
     pub fn offload_params(mut self, host: Device) -> Result<Self, ShardError> {
         if !self.sharding.parameters {
-            return Err(ShardError::Offload(
-                "parameter offload keeps the parameter shards of zero3 on the host, but this strategy keeps whole parameters".into(),
+            return Err(ShardError::NotSharded(
+                "parameter offload keeps the parameter shards of zero3 on the host",
             ));
         }
         let model = self.model.take().expect(PRESENT);
@@ -242,12 +256,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         accumulate: usize,
         last: bool,
     ) -> Result<(), ShardError> {
-        if self.checkpoint {
+        if self.sharding.recomputes(self.checkpoint) {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Inputs);
         }
-        // Later micro-steps of an accumulation into whole sums: a plain backward would hand
-        // back every gradient at once, a second whole copy beside the sums.
-        if !self.local.is_empty() {
+        // Gathered units are dropped as backward leaves each; and in later micro-steps of an
+        // accumulation into whole sums a plain backward would hand back every gradient at
+        // once, a second whole copy beside the sums.
+        if self.sharding.parameters || !self.local.is_empty() {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
         }
         let model = self.compute(self.model.as_ref().expect(PRESENT).clone());
@@ -768,22 +783,23 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
-    /// Per-block checkpointing (always on with sharded parameters). Blocks run forward outside
-    /// autodiff, keeping only their input; backward takes each block again, recomputes it
-    /// under autodiff (with the same dropout masks) and back-propagates the incoming gradient
-    /// through it. With sharded gradients a unit's are reduce-scattered as soon as backward
-    /// leaves it, on every micro-step (the head's, each block's, the embeddings'), so a rank
-    /// holds one unit's full gradients at a time. Sharded parameters are gathered just
-    /// before a unit runs and dropped after: each block for its forward and for its
-    /// backward, the head's unit for the head's forward and backward, the embeddings' for
-    /// their forward and (recomputed) backward. DDP and ZeRO-1 reduce their buckets after
-    /// the whole backward of the last micro-step.
+    /// Backward block by block. With [`Keep::Inputs`] (per-block checkpointing) blocks run
+    /// forward outside autodiff, keeping only their input; backward takes each block again,
+    /// recomputes it under autodiff (with the same dropout masks) and back-propagates the
+    /// incoming gradient through it. With sharded gradients a unit's are reduce-scattered as
+    /// soon as backward leaves it, on every micro-step (the head's, each block's, the
+    /// embeddings'), so a rank holds one unit's full gradients at a time. Sharded parameters
+    /// are gathered just before a unit runs and dropped after: each block for its forward
+    /// and for its backward, the head's unit for the head's forward and backward, the
+    /// embeddings' for their forward and (recomputed) backward; or, not resharded after
+    /// forward, kept gathered from a unit's forward to the end of its backward. DDP and
+    /// ZeRO-1 reduce their buckets after the whole backward of the last micro-step.
     ///
-    /// With [`Keep::Graphs`] (replicated parameters only) nothing is recomputed: each block
-    /// runs forward under autodiff from an input of its own and keeps its graph, and backward
-    /// goes through the graphs block by block, adding each block's gradients into the sums
-    /// as it leaves it (PyTorch adds into `.grad` as backward goes), instead of a plain
-    /// backward's whole second copy at its end.
+    /// With [`Keep::Graphs`] nothing is recomputed: each block runs forward under autodiff
+    /// from an input of its own and keeps its graph (and so its gathered parameters), and
+    /// backward goes through the graphs block by block, adding each block's gradients into
+    /// the sums as it leaves it (PyTorch adds into `.grad` as backward goes), instead of a
+    /// plain backward's whole second copy at its end.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
@@ -793,19 +809,29 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         keep: Keep,
     ) -> Result<(), ShardError> {
         let sharded_params = self.sharding.parameters;
+        let keep_gathered = self.sharding.keeps_gathered();
         let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
         let start = dropout::position();
-        // Sharded, the root is gathered around each use; else its compute copy serves all.
-        let (mut x, mask, embedded) = if sharded_params {
+        // Sharded, the root is gathered around each use (the embeddings kept gathered, with
+        // their graph, when not resharded); else its compute copy serves all. The embeddings'
+        // output under autodiff, with their gathered unit, when backward need not recompute
+        // them.
+        let (mut x, mask, embedded) = if sharded_params && !keep_gathered {
             let _training = dropout::training_scope();
             let (x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.embed(input.clone());
             (x, mask, None)
         } else {
-            root = self.compute(root);
-            let (embedded, mask) = root.embed(input.clone()); // [batch, seq, d_model]
-            (embedded.clone().inner(), mask, Some(embedded))
+            let gathered = match sharded_params {
+                true => Some(self.unit(&root, &[EMBEDDINGS], true)?),
+                false => {
+                    root = self.compute(root);
+                    None
+                }
+            };
+            let (embedded, mask) = gathered.as_ref().unwrap_or(&root).embed(input.clone()); // [batch, seq, d_model]
+            (embedded.clone().inner(), mask, Some((embedded, gathered)))
         };
         let inner_mask = mask.clone().map(|m| m.inner());
         let mask = mask.map(|m| autodiff_on(m, &self.device));
@@ -817,10 +843,17 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 saved.push(match keep {
                     Keep::Inputs => {
                         let at = dropout::position();
-                        let block = self.unit(block, &unit, false)?;
+                        let gathered = match keep_gathered {
+                            true => Some(self.unit(block, &unit, true)?),
+                            false => None,
+                        };
+                        let block = match &gathered {
+                            Some(gathered) => params::detached(gathered),
+                            None => self.unit(block, &unit, false)?,
+                        };
                         let input = x.clone();
                         x = root.block_forward(&block, x, &inner_mask);
-                        Saved::Input(input, at)
+                        Saved::Input(input, at, gathered)
                     }
                     Keep::Graphs => {
                         let block = self.unit(block, &unit, true)?;
@@ -860,8 +893,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         for (i, block) in blocks.iter().enumerate().rev() {
             let (block, input, y) = match saved.pop().expect("one saved part per block") {
-                Saved::Input(x, at) => {
-                    let block = self.unit(block, &[FIRST_BLOCK + i], true)?;
+                Saved::Input(x, at, gathered) => {
+                    let block = match gathered {
+                        Some(gathered) => gathered,
+                        None => self.unit(block, &[FIRST_BLOCK + i], true)?,
+                    };
                     dropout::rewind(at);
                     let input = autodiff_on(x, &self.device).require_grad();
                     let y = root.block_forward(&block, input.clone(), &mask);
@@ -885,7 +921,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
         }
         let embedded = match embedded {
-            Some(embedded) => Some((embedded, None)),
+            Some(embedded) => Some(embedded),
             None => {
                 dropout::rewind(start);
                 let gathered = self.unit(&root, &[EMBEDDINGS], true)?;
@@ -966,8 +1002,9 @@ enum Keep {
     reason = "one per block, for one micro-step: the handles' bytes do not matter"
 )]
 enum Saved<B> {
-    /// Its input (outside autodiff), and where the dropout stream stood when it ran.
-    Input(Tensor<3>, dropout::StreamPosition),
+    /// Its input (outside autodiff), where the dropout stream stood when it ran, and its
+    /// gathered parameters (tracked) when they stay gathered until its backward.
+    Input(Tensor<3>, dropout::StreamPosition, Option<B>),
     /// The block as it ran (its compute copy), its input leaf and its output, tracked.
     Graph {
         block: B,

@@ -15,7 +15,9 @@
 //! the token table leaves the table's whole gradient until the embeddings' reduce-scatter,
 //! the last). Burn's autodiff graph keeps every weight a forward used alive until backward, so
 //! a block's forward runs outside autodiff and backward recomputes it from its saved input
-//! with re-gathered weights ([`Sharded`]).
+//! with re-gathered weights ([`Sharded`]), unless [`Sharding::reshard_after_forward`] is off:
+//! then each unit stays gathered, with its graph, from its forward to the end of its
+//! backward.
 //!
 //! [`BlockModel`]: burnscale_nn::BlockModel
 
@@ -41,7 +43,7 @@ pub enum Strategy {
 
 impl Strategy {
     /// What the strategy shards over the ranks: ZeRO's stages as data, one flag per model
-    /// state (FSDP2's `reshard_after_forward` is `parameters`).
+    /// state; sharded parameters are resharded after forward, as FSDP2's default.
     pub const fn sharding(self) -> Sharding {
         let (optimizer_state, gradients, parameters) = match self {
             Strategy::Ddp => (false, false, false),
@@ -53,6 +55,7 @@ impl Strategy {
             optimizer_state,
             gradients,
             parameters,
+            reshard_after_forward: parameters,
         }
     }
 }
@@ -68,6 +71,26 @@ pub struct Sharding {
     /// Each rank holds only its parameter shards between uses; a unit is gathered around its
     /// forward and its backward (ZeRO-3, FSDP).
     pub parameters: bool,
+    /// With sharded parameters: each unit's gathered parameters are dropped after its
+    /// forward and gathered again for its backward, which recomputes its forward (Burn's
+    /// graph would keep them). When false, a unit gathered for forward stays gathered, with
+    /// its graph, until its backward ends: one all-gather a micro-step and no recomputation,
+    /// for the whole model's parameters held during forward and backward (FSDP2's
+    /// `reshard_after_forward=False`, FSDP1's `SHARD_GRAD_OP`).
+    pub reshard_after_forward: bool,
+}
+
+impl Sharding {
+    /// Whether each block's forward is recomputed in backward: with per-block activation
+    /// checkpointing, and wherever gathered parameters are dropped after forward.
+    pub const fn recomputes(self, checkpoint_activations: bool) -> bool {
+        checkpoint_activations || (self.parameters && self.reshard_after_forward)
+    }
+
+    /// Whether sharded parameters stay gathered from a unit's forward to its backward.
+    pub const fn keeps_gathered(self) -> bool {
+        self.parameters && !self.reshard_after_forward
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -76,8 +99,9 @@ pub enum ShardError {
     Collective(#[from] CollectiveError),
     #[error("rank {rank}: the ranks' models differ: {detail}")]
     ModelMismatch { rank: usize, detail: String },
-    #[error("{0}")]
-    Offload(String),
+    /// An option for sharded parameters (zero3) on a strategy that keeps them whole.
+    #[error("{0}, but this strategy keeps whole parameters")]
+    NotSharded(&'static str),
     #[error(transparent)]
     Precision(#[from] burnscale_precision::PrecisionError),
     #[error(

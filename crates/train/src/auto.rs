@@ -4,10 +4,12 @@
 //! with the reason (every faster candidate's plan) printed and put in the summary.
 //!
 //! The order is the techniques' usual cost on GPUs: DDP, then ZeRO-1 and ZeRO-2 (the same
-//! bytes on the wire as DDP's all-reduce), then the same three with activation checkpointing
-//! (a second forward per block), then ZeRO-3 (which gathers parameters around every use and
-//! always recomputes here), then all of them again with the optimizer state on disk when
-//! `--offload-dir` names a place for it. The precision given stays unless nothing fits in
+//! bytes on the wire as DDP's all-reduce), then ZeRO-3 keeping each unit gathered from its
+//! forward to its backward (`--reshard-after-forward false`: the bytes of ZeRO-2's
+//! reduce-scatter and all-gather, moved at other times), then the first three with
+//! activation checkpointing (a second forward per block), then ZeRO-3 (which gathers
+//! parameters around every use and recomputes), then all of them again with the optimizer
+//! state on disk when `--offload-dir` names a place for it. The precision given stays unless nothing fits in
 //! it: it changes what the model learns, so bf16-mixed, then bf16-true, are tried only after
 //! every other candidate.
 
@@ -174,14 +176,21 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
         for offload_dir in &disks {
             for checkpoint in [args.checkpoint_activations, true] {
                 for &strategy in strategies {
-                    // ZeRO-3 always recomputes: it is weighed once, with checkpointing.
-                    if strategy == Strategy::Zero3 && !checkpoint {
-                        continue;
-                    }
+                    // ZeRO-3 runs without recomputing only when it keeps its gathered units;
+                    // with checkpointing it reshards as the user said (by default, it does).
+                    let reshard_after_forward = match (strategy, checkpoint) {
+                        (Strategy::Zero3, false) if args.reshard_after_forward == Some(true) => {
+                            continue;
+                        }
+                        (Strategy::Zero3, false) => Some(false),
+                        (Strategy::Zero3, true) => args.reshard_after_forward,
+                        _ => None,
+                    };
                     let candidate = TrainArgs {
                         strategy,
                         precision,
                         checkpoint_activations: checkpoint,
+                        reshard_after_forward,
                         offload_dir: offload_dir.clone(),
                         ..args.clone()
                     };
@@ -208,6 +217,7 @@ fn choice_code(args: &TrainArgs) -> u64 {
         args.precision as u64,
         u64::from(args.checkpoint_activations),
         u64::from(args.offload_dir.is_some()),
+        args.reshard_after_forward.map_or(0, |on| 1 + u64::from(on)),
     ]
     .iter()
     .fold(0, |code, part| code * 16 + part)
@@ -231,8 +241,13 @@ fn flags_of(args: &TrainArgs) -> String {
         format!("--strategy {}", value_name(args.strategy)),
         format!("--precision {}", args.precision),
     ];
-    if args.checkpoint_activations && args.strategy != Strategy::Zero3 {
+    let recomputes_anyway =
+        args.strategy == Strategy::Zero3 && args.reshard_after_forward != Some(false);
+    if args.checkpoint_activations && !recomputes_anyway {
         flags.push("--checkpoint-activations".into());
+    }
+    if let Some(on) = args.reshard_after_forward {
+        flags.push(format!("--reshard-after-forward {on}"));
     }
     if let Some(dir) = &args.offload_dir {
         flags.push(format!("--offload-dir {}", dir.display()));
@@ -267,22 +282,39 @@ mod tests {
     #[test]
     fn candidates_go_fastest_first_and_keep_the_precision_until_nothing_else_fits() {
         let four = order(&["--strategy", "auto", "--memory-budget", "1G"], 4);
-        let f32: Vec<&str> = four[..7].iter().map(String::as_str).collect();
+        let f32: Vec<&str> = four[..8].iter().map(String::as_str).collect();
         assert_eq!(
             f32,
             [
                 "--strategy ddp --precision 32-true",
                 "--strategy zero1 --precision 32-true",
                 "--strategy zero2 --precision 32-true",
+                "--strategy zero3 --precision 32-true --reshard-after-forward false",
                 "--strategy ddp --precision 32-true --checkpoint-activations",
                 "--strategy zero1 --precision 32-true --checkpoint-activations",
                 "--strategy zero2 --precision 32-true --checkpoint-activations",
                 "--strategy zero3 --precision 32-true",
             ]
         );
-        assert_eq!(four.len(), 3 * 7);
-        assert!(four[7..14].iter().all(|c| c.contains("bf16-mixed")));
-        assert!(four[14..].iter().all(|c| c.contains("bf16-true")));
+        assert_eq!(four.len(), 3 * 8);
+        assert!(four[8..16].iter().all(|c| c.contains("bf16-mixed")));
+        assert!(four[16..].iter().all(|c| c.contains("bf16-true")));
+        let resharded = order(
+            &[
+                "--strategy",
+                "auto",
+                "--memory-budget",
+                "1G",
+                "--reshard-after-forward",
+                "true",
+            ],
+            4,
+        );
+        assert_eq!(resharded.len(), 3 * 7);
+        assert_eq!(
+            resharded[6],
+            "--strategy zero3 --precision 32-true --reshard-after-forward true"
+        );
 
         let one = order(&["--strategy", "auto", "--memory-budget", "1G"], 1);
         assert_eq!(
@@ -338,10 +370,10 @@ mod tests {
             ],
             2,
         );
-        assert_eq!(disk.len(), 3 * 2 * 7);
-        assert!(disk[..7].iter().all(|c| !c.contains("offload")));
+        assert_eq!(disk.len(), 3 * 2 * 8);
+        assert!(disk[..8].iter().all(|c| !c.contains("offload")));
         assert!(
-            disk[7..14]
+            disk[8..16]
                 .iter()
                 .all(|c| c.contains("--offload-dir /tmp/o"))
         );

@@ -123,9 +123,16 @@ pub struct TrainArgs {
     #[arg(long)]
     pub init_on_device: bool,
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward (always so under zero3).
+    /// recomputed in backward (always so under zero3 unless --reshard-after-forward false).
     #[arg(long)]
     pub checkpoint_activations: bool,
+    /// zero3: whether each unit's gathered parameters are dropped after its forward and
+    /// gathered again for its backward, which recomputes the forward (true, FSDP2's
+    /// default), or kept gathered with their graph until the unit's backward ends (false:
+    /// one all-gather a micro-step and no recomputation, for the whole model's parameters
+    /// held during forward and backward; FSDP2's reshard_after_forward=False).
+    #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set)]
+    pub reshard_after_forward: Option<bool>,
     /// Keep optimizer state (optimizer: every strategy) and also ZeRO-3's parameter shards
     /// (params) in host memory, and step the optimizer there.
     #[arg(long, value_enum, default_value = "none")]
@@ -273,6 +280,15 @@ impl TrainArgs {
         <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.train)
     }
 
+    /// What the chosen strategy shards, with `--reshard-after-forward` applied.
+    pub fn sharding(&self) -> Result<burnscale_shard::Sharding, TrainError> {
+        let mut sharding = self.strategy.engine()?.sharding();
+        if let Some(reshard) = self.reshard_after_forward {
+            sharding.reshard_after_forward = reshard;
+        }
+        Ok(sharding)
+    }
+
     /// Where the model is built: `--accelerator`'s first device, with autodiff.
     pub fn device(&self) -> Result<burn::prelude::Device, TrainError> {
         Accelerator::or_default(self.accelerator).first_device()
@@ -307,6 +323,14 @@ impl TrainArgs {
         {
             return invalid(format!(
                 "--offload params keeps ZeRO-3's parameter shards in host memory between uses, so it needs --strategy zero3 (got {}); --offload optimizer works with every strategy",
+                value_name(self.strategy)
+            ));
+        }
+        if self.reshard_after_forward.is_some()
+            && !matches!(self.strategy, Strategy::Zero3 | Strategy::Auto)
+        {
+            return invalid(format!(
+                "--reshard-after-forward chooses when zero3 drops the parameters it gathered, but --strategy {} keeps whole parameters",
                 value_name(self.strategy)
             ));
         }
@@ -439,6 +463,24 @@ mod tests {
             .unwrap()
             .validate()
             .unwrap();
+    }
+
+    #[test]
+    fn resharding_is_zero3s() {
+        let err = parse(&["--reshard-after-forward", "false", "--strategy", "zero2"])
+            .unwrap()
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("zero2 keeps whole parameters"), "{err}");
+        let args = parse(&["--reshard-after-forward", "false", "--strategy", "fsdp"]).unwrap();
+        args.validate().unwrap();
+        let sharding = args.sharding().unwrap();
+        assert!(sharding.keeps_gathered() && !sharding.recomputes(false));
+        let err = parse(&["--reshard-after-forward", "no"]).unwrap_err();
+        assert!(err.contains("no") && err.contains("true"), "{err}");
+        let default = parse(&["--strategy", "zero3"]).unwrap().sharding().unwrap();
+        assert!(default.recomputes(false) && !default.keeps_gathered());
     }
 
     #[test]

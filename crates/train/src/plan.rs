@@ -265,6 +265,9 @@ pub struct MemoryPlan {
     pub compute_copy: usize,
     /// ZeRO-3: the largest unit gathered at once (compute dtype), with its gradients.
     pub gathered_unit: usize,
+    /// ZeRO-3 not resharded after forward: the units gathered and kept by the end of forward
+    /// (compute dtype).
+    pub gathered_kept: usize,
     /// Activations kept for backward at the end of forward, without and with per-block
     /// checkpointing (the run's own is the one its flags choose).
     pub activations: usize,
@@ -433,7 +436,7 @@ impl MemoryPlan {
         probe: Probe,
     ) -> Result<Self, TrainError> {
         let units = Units::of(model, world);
-        let sharding = args.strategy.engine()?.sharding();
+        let sharding = args.sharding()?;
         let w = DType::from(args.precision.param_dtype()).size();
         let c = DType::from(args.precision.compute_dtype()).size();
         let mixed = args.precision.is_mixed();
@@ -455,18 +458,22 @@ impl MemoryPlan {
             (true, false) => full_grads,
             (true, true) => sharded_grads,
         };
-        let checkpoint = args.checkpoint_activations || sharding.parameters;
+        let checkpoint = sharding.recomputes(args.checkpoint_activations);
+        let keep_gathered = sharding.keeps_gathered();
+        // Backward goes block by block with checkpointing, and wherever gathered units are
+        // dropped as backward leaves each.
+        let blockwise = checkpoint || keep_gathered;
         // The engine reduces unit by unit where it shards gradients along the blockwise
         // path, else bucket by bucket.
-        let group = match sharding.gradients && checkpoint {
+        let group = match sharding.gradients && blockwise {
             true => units.largest_unit(),
             false => units.largest_bucket(),
         };
         let buffers = if world > 1 { 2 * w * group } else { 0 };
         let activations = probe.embed + depth * probe.block + probe.head;
-        // With sharded parameters the embeddings run outside autodiff (they are recomputed in
-        // backward), so forward keeps only their output.
-        let embed_kept = match sharding.parameters {
+        // With sharded parameters resharded after forward the embeddings run outside
+        // autodiff (they are recomputed in backward), so forward keeps only their output.
+        let embed_kept = match sharding.parameters && sharding.reshard_after_forward {
             true => probe.block_output,
             false => probe.embed,
         };
@@ -474,7 +481,16 @@ impl MemoryPlan {
         let mut phases = Vec::new();
         let gathered_unit;
         let compute_copy;
-        if !checkpoint {
+        // Not resharded after forward: every unit but the head's gathered by the end of
+        // forward, each held until its backward ends.
+        // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
+        // 16-bit cast (an f32 rank alone runs its shards, which are whole, as they are).
+        let gathers = sharding.parameters && (world > 1 || mixed);
+        let gathered_kept = match keep_gathered && gathers {
+            true => c * (units.embeddings + units.blocks.iter().sum::<usize>()),
+            false => 0,
+        };
+        if !blockwise {
             compute_copy = if mixed { c * n } else { 0 };
             gathered_unit = 0;
             let held = params + optimizer + accumulated + compute_copy;
@@ -521,9 +537,9 @@ impl MemoryPlan {
             let block = units.largest_block();
             // The unit a phase runs: gathered (zero3), or a 16-bit copy (mixed), or the
             // replica's own.
-            let unit_copy = |elems: usize| match (sharding.parameters, mixed) {
-                (true, _) | (false, true) => c * elems,
-                (false, false) => 0,
+            let unit_copy = |elems: usize| match gathers || mixed {
+                true => c * elems,
+                false => 0,
             };
             compute_copy = if mixed && !sharding.parameters {
                 c * root
@@ -531,19 +547,22 @@ impl MemoryPlan {
                 0
             };
             let head_unit = units.head_unit();
-            gathered_unit = if sharding.parameters {
+            gathered_unit = if gathers {
                 c * block.max(head_unit).max(units.embeddings)
             } else {
                 0
             };
             let held = params + optimizer + accumulated + compute_copy;
-            let kept = activations_checkpointed;
-            let head_copy = if sharding.parameters {
-                c * head_unit
-            } else {
-                0
+            let kept = match checkpoint {
+                true => activations_checkpointed,
+                false => activations,
             };
-            phases.push(PhaseBytes::new(Phase::Forward, held + kept + head_copy, 0));
+            let head_copy = if gathers { c * head_unit } else { 0 };
+            phases.push(PhaseBytes::new(
+                Phase::Forward,
+                held + kept + gathered_kept + head_copy,
+                0,
+            ));
             // Backward through the head and loss; then the top block recomputed beside the
             // head's gradients (a tied decoder's include the token table's), the head's
             // activations freed.
@@ -567,13 +586,29 @@ impl MemoryPlan {
                     .max(copy + c * elems + whole)
                     .max(2 * whole)
             };
-            let recompute =
-                unit_backward(block, unit_copy(block), probe.block, probe.block_backward);
+            // The top block's backward: recomputed (its copy gathered again unless kept), or
+            // through the graph forward kept (its activations and copy counted in `kept` and
+            // `gathered_kept`).
+            let top_block = match (checkpoint, keep_gathered) {
+                (true, false) => {
+                    unit_backward(block, unit_copy(block), probe.block, probe.block_backward)
+                }
+                (true, true) => unit_backward(block, 0, probe.block, probe.block_backward),
+                (false, _) => unit_backward(block, 0, 0, probe.block_backward),
+            };
             phases.push(backward_top(
-                held + kept + head_copy + probe.head_backward,
-                held + kept.saturating_sub(probe.head) + recompute + head_grads,
+                held + kept + gathered_kept + head_copy + probe.head_backward,
+                held + kept.saturating_sub(probe.head) + gathered_kept + top_block + head_grads,
                 &probe,
             ));
+            // The bottom block's backward, its activations (recomputed, or kept) and its copy
+            // beside the embeddings' (kept gathered with them, or gathered again after).
+            let bottom_block =
+                unit_backward(block, unit_copy(block), probe.block, probe.block_backward);
+            let embed_gathered = match keep_gathered && gathers {
+                true => c * units.embeddings,
+                false => 0,
+            };
             // The bottom block: nearly every gradient summed. Full sums are counted whole (the
             // last units' own, cast into the weights' dtype, take their place); reduced per
             // unit, the shards of all but the embeddings, whose shard comes with their reduce,
@@ -588,15 +623,16 @@ impl MemoryPlan {
                     + optimizer
                     + compute_copy
                     + embed_kept
+                    + embed_gathered
                     + probe.block_output
-                    + recompute
+                    + bottom_block
                     + grads_so_far.max(accumulated)
                     + tied_table_grads,
                 probe.block_backward,
             ));
-            // The embeddings, as a block: gathered again under zero3 (else the root's compute
-            // copy serves), recomputed, backward through them.
-            let embed_copy = match sharding.parameters {
+            // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
+            // root's compute copy serves), recomputed unless kept, backward through them.
+            let embed_copy = match gathers {
                 true => c * units.embeddings,
                 false => 0,
             };
@@ -673,6 +709,7 @@ impl MemoryPlan {
             grads: step_grads,
             compute_copy,
             gathered_unit,
+            gathered_kept,
             activations,
             activations_checkpointed,
             buffers,
@@ -700,6 +737,10 @@ impl MemoryPlan {
             (
                 "largest gathered unit".into(),
                 human_bytes(self.gathered_unit),
+            ),
+            (
+                "kept gathered through forward".into(),
+                human_bytes(self.gathered_kept),
             ),
             (
                 "activations per block".into(),

@@ -97,6 +97,13 @@ pub enum Throughput {
 #[derive(Debug, Clone, Serialize)]
 pub struct RunSummary {
     pub strategy: Strategy,
+    /// Whether each block's forward was recomputed in backward (per-block checkpointing, or
+    /// zero3 resharding after forward).
+    pub recomputed_blocks: bool,
+    /// zero3: whether gathered units were dropped after forward (FSDP2's
+    /// `reshard_after_forward`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reshard_after_forward: Option<bool>,
     pub precision: Precision,
     pub world_size: usize,
     pub optimizer: OptimizerKind,
@@ -215,8 +222,13 @@ impl RunSummary {
         // (threads, or oversubscribed processes) make this an underestimate.
         let mfu =
             tokens_per_s.map(|t| 6.0 * num_params as f64 * t / (world_size as f64 * peak_flops));
+        let sharding = args.sharding().ok();
         Self {
             strategy: args.strategy,
+            recomputed_blocks: sharding.is_some_and(|s| s.recomputes(args.checkpoint_activations)),
+            reshard_after_forward: sharding
+                .filter(|s| s.parameters)
+                .map(|s| s.reshard_after_forward),
             precision: args.precision,
             world_size,
             optimizer: args.optimizer,
@@ -320,7 +332,19 @@ impl RunSummary {
             ("parameters", format!("{}", self.num_params)),
             (
                 "ranks",
-                format!("{} ({})", self.world_size, value_name(self.strategy)),
+                format!(
+                    "{} ({}{}{})",
+                    self.world_size,
+                    value_name(self.strategy),
+                    match self.reshard_after_forward {
+                        Some(false) => ", kept gathered from forward to backward",
+                        _ => "",
+                    },
+                    match self.recomputed_blocks {
+                        true => ", blocks recomputed",
+                        false => "",
+                    }
+                ),
             ),
             ("steps", format!("{}", self.steps)),
             ("final train loss", format!("{:.4}", self.final_loss)),

@@ -254,6 +254,9 @@ fn train_rank<T: TrainTask>(
     if args.offload == Offload::Params {
         engine = engine.offload_params(Device::flex())?;
     }
+    if let Some(reshard) = args.reshard_after_forward {
+        engine = engine.reshard_after_forward(reshard)?;
+    }
     let mut first_step = 1;
     let mut checkpoints = CheckpointReport::default();
     if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
