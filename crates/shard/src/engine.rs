@@ -259,10 +259,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if self.sharding.recomputes(self.checkpoint) {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Inputs);
         }
-        // Gathered units are dropped as backward leaves each; and in later micro-steps of an
-        // accumulation into whole sums a plain backward would hand back every gradient at
+        // Kept gathered units are dropped as backward leaves each; and in later micro-steps of
+        // an accumulation into whole sums a plain backward would hand back every gradient at
         // once, a second whole copy beside the sums.
-        if self.sharding.parameters || !self.local.is_empty() {
+        if self.sharding.keeps_gathered() || !self.local.is_empty() {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
         }
         let model = self.compute(self.model.as_ref().expect(PRESENT).clone());
