@@ -159,7 +159,7 @@ fn plain_run(cli: &Cli, config: &GptConfig) -> Result<f64> {
 }
 
 fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_mingpt_torch.py");
+    let script = burnscale::reference_script("bench_mingpt_torch.py");
     let out = Command::new("python3")
         .arg(script)
         .args(["--n-layer", &config.n_layer.to_string()])

@@ -99,7 +99,7 @@ fn time_text<M: SequenceClassifier>(cli: &Cli, model: M, seq: usize) -> Timing {
 }
 
 fn torch_side(cli: &Cli) -> Result<HashMap<String, Value>> {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/bench_models_torch.py");
+    let script = burnscale::reference_script("bench_models_torch.py");
     let out = Command::new("python3")
         .arg(script)
         .args(["--threads", &cli.threads.to_string()])

@@ -25,6 +25,19 @@ pub mod reference;
 pub mod spam;
 pub mod tasks;
 
+/// A committed reference script (`scripts/<name>`): the one under the current directory when
+/// there is one (a benchmark binary carried to a GPU machine runs in the repository's copy
+/// there, wherever it lies), else this source tree's.
+pub fn reference_script(name: &str) -> std::path::PathBuf {
+    let here = std::path::Path::new("scripts").join(name);
+    match here.is_file() {
+        true => here,
+        false => std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("scripts")
+            .join(name),
+    }
+}
+
 /// Ends a self-check program: runs `report` (which returns its failure count) once per rank,
 /// on `devices` thread ranks (default 2) or on the MPI world under mpirun; exits non-zero if
 /// any rank failed, panicked or could not start.
