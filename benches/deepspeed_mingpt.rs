@@ -20,6 +20,7 @@ use anyhow::{Result, bail};
 use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::tasks::NextToken;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::plan::{MemoryPlan, Probe};
@@ -106,8 +107,8 @@ fn args(row: usize) -> Result<TrainArgs> {
         "16-mixed",
         "--lr",
         "1e-4",
-        "--plan",
     ];
+    flags.extend(PLANNED_ON_CPU);
     flags.extend(ROWS[row].1);
     if flags.last() == Some(&"--offload-dir") {
         flags.push(&offload_dir);

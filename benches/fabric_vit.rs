@@ -31,6 +31,7 @@ use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead, Layout};
 use burnscale::bigbird::{AttentionType, BigBird, BigBirdConfig};
 use burnscale::images::{self, Preprocess};
+use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::pretrained;
 use burnscale::tasks::{ImageClassification, SequenceClassifier, TextClassification};
 use burnscale::train::memory::CountingAllocator;
@@ -227,7 +228,7 @@ fn train_args(flags: Vec<&str>) -> Result<TrainArgs> {
     if all.last() == Some(&"--offload-dir") {
         all.push(&offload_dir);
     }
-    all.push("--plan");
+    all.extend(PLANNED_ON_CPU);
     Ok(TrainArgs::from_flags(&all)?)
 }
 

@@ -20,6 +20,7 @@ use anyhow::{Result, bail};
 use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
+use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::tasks::TextClassification;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, train};
@@ -113,8 +114,8 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
         bail!("no rung {rung}");
     };
     let steps = cli.steps().to_string();
-    let common = ["--max-steps", &steps, "--lr", "1e-4", "--plan"];
-    let args = TrainArgs::from_flags(&[&[&common[..]], *parts].concat().concat())?;
+    let common = ["--max-steps", &steps, "--lr", "1e-4"];
+    let args = TrainArgs::from_flags(&[&[&common[..], &PLANNED_ON_CPU], *parts].concat().concat())?;
     let (config, len) = cli.model();
     let mut task = TextClassification::<Bert>::random_tokens(64, len, args.batch_size)?;
     let summary = train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1;

@@ -17,6 +17,7 @@ use anyhow::{Result, bail};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::tasks::{NextToken, TextClassification};
 use burnscale::train::memory::{CountingAllocator, human_bytes};
 use burnscale::train::{RunSummary, TrainArgs, train};
@@ -69,15 +70,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
     let Some((_, rung_flags)) = RUNGS.get(rung) else {
         bail!("no rung {rung}");
     };
-    let common = [
-        "--max-steps",
-        &steps,
-        "--grad-clip",
-        "0",
-        "--lr",
-        "1e-4",
-        "--plan",
-    ];
+    let common = ["--max-steps", &steps, "--grad-clip", "0", "--lr", "1e-4"];
     // A rung may set its own batch.
     let batch = |size: &'static str| match rung_flags.contains(&"--batch-size") {
         true => vec![],
@@ -86,7 +79,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
     let summary: RunSummary = match cli.model.as_str() {
         "mingpt" => {
             let config = GptConfig::new(8, 8, 256, 65, 256).with_dropout(0.0);
-            let flags = [&common[..], &batch("8"), rung_flags].concat();
+            let flags = [&common[..], &PLANNED_ON_CPU, &batch("8"), rung_flags].concat();
             let args = TrainArgs::from_flags(&flags)?;
             let tokens: Vec<i64> = (0..1 << 18).map(|i| (i * 31 % 65) as i64).collect();
             let mut task = NextToken::new(tokens, 256, 8, 1)?;
@@ -96,7 +89,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
             let config = BertConfig::bert_large()
                 .with_head(BertHead::SequenceClassification { num_labels: 2 })
                 .with_dropout(0.0);
-            let flags = [&common[..], &batch("4"), rung_flags].concat();
+            let flags = [&common[..], &PLANNED_ON_CPU, &batch("4"), rung_flags].concat();
             let args = TrainArgs::from_flags(&flags)?;
             let mut task = TextClassification::<Bert>::random_tokens(64, 128, args.batch_size)?;
             train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1

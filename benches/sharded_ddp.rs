@@ -18,6 +18,7 @@ use anyhow::{Result, bail};
 use article_table::{Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
+use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::tasks::TextClassification;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, train};
@@ -70,7 +71,7 @@ fn worker(cli: &Cli, row: usize) -> Result<()> {
     device.seed(1);
     let (config, len, batch, steps) = cli.setup();
     let (ranks, batch, steps) = (ranks.to_string(), batch.to_string(), steps.to_string());
-    let args = TrainArgs::from_flags(&[
+    let flags = [
         "--strategy",
         strategy,
         "--devices",
@@ -81,8 +82,8 @@ fn worker(cli: &Cli, row: usize) -> Result<()> {
         &steps,
         "--lr",
         "2e-5",
-        "--plan",
-    ])?;
+    ];
+    let args = TrainArgs::from_flags(&[&flags[..], &PLANNED_ON_CPU].concat())?;
     let mut task = TextClassification::<Bert>::random_tokens(64, len, args.batch_size)?;
     let summary = train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1;
     article_table::print_summary(&summary)

@@ -38,6 +38,11 @@ const CLASSIFIER: &str = "--classifier";
 /// own backward and reduce-scatter, the step's last.
 const MASKED_LM: &str = "--masked-lm";
 
+/// A planned run: `--plan` on the CPU, where the counting allocator sees the device's memory
+/// (the planner does not plan a GPU's pool yet; a `cuda` build on a GPU machine would
+/// otherwise run there).
+pub const PLANNED_ON_CPU: [&str; 3] = ["--plan", "--accelerator", "cpu"];
+
 /// One rank's configurations: every precision, optimizer and technique (4 blocks of width
 /// 256, batch 8 x 128, AdamW, dropout 0.1, unless a flag says otherwise).
 pub const ONE_RANK: &[&[&str]] = &[
@@ -223,8 +228,10 @@ impl TrainTask for MaskedTokens {
 
 /// `flags` after the check's own: 2 steps of `batch` with `--plan`.
 fn check_args(batch: &str, flags: &[&str]) -> anyhow::Result<TrainArgs> {
-    let base = ["--max-steps", "2", "--batch-size", batch, "--plan"];
-    Ok(TrainArgs::from_flags(&[&base[..], flags].concat())?)
+    let base = ["--max-steps", "2", "--batch-size", batch];
+    Ok(TrainArgs::from_flags(
+        &[&base[..], &PLANNED_ON_CPU, flags].concat(),
+    )?)
 }
 
 /// The check's minGPT (4 blocks of width 256), its task (batch 8 x 128), and `flags` (with

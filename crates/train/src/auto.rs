@@ -80,8 +80,11 @@ pub fn resolve<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<Resolved, TrainError> {
+    // The probe reads the counting allocator, which sees a device's memory on the CPU only
+    // (validation refuses --plan and --memory-budget elsewhere).
+    let on_cpu = Accelerator::or_default(args.accelerator) == Accelerator::Cpu;
     let Some(budget) = args.memory_budget else {
-        let probe = match args.plan || args.summary_json.is_some() {
+        let probe = match on_cpu && (args.plan || args.summary_json.is_some()) {
             true => Some(Probe::measure(model, task, args, device)?),
             false => None,
         };
@@ -91,13 +94,6 @@ pub fn resolve<T: TrainTask>(
             choice: None,
         });
     };
-    let accelerator = Accelerator::or_default(args.accelerator);
-    if accelerator != Accelerator::Cpu {
-        return Err(TrainError::InvalidArgs(format!(
-            "--memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan a cubecl memory pool yet, so it cannot choose for --accelerator {}",
-            accelerator.name()
-        )));
-    }
     let world = world_size(args)?;
     let threads = ranks_in_process(world);
     let mut probes: Vec<(Precision, Probe)> = Vec::new();

@@ -297,8 +297,15 @@ impl TrainArgs {
     /// Rejects flag values that cannot run, and those whose technique has not landed yet,
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
-        Accelerator::or_default(self.accelerator).check(self.devices)?;
+        let accelerator = Accelerator::or_default(self.accelerator);
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
+        if accelerator != Accelerator::Cpu && (self.plan || self.memory_budget.is_some()) {
+            return invalid(format!(
+                "--plan and --memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan a cubecl memory pool yet, so it cannot plan for --accelerator {} (the summary reports that run's device peak)",
+                accelerator.name()
+            ));
+        }
+        accelerator.check(self.devices)?;
         if self.adafactor_relative_step && self.optimizer != OptimizerKind::Adafactor {
             return invalid(format!(
                 "--adafactor-relative-step sets Adafactor's step size; --optimizer is {}",
@@ -481,6 +488,24 @@ mod tests {
         assert!(err.contains("no") && err.contains("true"), "{err}");
         let default = parse(&["--strategy", "zero3"]).unwrap().sharding().unwrap();
         assert!(default.recomputes(false) && !default.keeps_gathered());
+    }
+
+    #[test]
+    fn the_planner_plans_cpu_runs_only() {
+        for flags in [
+            &["--accelerator", "cubecl-cpu", "--plan"][..],
+            &["--accelerator", "cuda", "--memory-budget", "1G"],
+        ] {
+            let err = parse(flags).unwrap().validate().unwrap_err().to_string();
+            assert!(
+                err.contains("cannot plan for --accelerator") && err.contains(flags[1]),
+                "{err}"
+            );
+        }
+        parse(&["--accelerator", "cpu", "--plan"])
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 
     #[test]
