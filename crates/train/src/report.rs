@@ -7,6 +7,7 @@ use serde::Serialize;
 use burnscale_precision::Precision;
 use burnscale_shard::Sharding;
 
+use crate::accelerator::Accelerator;
 use crate::auto::AutoChoice;
 use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
@@ -96,6 +97,8 @@ pub enum Throughput {
 /// Everything a run reports; serialised as the `--summary-json` object.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunSummary {
+    /// Where the ranks ran.
+    pub accelerator: Accelerator,
     pub strategy: Strategy,
     /// Whether each block's forward was recomputed in backward (per-block checkpointing, or
     /// zero3 resharding after forward).
@@ -224,6 +227,7 @@ impl RunSummary {
             tokens_per_s.map(|t| 6.0 * num_params as f64 * t / (world_size as f64 * peak_flops));
         let sharding = args.sharding().ok();
         Self {
+            accelerator: Accelerator::or_default(args.accelerator),
             strategy: args.strategy,
             recomputed_blocks: sharding.is_some_and(|s| s.recomputes(args.checkpoint_activations)),
             reshard_after_forward: sharding
@@ -315,7 +319,11 @@ impl RunSummary {
                         human_bytes(planned),
                         100.0 * plan::off(planned, self.peak_mem_bytes)
                     ),
-                    None => "no plan (--plan)".into(),
+                    None if self.accelerator == Accelerator::Cpu => "no plan (--plan)".into(),
+                    None => format!(
+                        "not planned on {} (the planner plans host memory)",
+                        self.accelerator.name()
+                    ),
                 },
             ),
             (
