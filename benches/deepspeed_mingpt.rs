@@ -132,7 +132,7 @@ fn planned(cli: &Cli, row: usize, width: usize, device: &Device) -> Result<usize
 
 /// One rank of a measured run (under mpirun): rank 0 prints the largest rank peak.
 fn worker(cli: &Cli, row: usize, width: usize) -> Result<()> {
-    let device = Device::default().autodiff();
+    let device = Device::flex().autodiff();
     device.seed(1);
     let args = args(row)?;
     let summary = train(
@@ -229,7 +229,7 @@ fn run() -> Result<()> {
             "the measured runs are MPI processes: cargo bench --features mpi --bench deepspeed_mingpt"
         );
     }
-    let device = Device::default().autodiff();
+    let device = Device::flex().autodiff();
     let mut found = Vec::new();
     // The first three rows search; the last measures the offload row's size with checkpointing.
     for (row, (label, ..)) in ROWS.iter().enumerate().take(3) {

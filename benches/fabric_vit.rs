@@ -161,7 +161,7 @@ struct Cli {
 }
 
 fn worker(cli: &Cli) -> Result<()> {
-    let device = Device::default().autodiff();
+    let device = Device::flex().autodiff();
     device.seed(1);
     if let Some(run) = cli.text {
         return text_worker(cli, run, &device);

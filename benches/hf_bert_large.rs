@@ -108,7 +108,7 @@ impl Cli {
 }
 
 fn worker(cli: &Cli, rung: usize) -> Result<()> {
-    let device = Device::default().autodiff();
+    let device = Device::flex().autodiff();
     device.seed(1);
     let Some((_, parts, ..)) = RUNGS.get(rung) else {
         bail!("no rung {rung}");

@@ -64,7 +64,7 @@ struct Cli {
 }
 
 fn worker(cli: &Cli, rung: usize) -> Result<()> {
-    let device = Device::default().autodiff();
+    let device = Device::flex().autodiff();
     device.seed(1);
     let steps = cli.steps.to_string();
     let Some((_, rung_flags)) = RUNGS.get(rung) else {

@@ -67,7 +67,7 @@ fn worker(cli: &Cli, row: usize) -> Result<()> {
     let Some(&(_, strategy, ranks)) = ROWS.get(row) else {
         bail!("no row {row}");
     };
-    let device = Device::default().autodiff();
+    let device = Device::flex().autodiff();
     device.seed(1);
     let (config, len, batch, steps) = cli.setup();
     let (ranks, batch, steps) = (ranks.to_string(), batch.to_string(), steps.to_string());

@@ -34,6 +34,12 @@ fn offloaded_zero3_shards_take_the_same_steps() {
         let dir = tempfile::tempdir().unwrap();
         let dir = dir.path().to_str().unwrap();
         matches_plain("zero3", world, &["--offload", "params"]);
+        // Kept gathered from forward to backward, the shards still live on the host.
+        matches_plain(
+            "zero3",
+            world,
+            &["--offload", "params", "--reshard-after-forward", "false"],
+        );
         matches_plain(
             "zero3",
             world,

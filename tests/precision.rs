@@ -222,6 +222,20 @@ fn checkpointing_composes_with_mixed_precision() {
     assert_matches_plain("zero2", 2, &flags);
 }
 
+/// ZeRO-3 kept gathered from forward to backward gathers 16-bit copies and keeps their
+/// graphs: the 16-bit gradients land in the f32 masters' shards.
+#[test]
+fn kept_gathered_units_compose_with_16_bit_precisions() {
+    for precision in ["bf16-mixed", "bf16-true"] {
+        let flags = [
+            &["--precision", precision, "--reshard-after-forward", "false"],
+            SGD,
+        ]
+        .concat();
+        assert_matches_plain("zero3", 2, &flags);
+    }
+}
+
 /// Accumulation's later micro-batches run each block on a graph of its own (whole sums), or
 /// reduce-scatter every micro-batch (sharded): both on the 16-bit compute copies.
 #[test]

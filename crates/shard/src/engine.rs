@@ -818,7 +818,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // their graph, when not resharded); else its compute copy serves all. The embeddings'
         // output under autodiff, with their gathered unit, when backward need not recompute
         // them.
-        let (mut x, mask, embedded) = if sharded_params && !keep_gathered {
+        let (mut x, mask, embedded) = if self.sharding.reshards() {
             let _training = dropout::training_scope();
             let (x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.embed(input.clone());
             (x, mask, None)
@@ -990,7 +990,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
 /// What a blockwise forward keeps of each block for backward.
 #[derive(Debug, Clone, Copy)]
 enum Keep {
-    /// Only its input: backward recomputes it (activation checkpointing).
+    /// Only its input (and, not resharded after forward, its gathered parameters): backward
+    /// recomputes it (activation checkpointing).
     Inputs,
     /// Its whole graph: backward goes through it as it is.
     Graphs,

@@ -10,7 +10,8 @@
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
 //! plus two root units (the embeddings', and the head's): a unit's full parameters exist only
-//! while it runs, and its full gradients until its reduce-scatter, on every micro-step (so too
+//! while it runs (or, not resharded after forward, from its forward to the end of its
+//! backward), and its full gradients until its reduce-scatter, on every micro-step (so too
 //! under ZeRO-2 with checkpointing, whose backward also runs block by block; a decoder tied to
 //! the token table leaves the table's whole gradient until the embeddings' reduce-scatter,
 //! the last). Burn's autodiff graph keeps every weight a forward used alive until backward, so
@@ -68,23 +69,31 @@ pub struct Sharding {
     pub optimizer_state: bool,
     /// Gradients are reduce-scattered, unit by unit as backward leaves each (ZeRO-2).
     pub gradients: bool,
-    /// Each rank holds only its parameter shards between uses; a unit is gathered around its
-    /// forward and its backward (ZeRO-3, FSDP).
+    /// Each rank holds only its parameter shards between uses; a unit is gathered for its
+    /// forward and again for its backward, or once for both ([`Sharding::reshard_after_forward`])
+    /// (ZeRO-3, FSDP).
     pub parameters: bool,
     /// With sharded parameters: each unit's gathered parameters are dropped after its
     /// forward and gathered again for its backward, which recomputes its forward (Burn's
     /// graph would keep them). When false, a unit gathered for forward stays gathered, with
-    /// its graph, until its backward ends: one all-gather a micro-step and no recomputation,
+    /// its graph, until its backward ends: one all-gather per unit a micro-step (a head tied to
+    /// the token table gathers it again) and no recomputation,
     /// for the whole model's parameters held during forward and backward (FSDP2's
     /// `reshard_after_forward=False`, FSDP1's `SHARD_GRAD_OP`).
     pub reshard_after_forward: bool,
 }
 
 impl Sharding {
+    /// Whether sharded parameters are dropped after each unit's forward, so that backward
+    /// gathers them again and recomputes the unit (the embeddings too).
+    pub const fn reshards(self) -> bool {
+        self.parameters && self.reshard_after_forward
+    }
+
     /// Whether each block's forward is recomputed in backward: with per-block activation
     /// checkpointing, and wherever gathered parameters are dropped after forward.
     pub const fn recomputes(self, checkpoint_activations: bool) -> bool {
-        checkpoint_activations || (self.parameters && self.reshard_after_forward)
+        checkpoint_activations || self.reshards()
     }
 
     /// Whether sharded parameters stay gathered from a unit's forward to its backward.

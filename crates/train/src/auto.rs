@@ -5,11 +5,12 @@
 //!
 //! The order is the techniques' usual cost on GPUs: DDP, then ZeRO-1 and ZeRO-2 (the same
 //! bytes on the wire as DDP's all-reduce), then ZeRO-3 keeping each unit gathered from its
-//! forward to its backward (`--reshard-after-forward false`: the bytes of ZeRO-2's
-//! reduce-scatter and all-gather, moved at other times), then the first three with
-//! activation checkpointing (a second forward per block), then ZeRO-3 (which gathers
-//! parameters around every use and recomputes), then all of them again with the optimizer
-//! state on disk when `--offload-dir` names a place for it. The precision given stays unless nothing fits in
+//! forward to its backward (`--reshard-after-forward false`: nothing recomputed, and ZeRO-2's
+//! bytes at `--accumulate 1`, its all-gather every micro-step where ZeRO-2's is once a step),
+//! then the first three with activation checkpointing (a second forward per block), then
+//! ZeRO-3 with checkpointing, resharded after forward unless the user said otherwise (it
+//! gathers parameters around every use), then all of them again with the optimizer state on
+//! disk when `--offload-dir` names a place for it. The precision given stays unless nothing fits in
 //! it: it changes what the model learns, so bf16-mixed, then bf16-true, are tried only after
 //! every other candidate.
 
@@ -95,6 +96,11 @@ pub fn resolve<T: TrainTask>(
         });
     };
     let world = world_size(args)?;
+    if args.strategy == Strategy::Auto && world == 1 && args.reshard_after_forward.is_some() {
+        return Err(TrainError::InvalidArgs(
+            "--reshard-after-forward applies to zero3, which --strategy auto weighs on more than one rank only (this world has one)".into(),
+        ));
+    }
     let threads = ranks_in_process(world);
     let mut probes: Vec<(Precision, Probe)> = Vec::new();
     let mut over_budget = Vec::new();
@@ -237,8 +243,7 @@ fn flags_of(args: &TrainArgs) -> String {
         format!("--strategy {}", value_name(args.strategy)),
         format!("--precision {}", args.precision),
     ];
-    let recomputes_anyway =
-        args.strategy == Strategy::Zero3 && args.reshard_after_forward != Some(false);
+    let recomputes_anyway = args.sharding().is_ok_and(|s| s.recomputes(false));
     if args.checkpoint_activations && !recomputes_anyway {
         flags.push("--checkpoint-activations".into());
     }
@@ -268,8 +273,8 @@ mod tests {
     use super::*;
 
     fn order(flags: &[&str], world: usize) -> Vec<String> {
-        let args = TrainArgs::from_flags(flags).unwrap();
-        candidates(&args, world, &Device::default())
+        let args = TrainArgs::from_flags(&[flags, &["--accelerator", "cpu"]].concat()).unwrap();
+        candidates(&args, world, &Device::flex())
             .iter()
             .map(flags_of)
             .collect()

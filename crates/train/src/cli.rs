@@ -129,7 +129,7 @@ pub struct TrainArgs {
     /// zero3: whether each unit's gathered parameters are dropped after its forward and
     /// gathered again for its backward, which recomputes the forward (true, FSDP2's
     /// default), or kept gathered with their graph until the unit's backward ends (false:
-    /// one all-gather a micro-step and no recomputation, for the whole model's parameters
+    /// one all-gather per unit a micro-step and no recomputation, for the whole model's parameters
     /// held during forward and backward; FSDP2's reshard_after_forward=False).
     #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set)]
     pub reshard_after_forward: Option<bool>,
@@ -202,7 +202,8 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     pub eval_interval: usize,
     /// Print the memory planner's predicted per-rank peak, term by term, before the first step
-    /// (and the measured peak beside it at the end; a summary JSON always carries both).
+    /// (and the measured peak beside it at the end; a summary JSON of a CPU run always carries
+    /// both). CPU runs only (--accelerator cpu).
     #[arg(long)]
     pub plan: bool,
     /// The most memory one rank may take (on a CPU: this process's heap over the ranks it
@@ -301,7 +302,7 @@ impl TrainArgs {
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
         if accelerator != Accelerator::Cpu && (self.plan || self.memory_budget.is_some()) {
             return invalid(format!(
-                "--plan and --memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan a cubecl memory pool yet, so it cannot plan for --accelerator {} (the summary reports that run's device peak)",
+                "--plan and --memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan a cubecl memory pool yet, so it cannot plan for --accelerator {} (the summary reports that run's device peak); pass --accelerator cpu to plan a CPU run",
                 accelerator.name()
             ));
         }

@@ -473,7 +473,7 @@ impl MemoryPlan {
         let activations = probe.embed + depth * probe.block + probe.head;
         // With sharded parameters resharded after forward the embeddings run outside
         // autodiff (they are recomputed in backward), so forward keeps only their output.
-        let embed_kept = match sharding.parameters && sharding.reshard_after_forward {
+        let embed_kept = match sharding.reshards() {
             true => probe.block_output,
             false => probe.embed,
         };
@@ -486,7 +486,8 @@ impl MemoryPlan {
         // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
         // 16-bit cast (an f32 rank alone runs its shards, which are whole, as they are).
         let gathers = sharding.parameters && (world > 1 || mixed);
-        let gathered_kept = match keep_gathered && gathers {
+        let kept_copies = keep_gathered && gathers;
+        let gathered_kept = match kept_copies {
             true => c * (units.embeddings + units.blocks.iter().sum::<usize>()),
             false => 0,
         };
@@ -605,7 +606,7 @@ impl MemoryPlan {
             // beside the embeddings' (kept gathered with them, or gathered again after).
             let bottom_block =
                 unit_backward(block, unit_copy(block), probe.block, probe.block_backward);
-            let embed_gathered = match keep_gathered && gathers {
+            let embed_gathered = match kept_copies {
                 true => c * units.embeddings,
                 false => 0,
             };

@@ -451,7 +451,7 @@ fn train_rank<T: TrainTask>(
     summary.set_plan(plan);
     summary.auto = planned.choice.cloned();
     summary.model_state_predicted_bytes =
-        ModelStateBytes::predicted(num_params, args, strategy.sharding(), world);
+        ModelStateBytes::predicted(num_params, args, engine.sharding(), world);
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     if let Some((scale, skipped)) = engine.loss_scale() {
@@ -517,6 +517,13 @@ fn save<M: BlockModel>(
 /// Flag values that cannot run, and a precision `device` cannot honour.
 fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.validate()?;
+    // On the CPU the ranks run on the device given; it must be the CPU's (Burn's devices
+    // compare equal on hardware alone, whatever their autodiff).
+    if Accelerator::or_default(args.accelerator) == Accelerator::Cpu && *device != Device::flex() {
+        return Err(TrainError::InvalidArgs(format!(
+            "--accelerator cpu runs the ranks on the device the model was built on, but that is {device:?}, not the CPU's (Flex): build it on TrainArgs::device()"
+        )));
+    }
     args.precision.check_device(device)?;
     Ok(())
 }
