@@ -207,16 +207,17 @@ fn run() -> Result<()> {
     config.n_head = cli.n_head.unwrap_or(config.n_head);
     config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
     // A short untimed run pays one-time costs (allocator warm-up, lazy init) first.
-    burnscale_run(&cli, &config, cli.warmup, &[])?;
-    memory::reset_peak();
-    let ours = burnscale_run(&cli, &config, cli.steps, &[])?;
+    let measured = |extra: &[&str]| {
+        burnscale_run(&cli, &config, cli.warmup, extra)?;
+        memory::reset_peak();
+        burnscale_run(&cli, &config, cli.steps, extra)
+    };
+    let ours = measured(&[])?;
     let ours_tps = ours.tokens_per_s.unwrap_or(0.0);
     let mut others = Vec::new();
     for flags in &cli.also {
         let extra: Vec<&str> = flags.split_whitespace().collect();
-        burnscale_run(&cli, &config, cli.warmup, &extra)?;
-        memory::reset_peak();
-        others.push((flags, burnscale_run(&cli, &config, cli.steps, &extra)?));
+        others.push((flags, measured(&extra)?));
     }
     let plain = if cli.no_plain {
         Err(anyhow::anyhow!("skipped (--no-plain)"))

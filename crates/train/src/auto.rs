@@ -83,7 +83,7 @@ pub fn resolve<T: TrainTask>(
 ) -> Result<Resolved, TrainError> {
     // The probe reads the counting allocator, which sees a device's memory on the CPU only
     // (validation refuses --plan and --memory-budget elsewhere).
-    let on_cpu = Accelerator::or_default(args.accelerator) == Accelerator::Cpu;
+    let on_cpu = args.runs_on() == Accelerator::Cpu;
     let Some(budget) = args.memory_budget else {
         let probe = match on_cpu && (args.plan || args.summary_json.is_some()) {
             true => Some(Probe::measure(model, task, args, device)?),

@@ -290,15 +290,20 @@ impl TrainArgs {
         Ok(sharding)
     }
 
+    /// Where the ranks run: `--accelerator`, or its default on this machine.
+    pub fn runs_on(&self) -> Accelerator {
+        Accelerator::or_default(self.accelerator)
+    }
+
     /// Where the model is built: `--accelerator`'s first device, with autodiff.
     pub fn device(&self) -> Result<burn::prelude::Device, TrainError> {
-        Accelerator::or_default(self.accelerator).first_device()
+        self.runs_on().first_device()
     }
 
     /// Rejects flag values that cannot run, and those whose technique has not landed yet,
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {
-        let accelerator = Accelerator::or_default(self.accelerator);
+        let accelerator = self.runs_on();
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
         if accelerator != Accelerator::Cpu && (self.plan || self.memory_budget.is_some()) {
             return invalid(format!(
@@ -437,6 +442,11 @@ mod tests {
         TrainArgs::from_flags(flags).map_err(|e| e.to_string())
     }
 
+    /// Why `flags`, which parse, are refused.
+    fn refused(flags: &[&str]) -> String {
+        parse(flags).unwrap().validate().unwrap_err().to_string()
+    }
+
     #[test]
     fn defaults_are_valid() {
         parse(&[]).unwrap().validate().unwrap();
@@ -444,28 +454,20 @@ mod tests {
 
     #[test]
     fn optimizer_flags_need_their_optimizer() {
-        let err = parse(&["--adafactor-relative-step"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&["--adafactor-relative-step"]);
         assert!(err.contains("adafactor"), "{err}");
         for flags in [
             &["--embedding-state-32bit"][..],
             &["--min-8bit-size", "256"],
         ] {
-            let err = parse(flags).unwrap().validate().unwrap_err().to_string();
+            let err = refused(flags);
             assert!(err.contains("adam8bit"), "{err}");
         }
     }
 
     #[test]
     fn offloading_parameters_needs_zero3() {
-        let err = parse(&["--offload", "params", "--strategy", "zero2"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&["--offload", "params", "--strategy", "zero2"]);
         assert!(err.contains("needs --strategy zero3"), "{err}");
         parse(&["--offload", "params", "--strategy", "fsdp"])
             .unwrap()
@@ -475,11 +477,7 @@ mod tests {
 
     #[test]
     fn resharding_is_zero3s() {
-        let err = parse(&["--reshard-after-forward", "false", "--strategy", "zero2"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&["--reshard-after-forward", "false", "--strategy", "zero2"]);
         assert!(err.contains("zero2 keeps whole parameters"), "{err}");
         let args = parse(&["--reshard-after-forward", "false", "--strategy", "fsdp"]).unwrap();
         args.validate().unwrap();
@@ -497,7 +495,7 @@ mod tests {
             &["--accelerator", "cubecl-cpu", "--plan"][..],
             &["--accelerator", "cuda", "--memory-budget", "1G"],
         ] {
-            let err = parse(flags).unwrap().validate().unwrap_err().to_string();
+            let err = refused(flags);
             assert!(
                 err.contains("cannot plan for --accelerator") && err.contains(flags[1]),
                 "{err}"
@@ -511,17 +509,9 @@ mod tests {
 
     #[test]
     fn skip_limit_needs_the_loss_scaler() {
-        let err = parse(&["--max-consecutive-skips", "3"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&["--max-consecutive-skips", "3"]);
         assert!(err.contains("16-mixed"), "{err}");
-        let err = parse(&["--initial-loss-scale", "1024", "--precision", "bf16-mixed"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&["--initial-loss-scale", "1024", "--precision", "bf16-mixed"]);
         assert!(
             err.contains("--initial-loss-scale") && err.contains("bf16-mixed"),
             "{err}"
@@ -531,21 +521,13 @@ mod tests {
             .unwrap()
             .validate()
             .unwrap();
-        let err = parse(&[&scaled[..], &["--initial-loss-scale", "0"]].concat())
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&[&scaled[..], &["--initial-loss-scale", "0"]].concat());
         assert!(err.contains("positive"), "{err}");
     }
 
     #[test]
     fn auto_needs_a_budget() {
-        let err = parse(&["--strategy", "auto"])
-            .unwrap()
-            .validate()
-            .unwrap_err()
-            .to_string();
+        let err = refused(&["--strategy", "auto"]);
         assert!(err.contains("--memory-budget"), "{err}");
         let args = parse(&["--strategy", "auto", "--memory-budget", "1.5GiB"]).unwrap();
         assert_eq!(args.memory_budget, Some(3 << 29));
@@ -565,10 +547,7 @@ mod tests {
     fn unknown_values_are_named() {
         let err = parse(&["--strategy", "zero4"]).unwrap_err();
         assert!(err.contains("zero4") && err.contains("zero3"), "{err}");
-        let err = parse(&["--batch-size", "0"])
-            .unwrap()
-            .validate()
-            .unwrap_err();
-        assert!(err.to_string().contains("--batch-size"), "{err}");
+        let err = refused(&["--batch-size", "0"]);
+        assert!(err.contains("--batch-size"), "{err}");
     }
 }

@@ -481,11 +481,11 @@ impl MemoryPlan {
         let mut phases = Vec::new();
         let gathered_unit;
         let compute_copy;
-        // Not resharded after forward: every unit but the head's gathered by the end of
-        // forward, each held until its backward ends.
         // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
         // 16-bit cast (an f32 rank alone runs its shards, which are whole, as they are).
         let gathers = sharding.parameters && (world > 1 || mixed);
+        // Not resharded after forward: every unit but the head's gathered by the end of
+        // forward, each held until its backward ends.
         let kept_copies = keep_gathered && gathers;
         let gathered_kept = match kept_copies {
             true => c * (units.embeddings + units.blocks.iter().sum::<usize>()),
@@ -587,16 +587,18 @@ impl MemoryPlan {
                     .max(copy + c * elems + whole)
                     .max(2 * whole)
             };
-            // The top block's backward: recomputed (its copy gathered again unless kept), or
-            // through the graph forward kept (its activations and copy counted in `kept` and
-            // `gathered_kept`).
-            let top_block = match (checkpoint, keep_gathered) {
-                (true, false) => {
-                    unit_backward(block, unit_copy(block), probe.block, probe.block_backward)
-                }
-                (true, true) => unit_backward(block, 0, probe.block, probe.block_backward),
-                (false, _) => unit_backward(block, 0, 0, probe.block_backward),
+            // The top block's backward: its copy gathered again unless kept (then it counts in
+            // `gathered_kept`), its activations recomputed unless forward kept its graph (then
+            // they count in `kept`).
+            let top_copy = match keep_gathered {
+                true => 0,
+                false => unit_copy(block),
             };
+            let top_activations = match checkpoint {
+                true => probe.block,
+                false => 0,
+            };
+            let top_block = unit_backward(block, top_copy, top_activations, probe.block_backward);
             phases.push(backward_top(
                 held + kept + gathered_kept + head_copy + probe.head_backward,
                 held + kept.saturating_sub(probe.head) + gathered_kept + top_block + head_grads,

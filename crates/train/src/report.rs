@@ -227,7 +227,7 @@ impl RunSummary {
             tokens_per_s.map(|t| 6.0 * num_params as f64 * t / (world_size as f64 * peak_flops));
         let sharding = args.sharding().ok();
         Self {
-            accelerator: Accelerator::or_default(args.accelerator),
+            accelerator: args.runs_on(),
             strategy: args.strategy,
             recomputed_blocks: sharding.is_some_and(|s| s.recomputes(args.checkpoint_activations)),
             reshard_after_forward: sharding

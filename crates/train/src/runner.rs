@@ -129,7 +129,7 @@ pub fn train<T: TrainTask>(
     }
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
-    let accelerator = Accelerator::or_default(args.accelerator);
+    let accelerator = args.runs_on();
     let results = accelerator.run_ranks(args.devices, DEFAULT_TIMEOUT, |comm, local| {
         let model = {
             let mut shared = shared
@@ -519,7 +519,7 @@ fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.validate()?;
     // On the CPU the ranks run on the device given; it must be the CPU's (Burn's devices
     // compare equal on hardware alone, whatever their autodiff).
-    if Accelerator::or_default(args.accelerator) == Accelerator::Cpu && *device != Device::flex() {
+    if args.runs_on() == Accelerator::Cpu && *device != Device::flex() {
         return Err(TrainError::InvalidArgs(format!(
             "--accelerator cpu runs the ranks on the device the model was built on, but that is {device:?}, not the CPU's (Flex): build it on TrainArgs::device()"
         )));
