@@ -92,16 +92,37 @@ pub fn is_counting() -> bool {
     peak_bytes() > 0
 }
 
-/// The most bytes `device`'s memory pools have reserved so far (the sum of each pool's peak
-/// pages, cubecl's own statistics: what PyTorch calls `max_memory_reserved`); on a CPU, whose
-/// device memory is the host's, the process peak of [`peak_bytes`].
-pub fn device_peak_bytes(device: &burn::prelude::Device) -> usize {
-    match device.memory_pool_report() {
-        Some(pools) => pools
-            .iter()
-            .map(|pool| (pool.pages_peak * pool.page_size) as usize)
-            .sum(),
-        None => peak_bytes(),
+/// The most bytes a device held reserved when it was read ([`DevicePeak::read`]): every pool
+/// of every stream, cubecl's `bytes_reserved`, what PyTorch calls memory reserved. cubecl's
+/// pools keep their pages until a cleanup, so read at each step's end this is the steps' peak,
+/// but for the dedicated buffers of very large allocations, which go back as they are freed.
+pub struct DevicePeak {
+    device: burn::prelude::Device,
+    reserved: Option<usize>,
+}
+
+impl DevicePeak {
+    pub fn new(device: &burn::prelude::Device) -> Self {
+        let mut peak = Self {
+            device: device.clone(),
+            reserved: None,
+        };
+        peak.read();
+        peak
+    }
+
+    /// Takes the device's reservation now into the peak.
+    pub fn read(&mut self) {
+        if let Some(usage) = self.device.memory_pool_usage() {
+            let now = usage.bytes_reserved as usize;
+            self.reserved = Some(self.reserved.map_or(now, |peak| peak.max(now)));
+        }
+    }
+
+    /// The peak read, `None` on a device without pools (the CPU, whose device memory is the
+    /// host's).
+    pub fn bytes(&self) -> Option<usize> {
+        self.reserved
     }
 }
 

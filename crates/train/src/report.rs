@@ -80,8 +80,8 @@ pub struct RankMemory {
     pub model_state_bytes: usize,
     /// This rank's process peak; ranks that are threads of one process share it.
     pub peak_mem_bytes: usize,
-    /// The peak of this rank's device memory ([`memory::device_peak_bytes`]: the GPU's pool
-    /// reservation; on a CPU the process peak again).
+    /// The peak of this rank's device memory ([`memory::DevicePeak`]: the GPU's reservation
+    /// at step ends; on a CPU the process peak again).
     pub device_peak_mem_bytes: usize,
     /// The planner's prediction of `peak_mem_bytes`, when a plan was made.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -147,8 +147,9 @@ pub struct RunSummary {
     /// put them on the host. Counted the same on every backend, so a CPU run shows what a
     /// GPU run moves.
     pub host_transfer_bytes_per_step: u64,
-    /// Measured GEMM rate of the device in the precision's compute dtype, FLOP/s.
-    pub peak_flops: f64,
+    /// Measured GEMM rate of the device in the precision's compute dtype, FLOP/s; `None`
+    /// where the probe could not time its work (`speed::peak_gemm_flops`).
+    pub peak_flops: Option<f64>,
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
     #[serde(skip)]
     pub history: Vec<StepMetrics>,
@@ -215,7 +216,7 @@ impl RunSummary {
         model_state: ModelStateBytes,
         ranks: Vec<RankMemory>,
         throughput: Throughput,
-        peak_flops: f64,
+        peak_flops: Option<f64>,
     ) -> Self {
         let (tokens_per_s, samples_per_s) = match throughput {
             Throughput::Tokens(t) => (Some(t), None),
@@ -223,8 +224,9 @@ impl RunSummary {
         };
         // Each rank counts as one device of the measured peak; ranks that share cores
         // (threads, or oversubscribed processes) make this an underestimate.
-        let mfu =
-            tokens_per_s.map(|t| 6.0 * num_params as f64 * t / (world_size as f64 * peak_flops));
+        let mfu = tokens_per_s
+            .zip(peak_flops)
+            .map(|(t, peak)| 6.0 * num_params as f64 * t / (world_size as f64 * peak));
         let sharding = args.sharding().ok();
         Self {
             accelerator: args.runs_on(),
@@ -386,16 +388,21 @@ impl RunSummary {
         if let Some(s) = self.samples_per_s {
             rows.push(("throughput", format!("{s:.1} samples/s")));
         }
-        if let Some(mfu) = self.mfu {
-            rows.push((
+        let dtype = burn::tensor::DType::from(self.precision.compute_dtype()).name();
+        match (self.mfu, self.peak_flops) {
+            (Some(mfu), Some(peak)) => rows.push((
                 "MFU",
                 format!(
-                    "{:.1}% of measured peak GEMM {:.1} GFLOP/s ({})",
+                    "{:.1}% of measured peak GEMM {:.1} GFLOP/s ({dtype})",
                     100.0 * mfu,
-                    self.peak_flops / 1e9,
-                    burn::tensor::DType::from(self.precision.compute_dtype()).name()
+                    peak / 1e9,
                 ),
-            ));
+            )),
+            (None, None) if self.tokens_per_s.is_some() => rows.push((
+                "MFU",
+                format!("not measured: the GEMM probe's time ({dtype}) did not grow with its work"),
+            )),
+            _ => {}
         }
         if let Some(save) = &self.save {
             rows.push((

@@ -292,6 +292,10 @@ fn train_rank<T: TrainTask>(
         }
     }
     memory::reset_peak();
+    // The device's peak counts from what is live: pages an earlier run or a dropped model
+    // left in cubecl's pools go back first.
+    device.memory_cleanup();
+    let mut device_peak = memory::DevicePeak::new(device);
     let start = Instant::now();
     let mut items = 0usize;
     // Time and items of the steady-state training steps (evaluations left out): what the
@@ -333,6 +337,7 @@ fn train_rank<T: TrainTask>(
             });
         }
         transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
+        device_peak.read();
         let grad_norm = outcome.grad_norm;
         let step_s = step_start.elapsed().as_secs_f64();
         // Throughput counts steady-state steps: the first compiles and tunes kernels on a
@@ -405,6 +410,7 @@ fn train_rank<T: TrainTask>(
 
     let (val_loss, accuracy) =
         task.evaluate(&mut |x| engine.eval_logits(x), &engine.eval_device())?;
+    device_peak.read();
     let model_state = ModelStateBytes {
         params: engine.param_bytes(),
         grads: engine.grad_bytes(),
@@ -416,7 +422,9 @@ fn train_rank<T: TrainTask>(
         [
             model_state.total(),
             peak_mem,
-            memory::device_peak_bytes(device),
+            device_peak
+                .bytes()
+                .unwrap_or_else(|| memory::peak_bytes().max(training_peak)),
             plan.as_ref().map_or(0, |p| p.process_peak),
         ],
     )?;
@@ -425,7 +433,7 @@ fn train_rank<T: TrainTask>(
         None => None,
     };
     // After the memory figures: the probe's matrices are no part of training's peak.
-    let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype());
+    let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype(), args.runs_on());
     let items_per_s = items as f64 / train_s;
     let warmup_s = step_times.first().copied().unwrap_or(f64::NAN);
     let throughput = if task.counts_tokens() {
@@ -470,6 +478,11 @@ fn train_rank<T: TrainTask>(
         true => Some(engine.full_model()?),
         false => None,
     };
+    drop(engine);
+    // cubecl's pools keep a finished run's pages for its thread's stream, which no later run
+    // uses: give them back, so that the next run in this process (a bench's next row, a
+    // service's next job) starts from what is live.
+    device.memory_cleanup();
     Ok((model, summary))
 }
 
