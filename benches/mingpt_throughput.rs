@@ -9,6 +9,9 @@
 //!     cargo bench --bench mingpt_throughput -- --no-torch --also "--strategy zero3" \
 //!         --also "--strategy zero3 --reshard-after-forward false" \
 //!         --also "--strategy zero3 --offload params"
+//!     # one configuration, with no single run before it:
+//!     cargo bench --bench mingpt_throughput -- --no-torch --no-plain --strategy zero3 \
+//!         --flags "--reshard-after-forward false"
 //!     # on a GPU (a `cuda` build), the 57M config in bf16-mixed:
 //!     cargo bench --features cuda --bench mingpt_throughput -- --accelerator cuda \
 //!         --n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --precision bf16-mixed
@@ -55,6 +58,10 @@ struct Cli {
     /// burnscale's `--strategy` on one rank (single, or zero3 to see the engine's cost).
     #[arg(long, default_value = "single")]
     strategy: String,
+    /// More runner flags for every burnscale run, the first and each `--also`
+    /// (`--flags "--reshard-after-forward false"` with `--strategy zero3`).
+    #[arg(long, allow_hyphen_values = true, default_value = "")]
+    flags: String,
     #[arg(long, default_value_t = 128)]
     block_size: usize,
     #[arg(long, default_value_t = 16)]
@@ -103,7 +110,8 @@ fn train_args(cli: &Cli, steps: usize, extra: &[&str]) -> Result<TrainArgs> {
         "--strategy",
         &cli.strategy,
     ];
-    Ok(TrainArgs::from_flags(&[&base[..], extra].concat())?)
+    let flags: Vec<&str> = cli.flags.split_whitespace().collect();
+    Ok(TrainArgs::from_flags(&[&base[..], &flags, extra].concat())?)
 }
 
 /// Random tokens, the same for every side.
@@ -133,9 +141,10 @@ fn burnscale_run(
     Ok(train(model, &mut task(cli, config)?, &args, &device)?.1)
 }
 
-/// Tokens per second of the plain Burn loop over `cli.steps` steps, after `cli.warmup`
-/// untimed ones.
-fn plain_run(cli: &Cli, config: &GptConfig) -> Result<f64> {
+/// The plain Burn loop's tokens per second over `cli.steps` steps after `cli.warmup` untimed
+/// ones, counted as the runner counts (the steps after the first), and its first timed step's
+/// seconds.
+fn plain_run(cli: &Cli, config: &GptConfig) -> Result<(f64, f64)> {
     let args = train_args(cli, cli.warmup, &[])?;
     if args.precision.is_mixed() {
         anyhow::bail!("the plain loop has no autocast: run it with a *-true precision");
@@ -147,15 +156,18 @@ fn plain_run(cli: &Cli, config: &GptConfig) -> Result<f64> {
     let (_, model) = warm.train(Gpt::new(config, &device)?, &mut task, &device);
     let timed =
         PlainConfig::from_args(&train_args(cli, cli.steps, &[])?).map_err(anyhow::Error::msg)?;
-    let start = std::time::Instant::now();
     let (trajectory, _) = timed.train(model, &mut task, &device);
-    // The losses were read every step: the device has finished.
     anyhow::ensure!(
         trajectory.losses.iter().all(|l| l.is_finite()),
         "plain loss diverged"
     );
-    let items = cli.steps * cli.batch_size * cli.block_size;
-    Ok(items as f64 / start.elapsed().as_secs_f64())
+    let (first, steady) = trajectory.step_s.split_first().context("no timed step")?;
+    let items = steady.len().max(1) * cli.batch_size * cli.block_size;
+    let seconds = match steady.is_empty() {
+        true => *first,
+        false => steady.iter().sum(),
+    };
+    Ok((items as f64 / seconds, *first))
 }
 
 fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
@@ -196,6 +208,11 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
     Ok(serde_json::from_str(line)?)
 }
 
+/// The first rank's device peak (on the CPU its process peak).
+fn device_peak(summary: &RunSummary) -> usize {
+    summary.ranks.first().map_or(0, |r| r.device_peak_mem_bytes)
+}
+
 fn main() -> std::process::ExitCode {
     burnscale::exit_code(run())
 }
@@ -206,18 +223,19 @@ fn run() -> Result<()> {
     config.n_layer = cli.n_layer.unwrap_or(config.n_layer);
     config.n_head = cli.n_head.unwrap_or(config.n_head);
     config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
-    // A short untimed run pays one-time costs (allocator warm-up, lazy init) first.
-    let measured = |extra: &[&str]| {
-        burnscale_run(&cli, &config, cli.warmup, extra)?;
+    // A short untimed run pays one-time costs (kernel compilation and tuning, allocator
+    // warm-up, lazy init) first; its first step's seconds are the configuration's cold start.
+    let measured = |extra: &[&str]| -> Result<(f64, RunSummary)> {
+        let cold = burnscale_run(&cli, &config, cli.warmup, extra)?.warmup_s;
         memory::reset_peak();
-        burnscale_run(&cli, &config, cli.steps, extra)
+        Ok((cold, burnscale_run(&cli, &config, cli.steps, extra)?))
     };
-    let ours = measured(&[])?;
+    let (cold, ours) = measured(&[])?;
     let ours_tps = ours.tokens_per_s.unwrap_or(0.0);
     let mut others = Vec::new();
     for flags in &cli.also {
         let extra: Vec<&str> = flags.split_whitespace().collect();
-        others.push((flags, measured(&extra)?));
+        others.push((flags, measured(&extra)?.1));
     }
     let plain = if cli.no_plain {
         Err(anyhow::anyhow!("skipped (--no-plain)"))
@@ -246,8 +264,8 @@ fn run() -> Result<()> {
     println!("{:<22} {:>12} {:>10}", "", "tokens/s", "step ms");
     let step_ms = |tps: f64| 1e3 * (cli.batch_size * cli.block_size) as f64 / tps;
     println!(
-        "{:<22} {:>12.0} {:>10.1}   first step {:.2} s",
-        format!("burnscale ({})", cli.strategy),
+        "{:<22} {:>12.0} {:>10.1}   first step {cold:.2} s (the process's first), {:.2} s (the timed run's)",
+        format!("burnscale ({} {})", cli.strategy, cli.flags).replace(" )", ")"),
         ours_tps,
         step_ms(ours_tps),
         ours.warmup_s
@@ -255,16 +273,17 @@ fn run() -> Result<()> {
     for (flags, summary) in &others {
         let tps = summary.tokens_per_s.unwrap_or(0.0);
         println!(
-            "  {flags}: {tps:.0} tokens/s, {:.1} ms a step ({:.2}x the first run's), first step {:.2} s, peak process memory {}",
+            "  {flags}: {tps:.0} tokens/s, {:.1} ms a step ({:.2}x the first run's), first step {:.2} s, peak process memory {}, device {}",
             step_ms(tps),
             ours_tps / tps,
             summary.warmup_s,
-            memory::human_bytes(summary.peak_mem_bytes)
+            memory::human_bytes(summary.peak_mem_bytes),
+            memory::human_bytes(device_peak(summary))
         );
     }
     match &plain {
-        Ok(tps) => println!(
-            "{:<22} {tps:>12.0} {:>10.1}   burnscale/plain tokens/s {:.2}",
+        Ok((tps, first)) => println!(
+            "{:<22} {tps:>12.0} {:>10.1}   first step {first:.2} s, burnscale/plain tokens/s {:.2}",
             "plain Burn loop",
             step_ms(*tps),
             ours_tps / tps
@@ -288,7 +307,7 @@ fn run() -> Result<()> {
             None
         }
     };
-    let device_peak = ours.ranks.first().map_or(0, |r| r.device_peak_mem_bytes);
+    let device_peak = device_peak(&ours);
     if let Ok(t) = &torch
         && let Some(reserved) = t["max_memory_reserved"].as_u64()
     {
@@ -308,7 +327,7 @@ fn run() -> Result<()> {
         let report = json!({
             "burnscale": ours,
             "also": others.iter().map(|(flags, s)| json!({"flags": flags, "summary": s})).collect::<Vec<_>>(),
-            "plain_tokens_per_s": plain.as_ref().ok(),
+            "plain_tokens_per_s": plain.as_ref().ok().map(|p| p.0),
             "pytorch": torch.as_ref().ok(),
             "ratio_burnscale_over_pytorch": ratio,
         });

@@ -67,6 +67,8 @@ pub struct Trajectory {
     pub losses: Vec<f64>,
     /// The global L2 norm of the averaged gradients, before clipping.
     pub grad_norms: Vec<f64>,
+    /// Each step's seconds, to the read that ends it (what a benchmark times).
+    pub step_s: Vec<f64>,
 }
 
 impl PlainConfig {
@@ -132,8 +134,10 @@ impl PlainConfig {
         let mut trajectory = Trajectory {
             losses: Vec::with_capacity(self.steps),
             grad_norms: Vec::with_capacity(self.steps),
+            step_s: Vec::with_capacity(self.steps),
         };
         for _ in 0..self.steps {
+            let start = std::time::Instant::now();
             let mut accumulator = GradientsAccumulator::new();
             let mut losses = Vec::with_capacity(self.accumulate);
             for _ in 0..self.accumulate {
@@ -159,6 +163,7 @@ impl PlainConfig {
             }
             trajectory.losses.push(loss_sum);
             trajectory.grad_norms.push(norm);
+            trajectory.step_s.push(start.elapsed().as_secs_f64());
             model = optim.step(self.lr, model, grads);
         }
         (trajectory, model)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Issue 14's GPU table in one run on a lent GPU machine: minGPT beside PyTorch eager and the
+# plain Burn loop, the engine's ZeRO-3 variants beside single, bf16-mixed, a second process of
+# the same configuration for the first step with a warm kernel cache, the 303M row, and CUDA's
+# stream-ordered allocator under cubecl's pools beside the default. Each phase has its own time cap, so one that runs
+# long or fails does not cost the rest.
+#
+#     scripts/gpu_table.sh BENCH OUT
+#
+# BENCH: a `cargo bench --no-run --features cuda --bench mingpt_throughput` binary; OUT: a
+# folder for log.txt (the benches' tables, each phase's start and end), smi.csv (nvidia-smi
+# every 250 ms: the device's own memory figure) and one summary JSON per phase.
+set -u
+bench=$1
+out=$2
+mkdir -p "$out"
+log="$out/log.txt"
+
+# cubecl compiles kernels with NVPTX at run time and reads libdevice under $CUDA_PATH;
+# cudarc opens libnccl.so, which the NCCL wheel ships only as libnccl.so.2.
+# CUDA_PATH as given, else the toolkit's.
+libdevice=$(find /usr/local -path '*nvvm/libdevice/libdevice.10.bc' 2>/dev/null | head -n1)
+export CUDA_PATH=${CUDA_PATH:-${libdevice%/nvvm/libdevice/libdevice.10.bc}}
+nccl=$(find /opt /usr/lib /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -n1)
+mkdir -p /tmp/gpu_table_lib
+ln -sf "$nccl" /tmp/gpu_table_lib/libnccl.so
+export LD_LIBRARY_PATH=/tmp/gpu_table_lib:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+# Compiled kernels are kept across processes (autotune results always are). cubecl reads
+# cubecl.toml from the working directory up; this script writes its own and removes it.
+[ -e cubecl.toml ] && { echo "cubecl.toml exists here: move it away first" >&2; exit 2; }
+trap 'rm -f cubecl.toml' EXIT
+printf '[compilation]\ncache = true\n' >cubecl.toml
+{
+    echo "CUDA_PATH=$CUDA_PATH nccl=$nccl"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+} | tee -a "$log"
+nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
+    -lms 250 >"$out/smi.csv" &
+smi=$!
+
+phase() { # NAME CAP ARGS...: one bench process, capped at CAP seconds
+    local name=$1 cap=$2
+    shift 2
+    echo "== $name start $(date +%T.%N) :: $*" | tee -a "$log"
+    timeout "$cap" "$bench" --accelerator cuda --summary-json "$out/$name.json" "$@" 2>&1 |
+        tee -a "$log"
+    echo "== $name end $(date +%T.%N) rc=${PIPESTATUS[0]}" | tee -a "$log"
+    pkill -f bench_mingpt_torch.py # a capped phase's PyTorch side
+}
+
+m57=(--n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --batch-size 16)
+phase m57_f32 170 "${m57[@]}" --steps 20 --warmup 3 \
+    --also "--strategy zero3" \
+    --also "--strategy zero3 --reshard-after-forward false" \
+    --also "--strategy zero3 --offload params"
+phase m57_bf16 140 "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
+    --also "--strategy zero3 --reshard-after-forward false"
+phase m57_f32_warm 45 "${m57[@]}" --steps 10 --warmup 2 --no-plain --no-torch
+phase m303_f32 110 --n-layer 24 --n-head 16 --n-embd 1024 --block-size 512 --batch-size 8 \
+    --steps 6 --warmup 2
+# CUDA's stream-ordered allocator under cubecl's pools, beside the default (synchronous).
+printf '[compilation]\ncache = true\n[memory.cuda]\nallocator = "async"\n' >cubecl.toml
+phase m57_f32_async 45 "${m57[@]}" --steps 10 --warmup 2 --no-plain --no-torch
+kill $smi
