@@ -230,24 +230,10 @@ fn run() -> Result<()> {
         memory::reset_peak();
         Ok((cold, burnscale_run(&cli, &config, cli.steps, extra)?))
     };
+    // Each row is printed as it is measured, so that a capped run still shows the rows it
+    // finished.
     let (cold, ours) = measured(&[])?;
     let ours_tps = ours.tokens_per_s.unwrap_or(0.0);
-    let mut others = Vec::new();
-    for flags in &cli.also {
-        let extra: Vec<&str> = flags.split_whitespace().collect();
-        others.push((flags, measured(&extra)?.1));
-    }
-    let plain = if cli.no_plain {
-        Err(anyhow::anyhow!("skipped (--no-plain)"))
-    } else {
-        plain_run(&cli, &config)
-    };
-    let torch = if cli.no_torch {
-        Err(anyhow::anyhow!("skipped (--no-torch)"))
-    } else {
-        torch_run(&cli, &config)
-    };
-
     println!(
         "minGPT {}L/{}H/{} (params {}), block {}, batch {}, {} timed steps, {} on {}, {} threads",
         config.n_layer,
@@ -264,13 +250,17 @@ fn run() -> Result<()> {
     println!("{:<22} {:>12} {:>10}", "", "tokens/s", "step ms");
     let step_ms = |tps: f64| 1e3 * (cli.batch_size * cli.block_size) as f64 / tps;
     println!(
-        "{:<22} {:>12.0} {:>10.1}   first step {cold:.2} s (the process's first), {:.2} s (the timed run's)",
+        "{:<22} {:>12.0} {:>10.1}   first step {cold:.2} s (the process's first), {:.2} s (the timed run's), device {}",
         format!("burnscale ({} {})", cli.strategy, cli.flags).replace(" )", ")"),
         ours_tps,
         step_ms(ours_tps),
-        ours.warmup_s
+        ours.warmup_s,
+        memory::human_bytes(device_peak(&ours))
     );
-    for (flags, summary) in &others {
+    let mut others = Vec::new();
+    for flags in &cli.also {
+        let extra: Vec<&str> = flags.split_whitespace().collect();
+        let summary = measured(&extra)?.1;
         let tps = summary.tokens_per_s.unwrap_or(0.0);
         println!(
             "  {flags}: {tps:.0} tokens/s, {:.1} ms a step ({:.2}x the first run's), first step {:.2} s, peak process memory {}, device {}",
@@ -278,9 +268,14 @@ fn run() -> Result<()> {
             ours_tps / tps,
             summary.warmup_s,
             memory::human_bytes(summary.peak_mem_bytes),
-            memory::human_bytes(device_peak(summary))
+            memory::human_bytes(device_peak(&summary))
         );
+        others.push((flags, summary));
     }
+    let plain = match cli.no_plain {
+        true => Err(anyhow::anyhow!("skipped (--no-plain)")),
+        false => plain_run(&cli, &config),
+    };
     match &plain {
         Ok((tps, first)) => println!(
             "{:<22} {tps:>12.0} {:>10.1}   first step {first:.2} s, burnscale/plain tokens/s {:.2}",
@@ -290,6 +285,10 @@ fn run() -> Result<()> {
         ),
         Err(e) => println!("plain Burn loop: not run ({e})"),
     }
+    let torch = match cli.no_torch {
+        true => Err(anyhow::anyhow!("skipped (--no-torch)")),
+        false => torch_run(&cli, &config),
+    };
     let ratio = match &torch {
         Ok(t) => {
             let tps = t["tokens_per_s"].as_f64().unwrap_or(f64::NAN);
