@@ -2,9 +2,10 @@
 # Issue 14's GPU table in one run on a lent GPU machine: minGPT beside PyTorch eager and the
 # plain Burn loop, the engine's ZeRO-3 variants beside single, bf16-mixed, a second process of
 # the same configuration for the first step with a warm kernel cache, the 303M row, and CUDA's
-# stream-ordered allocator under cubecl's pools beside the default. Each phase has its own time cap, so one that runs
-# long or fails does not cost the rest (on an H200 the phases took 133, over 140, 4, 72 and 4
-# s with a cold kernel cache: about 6 minutes, the machine's start aside).
+# stream-ordered allocator under cubecl's pools beside the default. Each phase has its own
+# time cap, so one that runs long or fails does not cost the rest (on an H200 the phases took
+# 133, over 140, 4, 72 and 4 s with a cold kernel cache: about 6 minutes, the machine's start
+# aside).
 #
 #     scripts/gpu_table.sh BENCH OUT
 #
