@@ -113,7 +113,7 @@ pub const SHARDED: &[&[&str]] = &[
     ],
     &[CLASSIFIER, "--strategy", "zero3"],
     &[MASKED_LM, "--strategy", "zero3"],
-    // The head gathers the token table again beside the embeddings' kept copy.
+    // The tied head reads the token table the embeddings keep gathered.
     &[
         MASKED_LM,
         "--strategy",

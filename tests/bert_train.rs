@@ -157,13 +157,16 @@ fn tiny_bert_learns_a_toy_task() {
 }
 
 /// A masked-LM head reads the word embeddings too, so ZeRO-3 gathers the embeddings' unit for
-/// the head as well: two SGD steps on 2 thread ranks (half the batch each) leave the same
-/// model as one rank on the whole batch, with each unit resharded after forward or kept
-/// gathered until its backward.
+/// the head as well (kept gathered, the head reads the embeddings' gathered table): two SGD
+/// steps on 2 thread ranks (half the batch each) leave the same model as one rank on the
+/// whole batch, with each unit resharded after forward or kept gathered until its backward;
+/// under bf16-mixed, kept gathered leaves the same model as resharded (the same bf16 values
+/// gathered, read from another copy).
 #[test]
 fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
     use burnscale::bert::BertInput;
     use burnscale::collective::{run_ranks, threads::DEFAULT_TIMEOUT};
+    use burnscale::precision::{Precision, ScalerConfig};
     use burnscale::shard::{Sharded, Strategy};
     use burnscale::train::ParamOptimizer;
 
@@ -187,7 +190,7 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
         };
         (input, ids.reshape([n * t]))
     };
-    let train = |strategy: Strategy, world: usize, reshard: bool| {
+    let train = |strategy: Strategy, world: usize, reshard: bool, precision: Precision| {
         let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
             let model = seeded_model(5, |device| Bert::new(&config, device).unwrap());
             let sgd = [
@@ -200,7 +203,9 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
             ];
             let args = TrainArgs::from_flags(&sgd).unwrap();
             let mut optim = ParamOptimizer::new(&args, 0, &model).unwrap();
-            let mut engine = Sharded::new(strategy, model, comm, &device).unwrap();
+            let mut engine = Sharded::new(strategy, model, comm, &device)
+                .unwrap()
+                .precision(precision, ScalerConfig::default());
             if !reshard {
                 engine = engine.reshard_after_forward(false).unwrap();
             }
@@ -218,11 +223,18 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
         .unwrap();
         ranks.into_iter().next().unwrap().unwrap()
     };
-    let single = train(Strategy::Ddp, 1, true);
-    let sharded = train(Strategy::Zero3, 2, true);
+    let single = train(Strategy::Ddp, 1, true, Precision::F32True);
+    let sharded = train(Strategy::Zero3, 2, true, Precision::F32True);
     assert_same(&single, &sharded, "zero3 masked LM");
-    let kept = train(Strategy::Zero3, 2, false);
+    let kept = train(Strategy::Zero3, 2, false, Precision::F32True);
     assert_same(&single, &kept, "zero3 masked LM, kept gathered");
+    let sharded = train(Strategy::Zero3, 2, true, Precision::Bf16Mixed);
+    let kept = train(Strategy::Zero3, 2, false, Precision::Bf16Mixed);
+    assert_same(
+        &sharded,
+        &kept,
+        "zero3 masked LM, bf16-mixed, kept gathered",
+    );
 }
 
 /// Checking examples reads shapes only: a lazily built model stays uninitialised (under

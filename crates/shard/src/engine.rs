@@ -870,10 +870,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
         }
         let x = autodiff_on(x, &self.device).require_grad();
-        let head = if sharded_params {
-            Some(self.unit(&root, &self.head_units, true)?)
-        } else {
-            None
+        let head = match (&embedded, sharded_params) {
+            // A head tied to the token table reads it where the embeddings keep it gathered:
+            // only the head's own unit is gathered.
+            (Some((_, Some(kept))), true) => Some(self.unit(kept, &[HEAD], true)?),
+            (_, true) => Some(self.unit(&root, &self.head_units, true)?),
+            (_, false) => None,
         };
         let head_root = head.as_ref().unwrap_or(&root);
         let loss = head_root.head_loss(x.clone(), target);

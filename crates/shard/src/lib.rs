@@ -77,8 +77,8 @@ pub struct Sharding {
     /// forward and gathered again for its backward, which recomputes its forward (Burn's
     /// graph would keep them). When false, a unit gathered for forward stays gathered, with
     /// its graph, until its backward ends: one all-gather per unit a micro-step (a head tied to
-    /// the token table gathers it again) and no recomputation,
-    /// for the whole model's parameters held during forward and backward (FSDP2's
+    /// the token table reads the embeddings' kept copy) and no recomputation, for the whole
+    /// model's parameters held during forward and backward (FSDP2's
     /// `reshard_after_forward=False`, FSDP1's `SHARD_GRAD_OP`).
     pub reshard_after_forward: bool,
 }

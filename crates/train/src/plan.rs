@@ -558,7 +558,13 @@ impl MemoryPlan {
                 true => activations_checkpointed,
                 false => activations,
             };
-            let head_copy = if gathers { c * head_unit } else { 0 };
+            // Kept gathered, a tied head reads the token table the embeddings keep (counted in
+            // `gathered_kept`): its copy is its own unit.
+            let head_copy = match (gathers, kept_copies) {
+                (false, _) => 0,
+                (true, true) => c * units.head,
+                (true, false) => c * head_unit,
+            };
             phases.push(PhaseBytes::new(
                 Phase::Forward,
                 held + kept + gathered_kept + head_copy,
