@@ -58,8 +58,9 @@ struct Cli {
     /// burnscale's `--strategy` on one rank (single, or zero3 to see the engine's cost).
     #[arg(long, default_value = "single")]
     strategy: String,
-    /// More runner flags for every burnscale run, the first and each `--also`
-    /// (`--flags "--reshard-after-forward false"` with `--strategy zero3`).
+    /// More runner flags for every burnscale run, the first and each `--also` (whose flags
+    /// come later and override them), not the plain loop: `--flags "--reshard-after-forward
+    /// false"` with `--strategy zero3`.
     #[arg(long, allow_hyphen_values = true, default_value = "")]
     flags: String,
     #[arg(long, default_value_t = 128)]
@@ -110,8 +111,7 @@ fn train_args(cli: &Cli, steps: usize, extra: &[&str]) -> Result<TrainArgs> {
         "--strategy",
         &cli.strategy,
     ];
-    let flags: Vec<&str> = cli.flags.split_whitespace().collect();
-    Ok(TrainArgs::from_flags(&[&base[..], &flags, extra].concat())?)
+    Ok(TrainArgs::from_flags(&[&base[..], extra].concat())?)
 }
 
 /// Random tokens, the same for every side.
@@ -134,7 +134,8 @@ fn burnscale_run(
     steps: usize,
     extra: &[&str],
 ) -> Result<RunSummary> {
-    let args = train_args(cli, steps, extra)?;
+    let flags: Vec<&str> = cli.flags.split_whitespace().collect();
+    let args = train_args(cli, steps, &[&flags[..], extra].concat())?;
     let device = args.device()?;
     device.seed(1337);
     let model = Gpt::new(config, &device)?;
@@ -223,8 +224,8 @@ fn run() -> Result<()> {
     config.n_layer = cli.n_layer.unwrap_or(config.n_layer);
     config.n_head = cli.n_head.unwrap_or(config.n_head);
     config.n_embd = cli.n_embd.unwrap_or(config.n_embd);
-    // A short untimed run pays one-time costs (kernel compilation and tuning, allocator
-    // warm-up, lazy init) first; its first step's seconds are the configuration's cold start.
+    // A short untimed run pays one-time costs (kernel compilation and tuning, lazy init)
+    // first; its first step's seconds are the configuration's cold start.
     let measured = |extra: &[&str]| -> Result<(f64, RunSummary)> {
         let cold = burnscale_run(&cli, &config, cli.warmup, extra)?.warmup_s;
         memory::reset_peak();

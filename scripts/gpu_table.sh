@@ -30,8 +30,8 @@ export LD_LIBRARY_PATH=/tmp/gpu_table_lib:/usr/local/cuda/targets/x86_64-linux/l
 # Compiled kernels are kept across processes (autotune results always are). cubecl reads
 # cubecl.toml from the working directory up; this script writes its own and removes it.
 [ -e cubecl.toml ] && { echo "cubecl.toml exists here: move it away first" >&2; exit 2; }
-trap 'rm -f cubecl.toml' EXIT
 printf '[compilation]\ncache = true\n' >cubecl.toml
+trap 'rm -f cubecl.toml' EXIT
 {
     echo "CUDA_PATH=$CUDA_PATH nccl=$nccl"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -39,6 +39,7 @@ printf '[compilation]\ncache = true\n' >cubecl.toml
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
     -lms 250 >"$out/smi.csv" &
 smi=$!
+trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
 
 phase() { # NAME CAP ARGS...: one bench process, capped at CAP seconds
     local name=$1 cap=$2
@@ -47,7 +48,7 @@ phase() { # NAME CAP ARGS...: one bench process, capped at CAP seconds
     timeout "$cap" "$bench" --accelerator cuda --summary-json "$out/$name.json" "$@" 2>&1 |
         tee -a "$log"
     echo "== $name end $(date +%T.%N) rc=${PIPESTATUS[0]}" | tee -a "$log"
-    pkill -f bench_mingpt_torch.py # a capped phase's PyTorch side
+    pkill -f scripts/bench_mingpt_torch.py # a capped phase's PyTorch side
 }
 
 m57=(--n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --batch-size 16)
@@ -63,4 +64,3 @@ phase m303_f32 110 --n-layer 24 --n-head 16 --n-embd 1024 --block-size 512 --bat
 # CUDA's stream-ordered allocator under cubecl's pools, beside the default (synchronous).
 printf '[compilation]\ncache = true\n[memory.cuda]\nallocator = "async"\n' >cubecl.toml
 phase m57_f32_async 45 "${m57[@]}" --steps 10 --warmup 2 --no-plain --no-torch
-kill $smi

@@ -67,7 +67,8 @@ pub struct Trajectory {
     pub losses: Vec<f64>,
     /// The global L2 norm of the averaged gradients, before clipping.
     pub grad_norms: Vec<f64>,
-    /// Each step's seconds, to the read that ends it (what a benchmark times).
+    /// Each step's seconds, its optimizer step queued (on an eager backend, done): what a
+    /// benchmark times.
     pub step_s: Vec<f64>,
 }
 
@@ -163,8 +164,8 @@ impl PlainConfig {
             }
             trajectory.losses.push(loss_sum);
             trajectory.grad_norms.push(norm);
-            trajectory.step_s.push(start.elapsed().as_secs_f64());
             model = optim.step(self.lr, model, grads);
+            trajectory.step_s.push(start.elapsed().as_secs_f64());
         }
         (trajectory, model)
     }

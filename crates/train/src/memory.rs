@@ -94,8 +94,10 @@ pub fn is_counting() -> bool {
 
 /// The most bytes a device held reserved when it was read ([`DevicePeak::read`]): every pool
 /// of every stream, cubecl's `bytes_reserved`, what PyTorch calls memory reserved. cubecl's
-/// pools keep their pages until a cleanup, so read at each step's end this is the steps' peak,
-/// but for the dedicated buffers of very large allocations, which go back as they are freed.
+/// pools mostly keep their pages until an explicit cleanup, so read at each step's end this is
+/// about the steps' peak; what a step gives back before it ends (the dedicated buffers of very
+/// large allocations, drained pages of an outgrown arena) it can miss. Ranks that share one
+/// device (threads on `cubecl-cpu`) each read the whole device's.
 pub struct DevicePeak {
     device: burn::prelude::Device,
     reserved: Option<usize>,

@@ -294,7 +294,7 @@ fn train_rank<T: TrainTask>(
     memory::reset_peak();
     // The device's peak counts from what is live: pages an earlier run or a dropped model
     // left in cubecl's pools go back first.
-    device.memory_cleanup();
+    release_free_pages(device);
     let mut device_peak = memory::DevicePeak::new(device);
     let start = Instant::now();
     let mut items = 0usize;
@@ -478,12 +478,22 @@ fn train_rank<T: TrainTask>(
         true => Some(engine.full_model()?),
         false => None,
     };
-    drop(engine);
     // cubecl's pools keep a finished run's pages for its thread's stream, which no later run
     // uses: give them back, so that the next run in this process (a bench's next row, a
     // service's next job) starts from what is live.
-    device.memory_cleanup();
+    drop(engine);
+    drop(optim);
+    release_free_pages(device);
     Ok((model, summary))
+}
+
+/// Gives `device`'s empty pool pages back to the driver, once the tensors dropped so far are
+/// freed (Burn's fusion queues a drop like any other operation, and its cleanup does not
+/// drain the queue). A device that cannot sync keeps its pages.
+fn release_free_pages(device: &Device) {
+    if device.sync().is_ok() {
+        device.memory_cleanup();
+    }
 }
 
 /// Writes the trained model to `path` under `keys`' names: every rank joins the unit-by-unit
