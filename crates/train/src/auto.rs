@@ -7,9 +7,9 @@
 //! bytes on the wire as DDP's all-reduce), then ZeRO-3 keeping each unit gathered from its
 //! forward to its backward (`--reshard-after-forward false`: nothing recomputed, and ZeRO-2's
 //! bytes at `--accumulate 1`, its all-gather every micro-step where ZeRO-2's is once a step),
-//! then the first three with activation checkpointing (a second forward per block), then
-//! ZeRO-3 with checkpointing, resharded after forward unless the user said otherwise (it
-//! gathers parameters around every use), then all of them again with the optimizer state on
+//! then the four with activation checkpointing (a second forward per block; ZeRO-3 still
+//! kept gathered, so recomputing without gathering again), then ZeRO-3 resharded after
+//! forward (it gathers parameters around every use, and recomputes anyway), then all of them again with the optimizer state on
 //! disk when `--offload-dir` names a place for it. The precision given stays unless nothing fits in
 //! it: it changes what the model learns, so bf16-mixed, then bf16-true, are tried only after
 //! every other candidate.
@@ -179,30 +179,32 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
             for checkpoint in [args.checkpoint_activations, true] {
                 for &strategy in strategies {
                     // ZeRO-3 runs without recomputing only when it keeps its gathered units;
-                    // with checkpointing it reshards as the user said (by default, it does).
-                    let reshard_after_forward = match (strategy, checkpoint) {
-                        (Strategy::Zero3, false) if args.reshard_after_forward == Some(true) => {
-                            continue;
+                    // with checkpointing it keeps them (recomputing without gathering again),
+                    // then reshards, unless the user said which.
+                    let reshards = match (strategy, checkpoint, args.reshard_after_forward) {
+                        (Strategy::Zero3, false, Some(true)) => vec![],
+                        (Strategy::Zero3, false, _) => vec![Some(false)],
+                        (Strategy::Zero3, true, None) => vec![Some(false), None],
+                        (Strategy::Zero3, true, given) => vec![given],
+                        _ => vec![None],
+                    };
+                    for reshard_after_forward in reshards {
+                        let candidate = TrainArgs {
+                            strategy,
+                            precision,
+                            checkpoint_activations: checkpoint,
+                            reshard_after_forward,
+                            offload_dir: offload_dir.clone(),
+                            ..args.clone()
+                        };
+                        let runs = candidate.validate().is_ok()
+                            && precision.check_device(device).is_ok()
+                            && !out
+                                .iter()
+                                .any(|c| choice_code(c) == choice_code(&candidate));
+                        if runs {
+                            out.push(candidate);
                         }
-                        (Strategy::Zero3, false) => Some(false),
-                        (Strategy::Zero3, true) => args.reshard_after_forward,
-                        _ => None,
-                    };
-                    let candidate = TrainArgs {
-                        strategy,
-                        precision,
-                        checkpoint_activations: checkpoint,
-                        reshard_after_forward,
-                        offload_dir: offload_dir.clone(),
-                        ..args.clone()
-                    };
-                    let runs = candidate.validate().is_ok()
-                        && precision.check_device(device).is_ok()
-                        && !out
-                            .iter()
-                            .any(|c| choice_code(c) == choice_code(&candidate));
-                    if runs {
-                        out.push(candidate);
                     }
                 }
             }
@@ -283,7 +285,7 @@ mod tests {
     #[test]
     fn candidates_go_fastest_first_and_keep_the_precision_until_nothing_else_fits() {
         let four = order(&["--strategy", "auto", "--memory-budget", "1G"], 4);
-        let f32: Vec<&str> = four[..8].iter().map(String::as_str).collect();
+        let f32: Vec<&str> = four[..9].iter().map(String::as_str).collect();
         assert_eq!(
             f32,
             [
@@ -294,12 +296,13 @@ mod tests {
                 "--strategy ddp --precision 32-true --checkpoint-activations",
                 "--strategy zero1 --precision 32-true --checkpoint-activations",
                 "--strategy zero2 --precision 32-true --checkpoint-activations",
+                "--strategy zero3 --precision 32-true --checkpoint-activations --reshard-after-forward false",
                 "--strategy zero3 --precision 32-true",
             ]
         );
-        assert_eq!(four.len(), 3 * 8);
-        assert!(four[8..16].iter().all(|c| c.contains("bf16-mixed")));
-        assert!(four[16..].iter().all(|c| c.contains("bf16-true")));
+        assert_eq!(four.len(), 3 * 9);
+        assert!(four[9..18].iter().all(|c| c.contains("bf16-mixed")));
+        assert!(four[18..].iter().all(|c| c.contains("bf16-true")));
         let resharded = order(
             &[
                 "--strategy",
@@ -344,7 +347,7 @@ mod tests {
             ckpt.iter()
                 .all(|c| c.contains("checkpoint") || c.contains("zero3"))
         );
-        assert_eq!(ckpt.len(), 3 * 4);
+        assert_eq!(ckpt.len(), 3 * 5);
         let params = order(
             &[
                 "--strategy",
@@ -371,10 +374,10 @@ mod tests {
             ],
             2,
         );
-        assert_eq!(disk.len(), 3 * 2 * 8);
-        assert!(disk[..8].iter().all(|c| !c.contains("offload")));
+        assert_eq!(disk.len(), 3 * 2 * 9);
+        assert!(disk[..9].iter().all(|c| !c.contains("offload")));
         assert!(
-            disk[8..16]
+            disk[9..18]
                 .iter()
                 .all(|c| c.contains("--offload-dir /tmp/o"))
         );
