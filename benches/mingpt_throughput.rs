@@ -163,12 +163,13 @@ fn plain_run(cli: &Cli, config: &GptConfig) -> Result<(f64, f64)> {
         "plain loss diverged"
     );
     let (first, steady) = trajectory.step_s.split_first().context("no timed step")?;
-    let items = steady.len().max(1) * cli.batch_size * cli.block_size;
-    let seconds = match steady.is_empty() {
-        true => *first,
-        false => steady.iter().sum(),
+    // A one-step run has only its first.
+    let counted = match steady.is_empty() {
+        true => std::slice::from_ref(first),
+        false => steady,
     };
-    Ok((items as f64 / seconds, *first))
+    let items = counted.len() * cli.batch_size * cli.block_size;
+    Ok((items as f64 / counted.iter().sum::<f64>(), *first))
 }
 
 fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {

@@ -27,11 +27,8 @@ nccl=$(find /opt /usr/lib /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -n
 mkdir -p /tmp/gpu_table_lib
 ln -sf "$nccl" /tmp/gpu_table_lib/libnccl.so
 export LD_LIBRARY_PATH=/tmp/gpu_table_lib:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
-# Compiled kernels are kept across processes (autotune results always are). cubecl reads
-# cubecl.toml from the working directory up; this script writes its own and removes it.
+# cubecl reads cubecl.toml from the working directory up; this script writes its own.
 [ -e cubecl.toml ] && { echo "cubecl.toml exists here: move it away first" >&2; exit 2; }
-printf '[compilation]\ncache = true\n' >cubecl.toml
-trap 'rm -f cubecl.toml' EXIT
 {
     echo "CUDA_PATH=$CUDA_PATH nccl=$nccl"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -40,6 +37,8 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,nohead
     -lms 250 >"$out/smi.csv" &
 smi=$!
 trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
+# Compiled kernels are kept across processes (autotune results always are).
+printf '[compilation]\ncache = true\n' >cubecl.toml
 
 phase() { # NAME CAP ARGS...: one bench process, capped at CAP seconds
     local name=$1 cap=$2

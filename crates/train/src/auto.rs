@@ -9,10 +9,10 @@
 //! bytes at `--accumulate 1`, its all-gather every micro-step where ZeRO-2's is once a step),
 //! then the four with activation checkpointing (a second forward per block; ZeRO-3 still
 //! kept gathered, so recomputing without gathering again), then ZeRO-3 resharded after
-//! forward (it gathers parameters around every use, and recomputes anyway), then all of them again with the optimizer state on
-//! disk when `--offload-dir` names a place for it. The precision given stays unless nothing fits in
-//! it: it changes what the model learns, so bf16-mixed, then bf16-true, are tried only after
-//! every other candidate.
+//! forward (it gathers parameters around every use, and recomputes anyway), then all of them
+//! again with the optimizer state on disk when `--offload-dir` names a place for it. The
+//! precision given stays unless nothing fits in it: it changes what the model learns, so
+//! bf16-mixed, then bf16-true, are tried only after every other candidate.
 
 use burn::prelude::*;
 use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
@@ -178,17 +178,8 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
         for offload_dir in &disks {
             for checkpoint in [args.checkpoint_activations, true] {
                 for &strategy in strategies {
-                    // ZeRO-3 runs without recomputing only when it keeps its gathered units;
-                    // with checkpointing it keeps them (recomputing without gathering again),
-                    // then reshards, unless the user said which.
-                    let reshards = match (strategy, checkpoint, args.reshard_after_forward) {
-                        (Strategy::Zero3, false, Some(true)) => vec![],
-                        (Strategy::Zero3, false, _) => vec![Some(false)],
-                        (Strategy::Zero3, true, None) => vec![Some(false), None],
-                        (Strategy::Zero3, true, given) => vec![given],
-                        _ => vec![None],
-                    };
-                    for reshard_after_forward in reshards {
+                    let resharding = resharding(strategy, checkpoint, args.reshard_after_forward);
+                    for reshard_after_forward in resharding {
                         let candidate = TrainArgs {
                             strategy,
                             precision,
@@ -211,6 +202,20 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
         }
     }
     out
+}
+
+/// The `--reshard-after-forward` values a candidate of `strategy` takes, in order, when the
+/// user gave `given`: ZeRO-3 runs without recomputing only when it keeps its gathered units;
+/// with checkpointing it keeps them (recomputing without gathering again), then reshards,
+/// unless the user said which. Other strategies take none.
+fn resharding(strategy: Strategy, checkpoint: bool, given: Option<bool>) -> Vec<Option<bool>> {
+    match (strategy, checkpoint, given) {
+        (Strategy::Zero3, false, Some(true)) => vec![],
+        (Strategy::Zero3, false, _) => vec![Some(false)],
+        (Strategy::Zero3, true, None) => vec![Some(false), None],
+        (Strategy::Zero3, true, given) => vec![given],
+        _ => vec![None],
+    }
 }
 
 /// What `auto` chooses, as one number: candidates with the same code run the same way
