@@ -26,14 +26,19 @@ pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> O
         .or_insert_with(|| measure(device, dtype, on))
 }
 
-/// Chains of square products, each feeding the next, timed to a read of the last one's sum
-/// (the best of three, after a warm-up that compiles and tunes the kernel).
+/// Chains of square products, each feeding the next, timed to a device sync with the last
+/// product still held (the best of three, after a warm-up that compiles and tunes the kernel).
+///
+/// The last product must be held, not read through a reduction or a slice: Burn's fusion
+/// compiles a product that only a `sum` or a `slice` consumes into one kernel with it, and
+/// that kernel need not compute the whole product. On cubecl's CPU runtime a 1024³ product
+/// read through its sum timed at 3.6-4.7 TFLOP/s on two cores (the same product held: 55
+/// GFLOP/s); two GPU probes read that way gave 9.8 and 16 PFLOP/s in f32.
 ///
 /// On the CPU one 1024³ product. On a GPU such a product takes microseconds, less than its
-/// launch and the read that waits for it (an H200 timed that way read bf16 at ~30 TFLOP/s, and
+/// launch and the sync that waits for it (an H200 timed that way read bf16 at ~30 TFLOP/s, and
 /// a bf16 run's MFU at 130%): there the products are 8192³, and the rate is the marginal one of
-/// a chain of eight over a chain of one, which leaves the launch and the read out. Two earlier
-/// GPU probes read 9.8 and 16 PFLOP/s in f32, time that did not grow with the work; a chain of
+/// a chain of eight over a chain of one, which leaves the launch and the sync out. A chain of
 /// eight that does not take at least four times a chain of one was not timed, and gives none.
 fn measure(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
     let (side, chained) = match on {
@@ -50,15 +55,48 @@ fn measure(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
         for _ in 0..products {
             y = y.matmul(w.clone());
         }
-        let _ = y.sum().into_data();
-        start.elapsed().as_secs_f64()
+        let synced = device.sync().ok();
+        let elapsed = start.elapsed().as_secs_f64();
+        drop(y);
+        synced.map(|()| elapsed)
     };
-    let best = |products: usize| (0..3).map(|_| run(products)).fold(f64::INFINITY, f64::min);
-    run(1);
+    let best = |products: usize| {
+        (0..3)
+            .map(|_| run(products))
+            .try_fold(f64::INFINITY, |best, t| t.map(|t| best.min(t)))
+    };
+    run(1)?;
     let flops = |products: usize| 2.0 * (side * side * side * products) as f64;
     if chained == 1 {
-        return Some(flops(1) / best(1));
+        return Some(flops(1) / best(1)?);
     }
-    let (one, many) = (best(1), best(chained));
+    let (one, many) = (best(1)?, best(chained)?);
     (many >= 0.5 * chained as f64 * one).then(|| flops(chained - 1) / (many - one))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// No x86-64 core does more than 64 f32 FLOP a cycle (two AVX-512 FMA units), nor runs
+    /// above 6 GHz: a probe reading faster than that timed less work than it counts.
+    #[test]
+    fn probe_reads_a_rate_the_cores_can_reach() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let bound = cores * 6e9 * 64.0;
+        let mut accelerators = vec![Accelerator::Cpu];
+        if cfg!(feature = "cubecl-cpu") {
+            accelerators.push(Accelerator::CubeclCpu);
+        }
+        for on in accelerators {
+            let device = on.device(&Device::default(), 0);
+            let rate = measure(&device, FloatDType::F32, on).expect("a CPU probe is timed");
+            assert!(
+                rate > 0.0 && rate <= bound,
+                "{on:?}: {:.1} GFLOP/s on {cores} cores (at most {:.1})",
+                rate / 1e9,
+                bound / 1e9
+            );
+        }
+    }
 }
