@@ -1,20 +1,36 @@
 #!/usr/bin/env bash
-# Issue 14's GPU table in one run on a lent GPU machine: minGPT beside PyTorch eager and the
-# plain Burn loop, the engine's ZeRO-3 variants beside single, bf16-mixed, a second process of
-# the same configuration for the first step with a warm kernel cache, the 303M row, and CUDA's
-# stream-ordered allocator under cubecl's pools beside the default. Each phase has its own
-# time cap, so one that runs long or fails does not cost the rest (on an H200 the phases took
-# 133, over 140, 4, 72 and 4 s with a cold kernel cache: about 6 minutes, the machine's start
-# aside).
+# Issue 14's GPU tables on a lent GPU machine, each in one device call (the device tool
+# carries 64 MiB, one stripped and xz'd binary at a time).
 #
-#     scripts/gpu_table.sh BENCH OUT
+#     scripts/gpu_table.sh mingpt BENCH OUT
+#     scripts/gpu_table.sh vit VIT_FINETUNE OUT
 #
-# BENCH: a `cargo bench --no-run --features cuda --bench mingpt_throughput` binary; OUT: a
-# folder for log.txt (the benches' tables, each phase's start and end), smi.csv (nvidia-smi
-# every 250 ms: the device's own memory figure) and one summary JSON per phase.
+# mingpt: minGPT beside PyTorch eager and the plain Burn loop, the engine's ZeRO-3 variants
+# beside single, bf16-mixed, a second process of the same configuration for the first step
+# with a warm kernel cache, the 303M row, and CUDA's stream-ordered allocator under cubecl's
+# pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
+# cold kernel cache: about 6 minutes, the machine's start aside). BENCH is a `cargo bench
+# --no-run --features cuda --bench mingpt_throughput` binary.
+#
+# vit: the article's ViT-L/16 at 224 px, batch 16, AdamW: PyTorch eager
+# (scripts/bench_vit_torch.py) and `vit_finetune --weights none` in bf16-true, bf16-true
+# under zero3 on one rank, and bf16-mixed, 30 steps each. VIT_FINETUNE is a `cargo build
+# --release --features cuda --example vit_finetune` binary.
+#
+# OUT: a folder for log.txt (the tables, each phase's start and end), smi.csv (nvidia-smi
+# every 250 ms: the device's own memory figure) and one summary JSON per burnscale phase.
+# Each phase has its own time cap, so one that runs long or fails does not cost the rest.
 set -u
-bench=$1
-out=$2
+table=$1
+bin=$2
+out=$3
+case $table in
+mingpt | vit) ;;
+*)
+    echo "usage: $0 mingpt|vit BINARY OUT" >&2
+    exit 2
+    ;;
+esac
 mkdir -p "$out"
 log="$out/log.txt"
 
@@ -40,15 +56,34 @@ trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
 # Compiled kernels are kept across processes (autotune results always are).
 printf '[compilation]\ncache = true\n' >cubecl.toml
 
-phase() { # NAME CAP ARGS...: one bench process, capped at CAP seconds
+phase() { # NAME CAP ARGS...: one burnscale process, capped at CAP seconds
     local name=$1 cap=$2
     shift 2
     echo "== $name start $(date +%T.%N) :: $*" | tee -a "$log"
-    timeout "$cap" "$bench" --accelerator cuda --summary-json "$out/$name.json" "$@" 2>&1 |
+    timeout "$cap" "$bin" --accelerator cuda --summary-json "$out/$name.json" "$@" 2>&1 |
         tee -a "$log"
     echo "== $name end $(date +%T.%N) rc=${PIPESTATUS[0]}" | tee -a "$log"
     pkill -f scripts/bench_mingpt_torch.py # a capped phase's PyTorch side
 }
+
+torch_vit() { # NAME CAP ARGS...: PyTorch's side of a ViT row, capped at CAP seconds
+    local name=$1 cap=$2
+    shift 2
+    echo "== $name start $(date +%T.%N) :: $*" | tee -a "$log"
+    timeout "$cap" python3 scripts/bench_vit_torch.py --device cuda "$@" 2>&1 | tee -a "$log"
+    echo "== $name end $(date +%T.%N) rc=${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+if [ "$table" = vit ]; then
+    vit=(--weights none --model vit-l-16 --image-size 224 --batch-size 16 --max-steps 30
+        --eval-interval 0)
+    torch_vit torch_bf16_true 120 --model vit-l-16 --precision bf16-true
+    torch_vit torch_bf16_mixed 120 --model vit-l-16 --precision bf16-mixed
+    phase vit_bf16_true 240 "${vit[@]}" --precision bf16-true
+    phase vit_bf16_true_zero3 120 "${vit[@]}" --precision bf16-true --strategy zero3
+    phase vit_bf16_mixed 150 "${vit[@]}" --precision bf16-mixed
+    exit 0
+fi
 
 m57=(--n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --batch-size 16)
 phase m57_f32 170 "${m57[@]}" --steps 20 --warmup 3 \
