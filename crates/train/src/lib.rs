@@ -10,6 +10,7 @@ mod cli;
 pub mod data;
 mod error;
 mod fault;
+pub mod fused_adamw;
 pub mod memory;
 mod offload;
 mod optim;

@@ -10,8 +10,8 @@ use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
 use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::momentum::{MomentumConfig, MomentumState};
 use burn::optim::{
-    AdamConfig, AdamState, AdamWConfig, AdamWState, AdaptiveMomentumState, DynOptimizer, DynState,
-    RecordState, SgdConfig, SgdState, StateSink, StateSource,
+    AdamConfig, AdamState, AdamWState, AdaptiveMomentumState, DynOptimizer, DynState, RecordState,
+    SgdConfig, SgdState, StateSink, StateSource,
 };
 use burn::prelude::*;
 use burn::tensor::FloatDType;
@@ -23,10 +23,12 @@ use crate::TrainError;
 use crate::adafactor::{Adafactor, AdafactorState};
 use crate::adam8bit::AdamW8bit;
 use crate::cli::{ADAM_BETA1, MIN_8BIT_SIZE, Offload, OptimizerKind, Schedule, TrainArgs};
+use crate::fused_adamw::FusedAdamW;
 use crate::offload::DiskStates;
 
 /// The runner's optimizer: one burn-optim optimizer for decayed parameters (matrices and
-/// embeddings, rank >= 2) and one without decay (biases, norms), as nanoGPT configures AdamW.
+/// embeddings, rank >= 2) and one without decay (biases, norms), as nanoGPT configures AdamW
+/// (AdamW as [`FusedAdamW`]: burn-optim's values, in one pass over host memory).
 /// Under `--optimizer adam8bit`, the matrices that [`AdamW8bit::quantizes`] (and that are not
 /// embeddings kept in 32 bits by `--embedding-state-32bit`) get 8-bit state; the rest, as in
 /// bitsandbytes, a 32-bit AdamW. Under `--optimizer adafactor`, a step's statistics span
@@ -64,14 +66,9 @@ impl ParamOptimizer {
         let build = |weight_decay: f64| -> Arc<dyn DynOptimizer> {
             let wd = weight_decay as f32;
             match args.optimizer {
-                OptimizerKind::Adamw | OptimizerKind::Adam8bit => Arc::new(
-                    AdamWConfig::new()
-                        .with_beta_1(b1)
-                        .with_beta_2(b2)
-                        .with_epsilon(1e-8)
-                        .with_weight_decay(wd)
-                        .build(),
-                ),
+                OptimizerKind::Adamw | OptimizerKind::Adam8bit => {
+                    Arc::new(FusedAdamW::new(b1, b2, 1e-8, wd))
+                }
                 OptimizerKind::Adam => Arc::new(
                     AdamConfig::new()
                         .with_beta_1(b1)
