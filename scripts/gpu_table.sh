@@ -13,24 +13,22 @@
 # --no-run --features cuda --bench mingpt_throughput` binary.
 #
 # vit: the article's ViT-L/16 at 224 px, batch 16, AdamW: PyTorch eager
-# (scripts/bench_vit_torch.py) and `vit_finetune --weights none` in bf16-true, bf16-true
-# under zero3 on one rank, and bf16-mixed, 30 steps each. VIT_FINETUNE is a `cargo build
+# (scripts/bench_vit_torch.py: 20 timed steps after 3 warm-up ones) and `vit_finetune
+# --weights none` (30 steps, the first reported apart) in bf16-true, bf16-true under zero3 on
+# one rank, and bf16-mixed. VIT_FINETUNE is a `cargo build
 # --release --features cuda --example vit_finetune` binary.
 #
 # OUT: a folder for log.txt (the tables, each phase's start and end), smi.csv (nvidia-smi
 # every 250 ms: the device's own memory figure) and one summary JSON per burnscale phase.
 # Each phase has its own time cap, so one that runs long or fails does not cost the rest.
 set -u
+if [ $# -ne 3 ] || { [ "$1" != mingpt ] && [ "$1" != vit ]; }; then
+    echo "usage: $0 mingpt|vit BINARY OUT" >&2
+    exit 2
+fi
 table=$1
 bin=$2
 out=$3
-case $table in
-mingpt | vit) ;;
-*)
-    echo "usage: $0 mingpt|vit BINARY OUT" >&2
-    exit 2
-    ;;
-esac
 mkdir -p "$out"
 log="$out/log.txt"
 

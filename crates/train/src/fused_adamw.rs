@@ -104,11 +104,14 @@ impl Optimizer for FusedAdamW {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
+        // Anything else (another device or dtype, shapes that disagree, which burn-optim
+        // reports) takes burn-optim's path.
+        let fits = |t: &Tensor<D>| on_host(t) && t.shape() == tensor.shape();
         let fused = on_host(&tensor)
-            && on_host(&grad)
+            && fits(&grad)
             && state.as_ref().is_none_or(|s| {
-                on_host(&s.momentum.moment_1)
-                    && on_host(&s.momentum.moment_2)
+                fits(&s.momentum.moment_1)
+                    && fits(&s.momentum.moment_2)
                     && s.momentum.max_moment_2.is_none()
             });
         if !fused {
@@ -139,7 +142,7 @@ impl Optimizer for FusedAdamW {
             v.as_mut_slice::<f32>().expect(slice),
             time,
         );
-        let tensor = |data| Tensor::<D>::from_data(data, &device);
+        let tensor = |data| Tensor::<D>::from_data(data, (&device, DType::F32));
         let momentum = AdaptiveMomentumState {
             time,
             moment_1: tensor(m),

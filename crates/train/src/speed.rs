@@ -89,7 +89,8 @@ mod tests {
             accelerators.push(Accelerator::CubeclCpu);
         }
         for on in accelerators {
-            let device = on.device(&Device::default(), 0);
+            // As the runner asks for it (`Device::default()` would be a GPU in a cuda build).
+            let device = on.device(&Device::flex(), 0);
             let rate = measure(&device, FloatDType::F32, on).expect("a CPU probe is timed");
             assert!(
                 rate > 0.0 && rate <= bound,
