@@ -8,12 +8,17 @@
 //! splits a parameter between rows. A row of `n` elements is cut into `ceil(n / 256)` blocks
 //! of `min(n, 256)`. The runner keeps bitsandbytes' 32-bit state for tensors of fewer than
 //! `--min-8bit-size` elements (4096) and for vectors ([`AdamW8bit::quantizes`]).
+//!
+//! A step is written twice: in tensor operations (any device, any dtype), and for f32 in
+//! host memory as one pass over each row (`step_host`), the same f32 operations in the same
+//! order, so that the two agree bit for bit (a test holds them to it).
 
 use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::{DType as TensorDType, FloatDType, IntDType};
 use burnscale_nn::device_cache;
+use rayon::prelude::*;
 use std::sync::OnceLock;
 
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
@@ -135,6 +140,36 @@ impl Tables {
             values,
             below,
             threshold,
+        }
+    }
+
+    /// One block's codes written to `codes`, as [`Blocks::quantize`] and [`Codebook::encode`]
+    /// compute them, in the same f32 operations (the keys in a loop of their own, which
+    /// vectorises, then the lookups); returns the block's absolute maximum.
+    fn quantize(&self, block: &[f32], codes: &mut [u8]) -> f32 {
+        let absmax = block.iter().fold(0f32, |max, x| max.max(x.abs()));
+        let divisor = if absmax == 0.0 { 1.0 } else { absmax };
+        let half = (KEYS / 2) as f32;
+        let (mut normed, mut keys) = ([0f32; BLOCK], [0i32; BLOCK]);
+        for ((normed, key), &x) in normed.iter_mut().zip(&mut keys).zip(block) {
+            let x = x / divisor;
+            let root_2 = x.abs().sqrt();
+            let root_4 = root_2.sqrt();
+            let signed_root = x / (root_2 * root_4 + 1e-30);
+            (*normed, *key) = (x, (signed_root * half + half) as i32);
+        }
+        for ((code, &x), &key) in codes.iter_mut().zip(&normed).zip(&keys) {
+            let key = key as usize;
+            let above = if x >= self.threshold[key] { 1.0 } else { 0.0 };
+            *code = (self.below[key] + above) as u8;
+        }
+        absmax
+    }
+
+    /// One block's values from its `codes` and `absmax`, as [`Blocks::dequantize`] gives them.
+    fn dequantize(&self, codes: &[u8], absmax: f32, out: &mut [f32]) {
+        for (out, &code) in out.iter_mut().zip(codes) {
+            *out = self.values[code as usize] * absmax;
         }
     }
 }
@@ -331,28 +366,16 @@ impl AdamW8bit {
         )
     }
 
-    /// Whether a parameter of these (full, unsharded) dims gets 8-bit state: a matrix (or
-    /// higher) of at least `min_size` elements (bitsandbytes' `min_8bit_size`).
-    pub fn quantizes(dims: &[usize], min_size: usize) -> bool {
-        dims.len() >= 2 && dims.iter().product::<usize>() >= min_size
-    }
-}
-
-impl Optimizer for AdamW8bit {
-    type State<const D: usize> = AdamW8bitState<D>;
-
-    fn step<const D: usize>(
+    /// [`Optimizer::step`] in tensor operations, on any device and dtype.
+    fn step_tensors<const D: usize>(
         &self,
         lr: LearningRate,
         tensor: Tensor<D>,
         grad: Tensor<D>,
-        state: Option<Self::State<D>>,
-    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        state: Option<AdamW8bitState<D>>,
+    ) -> (Tensor<D>, Option<AdamW8bitState<D>>) {
         let dims = tensor.dims();
         let (rows, row_len) = (dims[0], dims[1..].iter().product::<usize>());
-        if rows == 0 {
-            return (tensor, state);
-        }
         let device = tensor.device();
         let books = (Codebook::on(true, &device), Codebook::on(false, &device));
         let time = state.as_ref().map_or(1, |s| s.time + 1);
@@ -386,6 +409,184 @@ impl Optimizer for AdamW8bit {
             moment_2: Quantized::cat(moment_2),
         };
         (Tensor::cat(updated, 0).reshape(dims), Some(state))
+    }
+
+    /// Whether a parameter of these (full, unsharded) dims gets 8-bit state: a matrix (or
+    /// higher) of at least `min_size` elements (bitsandbytes' `min_8bit_size`).
+    pub fn quantizes(dims: &[usize], min_size: usize) -> bool {
+        dims.len() >= 2 && dims.iter().product::<usize>() >= min_size
+    }
+
+    /// [`Optimizer::step`] for f32 tensors in host memory: each row in one pass, rows in
+    /// parallel, in place, with the tensor path's f32 operations in its order (its scalars
+    /// rounded to f32 as Flex rounds them), so that the values and codes are the same bit for
+    /// bit; the tensor path makes a pass over the tensor for each operation, gathers among
+    /// them.
+    fn step_host<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamW8bitState<D>>,
+    ) -> (Tensor<D>, Option<AdamW8bitState<D>>) {
+        let (dims, device) = (tensor.dims(), tensor.device());
+        let (rows, row_len) = (dims[0], dims[1..].iter().product::<usize>());
+        let blocks = Blocks::new(rows, row_len);
+        let time = state.as_ref().map_or(1, |s| s.time + 1);
+        let first = state.is_none();
+        let (mut p, g) = (tensor.into_data(), grad.into_data());
+        let (mut m, mut v) = match state {
+            Some(s) => (
+                HostQuantized::from(s.moment_1),
+                HostQuantized::from(s.moment_2),
+            ),
+            None => (HostQuantized::zeros(blocks), HostQuantized::zeros(blocks)),
+        };
+        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
+        let (b1, b2) = (beta_1 as f32, beta_2 as f32);
+        let (f1, f2) = ((1.0 - beta_1) as f32, (1.0 - beta_2) as f32);
+        let correction_1 = 1.0 - beta_1.powf(time as f64);
+        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
+        let step_size = (lr * correction_2 / correction_1) as f32;
+        let eps = (correction_2 * f64::from(self.epsilon)) as f32;
+        let decay = lr * f64::from(self.weight_decay);
+        let keep = (decay > 0.0).then_some((1.0 - decay) as f32);
+        let (signed, unsigned) = (Tables::of(true), Tables::of(false));
+        let f32s = "f32 host tensors read as f32";
+        let (m_codes, m_absmax) = m.slices();
+        let (v_codes, v_absmax) = v.slices();
+        p.as_mut_slice::<f32>()
+            .expect(f32s)
+            .par_chunks_mut(row_len)
+            .zip(g.as_slice::<f32>().expect(f32s).par_chunks(row_len))
+            .zip(
+                m_codes
+                    .par_chunks_mut(row_len)
+                    .zip(m_absmax.par_chunks_mut(blocks.count)),
+            )
+            .zip(
+                v_codes
+                    .par_chunks_mut(row_len)
+                    .zip(v_absmax.par_chunks_mut(blocks.count)),
+            )
+            .for_each(|(((p, g), (mc, ma)), (vc, va))| {
+                let (mut m, mut v) = ([0f32; BLOCK], [0f32; BLOCK]);
+                for b in 0..blocks.count {
+                    let at = b * blocks.len..((b + 1) * blocks.len).min(row_len);
+                    let n = at.len();
+                    let (m, v) = (&mut m[..n], &mut v[..n]);
+                    let (p, g) = (&mut p[at.clone()], &g[at.clone()]);
+                    // The lookups apart, so that the arithmetic below vectorises.
+                    if !first {
+                        signed.dequantize(&mc[at.clone()], ma[b], m);
+                        unsigned.dequantize(&vc[at.clone()], va[b], v);
+                    }
+                    for i in 0..n {
+                        let g = g[i];
+                        (m[i], v[i]) = match first {
+                            true => (g * f1, (g * g) * f2),
+                            false => (m[i] * b1 + g * f1, v[i] * b2 + (g * g) * f2),
+                        };
+                        let update = m[i] / (v[i].sqrt() + eps);
+                        let updated = p[i] - update * step_size;
+                        p[i] = keep.map_or(updated, |keep| updated * keep);
+                    }
+                    ma[b] = signed.quantize(m, &mut mc[at.clone()]);
+                    va[b] = unsigned.quantize(v, &mut vc[at]);
+                }
+            });
+        let state = AdamW8bitState {
+            time,
+            moment_1: m.on(&device),
+            moment_2: v.on(&device),
+        };
+        let tensor = Tensor::<D>::from_data(p, (&device, TensorDType::F32));
+        (tensor, Some(state))
+    }
+}
+
+/// Whether [`AdamW8bit::step_host`] steps these: f32 values in host memory (Flex), with
+/// their moments there too, all of matching shapes (anything else takes the tensor path,
+/// which reports what does not fit).
+fn on_host<const D: usize>(
+    tensor: &Tensor<D>,
+    grad: &Tensor<D>,
+    state: Option<&AdamW8bitState<D>>,
+) -> bool {
+    let host = Device::flex();
+    let dims = tensor.dims();
+    let blocks = Blocks::new(dims[0], dims[1..].iter().product());
+    let f32_on_host =
+        |t: &Tensor<D>| t.dtype() == TensorDType::F32 && t.device().without_autodiff() == host;
+    let quantized = |q: &Quantized| {
+        q.codes.device().without_autodiff() == host
+            && q.codes.dims() == [blocks.rows, blocks.row_len]
+            && q.absmax.dims() == [blocks.rows, blocks.count]
+    };
+    f32_on_host(tensor)
+        && f32_on_host(grad)
+        && tensor.shape().num_elements() > 0
+        && grad.shape() == tensor.shape()
+        && state.is_none_or(|s| quantized(&s.moment_1) && quantized(&s.moment_2))
+}
+
+/// One moment's codes and block maxima in host memory.
+struct HostQuantized {
+    codes: TensorData,
+    absmax: TensorData,
+}
+
+impl HostQuantized {
+    fn zeros(blocks: Blocks) -> Self {
+        Self {
+            codes: TensorData::zeros::<u8, _>([blocks.rows, blocks.row_len]),
+            absmax: TensorData::zeros::<f32, _>([blocks.rows, blocks.count]),
+        }
+    }
+
+    fn slices(&mut self) -> (&mut [u8], &mut [f32]) {
+        let codes = self.codes.as_mut_slice::<u8>().expect("codes are u8");
+        let absmax = self
+            .absmax
+            .as_mut_slice::<f32>()
+            .expect("block maxima are f32");
+        (codes, absmax)
+    }
+
+    fn on(self, device: &Device) -> Quantized {
+        Quantized {
+            codes: Tensor::from_data(self.codes, (device, TensorDType::U8)),
+            absmax: Tensor::from_data(self.absmax, (device, TensorDType::F32)),
+        }
+    }
+}
+
+impl From<Quantized> for HostQuantized {
+    fn from(q: Quantized) -> Self {
+        Self {
+            codes: q.codes.into_data(),
+            absmax: q.absmax.into_data(),
+        }
+    }
+}
+
+impl Optimizer for AdamW8bit {
+    type State<const D: usize> = AdamW8bitState<D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<D>, Option<Self::State<D>>) {
+        if tensor.dims()[0] == 0 {
+            return (tensor, state);
+        }
+        match on_host(&tensor, &grad, state.as_ref()) {
+            true => self.step_host(lr, tensor, grad, state),
+            false => self.step_tensors(lr, tensor, grad, state),
+        }
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
@@ -505,6 +706,60 @@ mod tests {
             let codes = book.encode(tensor).into_data().try_to_vec::<u8>().unwrap();
             for (x, code) in xs.iter().zip(codes) {
                 assert_eq!(code, nearest(&map, *x), "signed {signed}, x {x:e}");
+            }
+        }
+    }
+
+    /// The host path against the tensor path, bit for bit: three steps, with and without
+    /// decay, rows shorter than a block, cut into a padded last block, and whole blocks, with an
+    /// all-zero row (its blocks' maxima are 0).
+    #[test]
+    fn the_host_step_is_the_tensor_step_bit_for_bit() {
+        let device = Device::flex();
+        let bits = |t: &Tensor<2>| -> Vec<u32> {
+            let data = t.to_data();
+            data.as_slice::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        let codes = |q: &Quantized| q.codes.to_data().try_to_vec::<u8>().unwrap();
+        for (rows, row_len) in [(3, 64), (5, 300), (4, 512)] {
+            for weight_decay in [0.0, 0.01] {
+                let adam = AdamW8bit {
+                    beta_1: 0.9,
+                    beta_2: 0.999,
+                    epsilon: 1e-8,
+                    weight_decay,
+                };
+                let values = |seed: usize| -> Tensor<2> {
+                    let v: Vec<f32> = (0..rows * row_len)
+                        .map(|i| match i / row_len {
+                            1 => 0.0,
+                            _ => ((i * 7919 + seed) % 2003) as f32 / 2003.0 - 0.5,
+                        })
+                        .collect();
+                    Tensor::from_data(TensorData::new(v, [rows, row_len]), &device)
+                };
+                let (mut host, mut host_state) = (values(0), None);
+                let (mut tensors, mut tensors_state) = (values(0), None);
+                for step in 1..=3 {
+                    let grad = values(step);
+                    (host, host_state) = adam.step_host(1e-3, host, grad.clone(), host_state);
+                    (tensors, tensors_state) =
+                        adam.step_tensors(1e-3, tensors, grad, tensors_state);
+                    let (h, t) = (
+                        host_state.as_ref().unwrap(),
+                        tensors_state.as_ref().unwrap(),
+                    );
+                    let at = format!("{rows} x {row_len}, decay {weight_decay}, step {step}");
+                    assert_eq!(bits(&host), bits(&tensors), "values at {at}");
+                    for (a, b) in [(&h.moment_1, &t.moment_1), (&h.moment_2, &t.moment_2)] {
+                        assert_eq!(codes(a), codes(b), "codes at {at}");
+                        assert_eq!(bits(&a.absmax), bits(&b.absmax), "block maxima at {at}");
+                    }
+                }
             }
         }
     }
