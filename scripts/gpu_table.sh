@@ -54,22 +54,21 @@ trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
 # Compiled kernels are kept across processes (autotune results always are).
 printf '[compilation]\ncache = true\n' >cubecl.toml
 
-phase() { # NAME CAP ARGS...: one burnscale process, capped at CAP seconds
+capped() { # NAME CAP COMMAND...: COMMAND capped at CAP seconds, its start and end logged
     local name=$1 cap=$2
     shift 2
     echo "== $name start $(date +%T.%N) :: $*" | tee -a "$log"
-    timeout "$cap" "$bin" --accelerator cuda --summary-json "$out/$name.json" "$@" 2>&1 |
-        tee -a "$log"
+    timeout "$cap" "$@" 2>&1 | tee -a "$log"
     echo "== $name end $(date +%T.%N) rc=${PIPESTATUS[0]}" | tee -a "$log"
+}
+
+phase() { # NAME CAP ARGS...: one burnscale process, capped at CAP seconds
+    capped "$1" "$2" "$bin" --accelerator cuda --summary-json "$out/$1.json" "${@:3}"
     pkill -f scripts/bench_mingpt_torch.py # a capped phase's PyTorch side
 }
 
 torch_vit() { # NAME CAP ARGS...: PyTorch's side of a ViT row, capped at CAP seconds
-    local name=$1 cap=$2
-    shift 2
-    echo "== $name start $(date +%T.%N) :: $*" | tee -a "$log"
-    timeout "$cap" python3 scripts/bench_vit_torch.py --device cuda "$@" 2>&1 | tee -a "$log"
-    echo "== $name end $(date +%T.%N) rc=${PIPESTATUS[0]}" | tee -a "$log"
+    capped "$1" "$2" python3 scripts/bench_vit_torch.py --device cuda "${@:3}"
 }
 
 if [ "$table" = vit ]; then

@@ -21,6 +21,8 @@ use burnscale_nn::device_cache;
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
+use crate::fused_adamw::{f32_in_host_memory, in_host_memory};
+
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
 pub const BLOCK: usize = 256;
 
@@ -252,6 +254,11 @@ struct Blocks {
 }
 
 impl Blocks {
+    /// A tensor of `dims` as rows: the first dim, the rest flattened.
+    fn of(dims: &[usize]) -> Self {
+        Self::new(dims[0], dims[1..].iter().product())
+    }
+
     fn new(rows: usize, row_len: usize) -> Self {
         let len = row_len.clamp(1, BLOCK);
         Self {
@@ -311,6 +318,18 @@ pub struct AdamW8bitState<const D: usize> {
     moment_2: Quantized,
 }
 
+/// A step's scalars in f64, as the tensor path hands them to its operations (which round
+/// each to the tensors' f32).
+struct Scalars {
+    beta_1: f64,
+    beta_2: f64,
+    step_size: f64,
+    /// Epsilon with the second moment's bias correction folded in.
+    epsilon: f64,
+    /// What decoupled weight decay keeps of a parameter (`None`: no decay).
+    keep: Option<f64>,
+}
+
 /// AdamW with both moments in 8 bits. The update itself is computed in f32, as
 /// bitsandbytes' `kOptimizerStatic8bit2StateBlockwise` computes it: bias corrections folded
 /// into the step size and epsilon, then decoupled weight decay.
@@ -323,6 +342,22 @@ pub struct AdamW8bit {
 }
 
 impl AdamW8bit {
+    /// Step `time`'s scalars at learning rate `lr`.
+    fn scalars(&self, lr: LearningRate, time: usize) -> Scalars {
+        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
+        // powf, not powi: the fixture script's `**` is C's pow.
+        let correction_1 = 1.0 - beta_1.powf(time as f64);
+        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
+        let decay = lr * f64::from(self.weight_decay);
+        Scalars {
+            beta_1,
+            beta_2,
+            step_size: lr * correction_2 / correction_1,
+            epsilon: correction_2 * f64::from(self.epsilon),
+            keep: (decay > 0.0).then_some(1.0 - decay),
+        }
+    }
+
     /// One step of `rows` rows of a tensor (`param`, `grad`: `[rows, row_len]`, in the
     /// weights' dtype) with their quantized `moments` (none at the first step): the updated
     /// rows in f32, and the new moments.
@@ -338,7 +373,13 @@ impl AdamW8bit {
         moments: Option<(Quantized, Quantized)>,
     ) -> (Tensor<2>, Quantized, Quantized) {
         let grad = grad.cast(FloatDType::F32);
-        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
+        let Scalars {
+            beta_1,
+            beta_2,
+            step_size,
+            epsilon,
+            keep,
+        } = self.scalars(lr, time);
         let (m, v) = match moments {
             Some((m, v)) => (
                 blocks.dequantize(signed, m) * beta_1 + grad.clone() * (1.0 - beta_1),
@@ -349,15 +390,10 @@ impl AdamW8bit {
                 grad.square() * (1.0 - beta_2),
             ),
         };
-        // powf, not powi: the fixture script's `**` is C's pow.
-        let correction_1 = 1.0 - beta_1.powf(time as f64);
-        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
-        let step_size = lr * correction_2 / correction_1;
-        let update = m.clone() / (v.clone().sqrt() + correction_2 * f64::from(self.epsilon));
+        let update = m.clone() / (v.clone().sqrt() + epsilon);
         let mut updated = param.cast(FloatDType::F32) - update * step_size;
-        let decay = lr * f64::from(self.weight_decay);
-        if decay > 0.0 {
-            updated = updated * (1.0 - decay);
+        if let Some(keep) = keep {
+            updated = updated * keep;
         }
         (
             updated,
@@ -375,7 +411,7 @@ impl AdamW8bit {
         state: Option<AdamW8bitState<D>>,
     ) -> (Tensor<D>, Option<AdamW8bitState<D>>) {
         let dims = tensor.dims();
-        let (rows, row_len) = (dims[0], dims[1..].iter().product::<usize>());
+        let Blocks { rows, row_len, .. } = Blocks::of(&dims);
         let device = tensor.device();
         let books = (Codebook::on(true, &device), Codebook::on(false, &device));
         let time = state.as_ref().map_or(1, |s| s.time + 1);
@@ -429,9 +465,9 @@ impl AdamW8bit {
         grad: Tensor<D>,
         state: Option<AdamW8bitState<D>>,
     ) -> (Tensor<D>, Option<AdamW8bitState<D>>) {
-        let (dims, device) = (tensor.dims(), tensor.device());
-        let (rows, row_len) = (dims[0], dims[1..].iter().product::<usize>());
-        let blocks = Blocks::new(rows, row_len);
+        let device = tensor.device();
+        let blocks = Blocks::of(&tensor.dims());
+        let row_len = blocks.row_len;
         let time = state.as_ref().map_or(1, |s| s.time + 1);
         let first = state.is_none();
         let (mut p, g) = (tensor.into_data(), grad.into_data());
@@ -442,15 +478,12 @@ impl AdamW8bit {
             ),
             None => (HostQuantized::zeros(blocks), HostQuantized::zeros(blocks)),
         };
-        let (beta_1, beta_2) = (f64::from(self.beta_1), f64::from(self.beta_2));
-        let (b1, b2) = (beta_1 as f32, beta_2 as f32);
-        let (f1, f2) = ((1.0 - beta_1) as f32, (1.0 - beta_2) as f32);
-        let correction_1 = 1.0 - beta_1.powf(time as f64);
-        let correction_2 = (1.0 - beta_2.powf(time as f64)).sqrt();
-        let step_size = (lr * correction_2 / correction_1) as f32;
-        let eps = (correction_2 * f64::from(self.epsilon)) as f32;
-        let decay = lr * f64::from(self.weight_decay);
-        let keep = (decay > 0.0).then_some((1.0 - decay) as f32);
+        // The tensor path's scalars, rounded to f32 as its operations round them.
+        let scalars = self.scalars(lr, time);
+        let (b1, b2) = (scalars.beta_1 as f32, scalars.beta_2 as f32);
+        let (f1, f2) = ((1.0 - scalars.beta_1) as f32, (1.0 - scalars.beta_2) as f32);
+        let (step_size, eps) = (scalars.step_size as f32, scalars.epsilon as f32);
+        let keep = scalars.keep.map(|keep| keep as f32);
         let (signed, unsigned) = (Tables::of(true), Tables::of(false));
         let f32s = "f32 host tensors read as f32";
         let (m_codes, m_absmax) = m.slices();
@@ -513,18 +546,14 @@ fn on_host<const D: usize>(
     grad: &Tensor<D>,
     state: Option<&AdamW8bitState<D>>,
 ) -> bool {
-    let host = Device::flex();
-    let dims = tensor.dims();
-    let blocks = Blocks::new(dims[0], dims[1..].iter().product());
-    let f32_on_host =
-        |t: &Tensor<D>| t.dtype() == TensorDType::F32 && t.device().without_autodiff() == host;
+    let blocks = Blocks::of(&tensor.dims());
     let quantized = |q: &Quantized| {
-        q.codes.device().without_autodiff() == host
+        in_host_memory(&q.codes.device())
             && q.codes.dims() == [blocks.rows, blocks.row_len]
             && q.absmax.dims() == [blocks.rows, blocks.count]
     };
-    f32_on_host(tensor)
-        && f32_on_host(grad)
+    f32_in_host_memory(tensor)
+        && f32_in_host_memory(grad)
         && tensor.shape().num_elements() > 0
         && grad.shape() == tensor.shape()
         && state.is_none_or(|s| quantized(&s.moment_1) && quantized(&s.moment_2))

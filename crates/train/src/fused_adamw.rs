@@ -89,9 +89,15 @@ impl FusedAdamW {
     }
 }
 
-/// Whether `tensor` is f32 in host memory (Flex), where [`FusedAdamW`] steps it.
-fn on_host<const D: usize>(tensor: &Tensor<D>) -> bool {
-    tensor.dtype() == DType::F32 && tensor.device().without_autodiff() == Device::flex()
+/// Whether `device` is host memory (Flex), where the one-pass steps run (this one, and
+/// 8-bit AdamW's).
+pub(crate) fn in_host_memory(device: &Device) -> bool {
+    device.clone().without_autodiff() == Device::flex()
+}
+
+/// Whether `tensor` is f32 in host memory, where [`FusedAdamW`] steps it.
+pub(crate) fn f32_in_host_memory<const D: usize>(tensor: &Tensor<D>) -> bool {
+    tensor.dtype() == DType::F32 && in_host_memory(&tensor.device())
 }
 
 impl Optimizer for FusedAdamW {
@@ -106,8 +112,8 @@ impl Optimizer for FusedAdamW {
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         // Anything else (another device or dtype, shapes that disagree, which burn-optim
         // reports) takes burn-optim's path.
-        let fits = |t: &Tensor<D>| on_host(t) && t.shape() == tensor.shape();
-        let fused = on_host(&tensor)
+        let fits = |t: &Tensor<D>| f32_in_host_memory(t) && t.shape() == tensor.shape();
+        let fused = f32_in_host_memory(&tensor)
             && fits(&grad)
             && state.as_ref().is_none_or(|s| {
                 fits(&s.momentum.moment_1)
