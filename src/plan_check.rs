@@ -61,6 +61,18 @@ pub const ONE_RANK: &[&[&str]] = &[
     &[VOCAB, "8192", "--precision", "16-mixed"],
     &[VOCAB, "8192", "--checkpoint-activations"],
     &[CLASSIFIER],
+    // Adafactor reads each clipped gradient (a multiplied copy) beside its own temporaries,
+    // on the token table the largest.
+    &[CLASSIFIER, "--optimizer", "adafactor"],
+    // Each micro-step's 16-bit gradients are cast to f32 beside the sums they are added to.
+    &[
+        CLASSIFIER,
+        "--precision",
+        "16-mixed",
+        "--accumulate",
+        "2",
+        "--checkpoint-activations",
+    ],
 ];
 
 /// The sharded configurations, each on the MPI world.

@@ -20,8 +20,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::DType;
 use burnscale_nn::{BlockModel, autocast, dropout};
-use burnscale_shard::BUCKET_ELEMS;
 use burnscale_shard::layout::{self, Slot};
+use burnscale_shard::{BUCKET_ELEMS, StepGrads};
 use serde::Serialize;
 
 use crate::memory::{self, human_bytes};
@@ -212,13 +212,17 @@ fn optimizer_step_bytes<M: Module>(
         ..args.clone()
     };
     let mut optim = ParamOptimizer::new(&probe_args, 0, &one)?;
+    // Clipping and 16-mixed's unscaling hand the step its gradients with a factor, which each
+    // optimizer multiplies in where it reads a gradient (Adafactor twice before its update).
+    let multiplied = args.grad_clip > 0.0 || args.precision.scales_loss();
     let grads = |one: &One| {
         let mut grads = burn::optim::GradientsParams::new();
         grads.register(
             one.weight.id,
             Tensor::<2>::zeros([rows, cols], (&inner, dtype)),
         );
-        grads
+        let factor = multiplied.then(|| Tensor::<1>::ones([1], (&inner, DType::F32)));
+        StepGrads::new(grads, factor)
     };
     let first = grads(&one);
     let (one, stepped) = optim.step(1e-3, one, first, None);
@@ -458,6 +462,12 @@ impl MemoryPlan {
             (true, false) => full_grads,
             (true, true) => sharded_grads,
         };
+        // Added into whole sums of earlier micro-steps, a unit's 16-bit gradients are cast
+        // into the weights' dtype first: both beside the sums for a moment.
+        let cast_into_sums = |elems: usize| match accumulated > 0 && !sharding.gradients && c != w {
+            true => w * elems,
+            false => 0,
+        };
         let checkpoint = sharding.recomputes(args.checkpoint_activations);
         let keep_gathered = sharding.keeps_gathered();
         // Backward goes block by block with checkpointing, and wherever gathered units are
@@ -590,7 +600,7 @@ impl MemoryPlan {
             let unit_backward = |elems: usize, copy: usize, kept: usize, backward: usize| {
                 let whole = if per_unit { w * elems } else { 0 };
                 (copy + kept + backward)
-                    .max(copy + c * elems + whole)
+                    .max(copy + c * elems + whole + cast_into_sums(elems))
                     .max(2 * whole)
             };
             // The top block's backward: its copy gathered again unless kept (then it counts in
@@ -686,18 +696,9 @@ impl MemoryPlan {
             false => units.largest_param(),
         };
         let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
-        // Clipping (and 16-mixed's unscaling) multiply each gradient as it is stepped: one
-        // scaled copy at a time. Measured, it does not add to the update's temporaries
-        // (counted beside them, the classifier's ZeRO-2 check reads +3.2% instead of -0.5%).
-        let rescaled = match args.grad_clip > 0.0 || args.precision.scales_loss() {
-            false => 0,
-            true => w * largest_stepped,
-        };
         phases.push(PhaseBytes::new(
             Phase::Step,
-            params
-                + optimizer
-                + (step_grads + rescaled.max(shard_copy + step_temporaries)).max(gather),
+            params + optimizer + (step_grads + shard_copy + step_temporaries).max(gather),
             0,
         ));
         let peak = |bytes: fn(&PhaseBytes, usize) -> usize| {
