@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 /// Elements a task updates: large enough that a task's overhead is amortised, small enough
 /// that a layer's parameter spreads over the cores.
-const CHUNK: usize = 1 << 15;
+pub(crate) const CHUNK: usize = 1 << 15;
 
 #[derive(Clone)]
 pub struct FusedAdamW {

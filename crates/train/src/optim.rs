@@ -491,9 +491,9 @@ impl ModuleVisitor for AdafactorPhase<'_> {
         let (tensor, grad) = self.optim.to_home(tensor, grad, &home);
         let adafactor = factored.for_rank(D);
         let out = match self.sums {
-            None => adafactor.partial_sums(&tensor, &grad, state.as_ref(), real),
+            None => adafactor.partial_sums(&tensor, grad, state.as_ref(), real),
             Some(sums) => Some(adafactor.update_sum_sq(
-                &grad,
+                grad,
                 state.as_ref(),
                 sums.get(&path),
                 &slot.dims,
