@@ -9,8 +9,13 @@
 //!
 //!     cargo bench --features mpi --bench fabric_vit                # ViT-L/16 at 64 px
 //!     cargo bench --features mpi --bench fabric_vit -- --quick     # ViT-S/14 at 28 px
+//!     cargo bench --features cuda --bench fabric_vit               # on a GPU: at 224 px
 //!
-//! Scaled for a CPU: ViT-L/16 (304M parameters) on 64 px digits (16 patches instead of 196:
+//! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
+//! rungs run at the article's size, ViT-L/16 at 224 px, 5 steps a rung, and the peak is the
+//! device pool's reserved bytes (no plan: the planner predicts host memory only); the FSDP
+//! rungs need 4 GPUs and are left out on fewer, saying so. Scaled for a CPU: ViT-L/16 (304M
+//! parameters) on 64 px digits (16 patches instead of 196:
 //! activations are a smaller share of the peak than in the article), 3 steps a rung; the
 //! accuracy runs are vit_finetune's defaults (135 steps at 56 px; quick: 15 steps). The
 //! FSDP rungs run as 4 MPI processes (each rank's own peak; the article's is per GPU); on a
@@ -26,14 +31,14 @@
 mod article_table;
 
 use anyhow::{Result, bail};
-use article_table::{Table, cell, mib, num, planned_off, ratios};
+use article_table::{Machine, Table, cell, mib, num, planned_off, ratios};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead, Layout};
 use burnscale::bigbird::{AttentionType, BigBird, BigBirdConfig};
 use burnscale::images::{self, Preprocess};
-use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::pretrained;
 use burnscale::tasks::{ImageClassification, SequenceClassifier, TextClassification};
+use burnscale::train::accelerator::Accelerator;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{RunSummary, TrainArgs, train};
 use burnscale::vit::{Vit, VitConfig, dinov2};
@@ -155,16 +160,41 @@ struct Cli {
     /// Worker mode: run one of the text runs.
     #[arg(long, hide = true)]
     text: Option<usize>,
+    /// Where the runs go: cpu, cuda (one GPU a rank), or cubecl-cpu.
+    #[arg(long, value_enum)]
+    accelerator: Option<Accelerator>,
     // `cargo bench` passes `--bench` to every bench target.
     #[arg(long, hide = true)]
     bench: bool,
 }
 
+impl Cli {
+    fn machine(&self) -> Machine {
+        Machine::of(self.accelerator)
+    }
+
+    /// The ladder's ViT preset and image size.
+    fn ladder_model(&self) -> (&'static str, usize) {
+        match (self.quick, self.machine().on_cpu()) {
+            (true, _) => ("vit-s-14", 28),
+            (false, true) => ("vit-l-16", 64),
+            (false, false) => ("vit-l-16", 224),
+        }
+    }
+
+    /// Steps a run takes: a few on a CPU, more on a GPU for steady-state times.
+    fn steps(&self) -> &'static str {
+        match (self.quick, self.machine().on_cpu()) {
+            (true, _) => "2",
+            (false, true) => "3",
+            (false, false) => "5",
+        }
+    }
+}
+
 fn worker(cli: &Cli) -> Result<()> {
-    let device = Device::flex().autodiff();
-    device.seed(1);
     if let Some(run) = cli.text {
-        return text_worker(cli, run, &device);
+        return text_worker(cli, run);
     }
     let (preset, size, flags) = match (cli.rung, cli.accuracy.as_deref()) {
         (Some(rung), None) => {
@@ -172,12 +202,10 @@ fn worker(cli: &Cli) -> Result<()> {
                 bail!("no rung {rung}");
             };
             let mut flags = vec!["--batch-size", "32", "--lr", "5e-5", "--max-steps"];
-            flags.push(if cli.quick { "2" } else { "3" });
+            flags.push(cli.steps());
             flags.extend(parts.iter().flat_map(|p| p.iter()));
-            match cli.quick {
-                true => ("vit-s-14", 28, flags),
-                false => ("vit-l-16", 64, flags),
-            }
+            let (preset, size) = cli.ladder_model();
+            (preset, size, flags)
         }
         // vit_finetune's defaults.
         (None, Some("pretrained" | "scratch")) => {
@@ -200,7 +228,9 @@ fn worker(cli: &Cli) -> Result<()> {
         }
         _ => bail!("a worker runs --rung N or --accuracy pretrained|scratch"),
     };
-    let args = train_args(flags)?;
+    let args = train_args(flags, cli.machine())?;
+    let device = args.device()?;
+    device.seed(1);
     let (train_set, test_set) = images::load("digits", 0.2, 42)?;
     let config = VitConfig::preset(preset)?
         .with_image_size(size)
@@ -220,25 +250,34 @@ fn worker(cli: &Cli) -> Result<()> {
     article_table::print_summary(&summary)
 }
 
-/// The runner's arguments from `flags`, with `--plan`; a trailing `--offload-dir` gets the
-/// temporary directory.
-fn train_args(flags: Vec<&str>) -> Result<TrainArgs> {
+/// The runner's arguments from `flags`, run on `machine` (planned on the CPU); a trailing
+/// `--offload-dir` gets the temporary directory.
+fn train_args(flags: Vec<&str>, machine: Machine) -> Result<TrainArgs> {
     let offload_dir = std::env::temp_dir().display().to_string();
-    let mut all = flags;
-    if all.last() == Some(&"--offload-dir") {
-        all.push(&offload_dir);
+    let mut all: Vec<String> = flags.into_iter().map(String::from).collect();
+    if all.last().map(String::as_str) == Some("--offload-dir") {
+        all.push(offload_dir);
     }
-    all.extend(PLANNED_ON_CPU);
+    all.extend(machine.train_flags());
+    let all: Vec<&str> = all.iter().map(String::as_str).collect();
     Ok(TrainArgs::from_flags(&all)?)
 }
 
-fn text_worker(cli: &Cli, run: usize, device: &Device) -> Result<()> {
+fn text_worker(cli: &Cli, run: usize) -> Result<()> {
     let Some(&(_, model, parts, ..)) = TEXT_RUNS.get(run) else {
         bail!("no text run {run}");
     };
-    let steps = if cli.quick { "2" } else { "3" };
-    let common = ["--batch-size", "1", "--lr", "5e-5", "--max-steps", steps];
-    let args = train_args([&common[..], parts].concat())?;
+    let common = [
+        "--batch-size",
+        "1",
+        "--lr",
+        "5e-5",
+        "--max-steps",
+        cli.steps(),
+    ];
+    let args = train_args([&common[..], parts].concat(), cli.machine())?;
+    let device = &args.device()?;
+    device.seed(1);
     let minilm = BertConfig::minilm_l6().with_dropout(0.0);
     let summary = match model {
         TextModel::DistilBert => {
@@ -290,10 +329,29 @@ fn classify<M: SequenceClassifier>(
     Ok(train(model, &mut task, args, device)?.1)
 }
 
-/// A worker's JSON line from `ranks` ranks: this process's threads, or MPI processes.
-fn launch(ranks: usize, args: &[&str]) -> Result<Value> {
+/// A worker's JSON line from `ranks` ranks on `machine`: this process's threads, or MPI
+/// processes; `Null` (and why, in `left_out`) where the machine has too few GPUs.
+fn launch(
+    machine: Machine,
+    ranks: usize,
+    label: &str,
+    args: &[&str],
+    left_out: &mut Vec<String>,
+) -> Result<Value> {
+    if let Some(why) = machine.cannot_run(ranks) {
+        left_out.push(format!("{label}: not run ({why})"));
+        return Ok(Value::Null);
+    }
+    let args = [
+        args.iter().map(|a| a.to_string()).collect(),
+        machine.worker_flags(),
+    ]
+    .concat();
     match ranks {
         1 => burnscale::run_worker(args),
+        _ if cfg!(not(feature = "mpi")) => bail!(
+            "{label} runs {ranks} MPI processes: cargo bench --features mpi --bench fabric_vit"
+        ),
         n => burnscale::run_mpi_worker(n, args),
     }
 }
@@ -307,16 +365,14 @@ fn run() -> Result<()> {
     if cli.rung.is_some() || cli.accuracy.is_some() || cli.text.is_some() {
         return worker(&cli);
     }
-    if !cfg!(feature = "mpi") {
-        bail!("the FSDP rungs are MPI processes: cargo bench --features mpi --bench fabric_vit");
-    }
+    let (machine, mut left_out) = (cli.machine(), Vec::new());
     let quick = if cli.quick { vec!["--quick"] } else { vec![] };
     let mut runs = Vec::new();
     for (i, (label, _, ranks, ..)) in RUNGS.iter().enumerate() {
         eprintln!("rung {}: {label}", i + 1);
         let rung = i.to_string();
         let args = [&["--rung", rung.as_str()][..], &quick].concat();
-        runs.push(launch(*ranks, &args)?);
+        runs.push(launch(machine, *ranks, label, &args, &mut left_out)?);
     }
     let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/rank_peak")).collect();
     let steps: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/step_s_median")).collect();
@@ -346,8 +402,10 @@ fn run() -> Result<()> {
         .collect();
     for (from, article) in ARTICLE_ACCURACY {
         eprintln!("accuracy: {from}");
-        let r = burnscale::run_worker([&["--accuracy", from][..], &quick].concat())?;
-        let mut row = vec![json!(format!("ViT-S/14 {from}")), json!(1)];
+        let label = format!("ViT-S/14 {from}");
+        let args = [&["--accuracy", from][..], &quick].concat();
+        let r = launch(machine, 1, &label, &args, &mut left_out)?;
+        let mut row = vec![json!(label), json!(1)];
         row.extend(
             [
                 num(&r, "/rank_peak").map(mib),
@@ -361,17 +419,23 @@ fn run() -> Result<()> {
         rows.push(row);
     }
     let params = num(&runs[0], "/num_params").unwrap_or(0.0);
+    let mut notes = vec![
+        format!(
+            "{} (FSDP rungs: the largest of 4 MPI processes'); planned: the planner's",
+            machine.peak_note()
+        ),
+        "article: one A100 (FSDP: 4, per GPU), GB and minutes; blank where it gives only a plot".into(),
+        "accuracy: test accuracy after vit_finetune's run (the article: its ViT-L/16, pretrained vs from scratch)".into(),
+    ];
+    notes.append(&mut left_out);
     Table {
         name: if cli.quick { "fabric_vit_quick" } else { "fabric_vit" },
         title: format!(
-            "Fabric article (001): ViT finetuning ladder, {:.0}M parameters, digits; then pretrained vs scratch",
-            params / 1e6
+            "Fabric article (001): ViT finetuning ladder, {:.0}M parameters, digits at {} px; then pretrained vs scratch",
+            params / 1e6,
+            cli.ladder_model().1
         ),
-        notes: vec![
-            "peak: the counting allocator's process peak (FSDP rungs: the largest of 4 MPI processes'); planned: the planner's".into(),
-            "article: one A100 (FSDP: 4, per GPU), GB and minutes; blank where it gives only a plot".into(),
-            "accuracy: test accuracy after vit_finetune's run (the article: its ViT-L/16, pretrained vs from scratch)".into(),
-        ],
+        notes,
         columns: vec![
             "rung",
             "ranks",
@@ -391,19 +455,17 @@ fn run() -> Result<()> {
         plotted: vec!["peak ratio", "article peak ratio"],
     }
     .finish()?;
-    text_table(&quick)
+    text_table(machine, &quick)
 }
 
 /// The article's section 10: the text runs, as ratios to DistilBERT before the techniques.
-fn text_table(quick: &[&str]) -> Result<()> {
-    let mut runs = Vec::new();
+fn text_table(machine: Machine, quick: &[&str]) -> Result<()> {
+    let (mut runs, mut left_out) = (Vec::new(), Vec::new());
     for (i, (label, _, _, ranks, _)) in TEXT_RUNS.iter().enumerate() {
         eprintln!("text {}: {label}", i + 1);
         let run = i.to_string();
-        runs.push(launch(
-            *ranks,
-            &[&["--text", run.as_str()][..], quick].concat(),
-        )?);
+        let args = [&["--text", run.as_str()][..], quick].concat();
+        runs.push(launch(machine, *ranks, label, &args, &mut left_out)?);
     }
     let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/rank_peak")).collect();
     let article_gb: Vec<Option<f64>> = TEXT_RUNS.iter().map(|r| Some(r.4)).collect();
@@ -435,11 +497,15 @@ fn text_table(quick: &[&str]) -> Result<()> {
     Table {
         name: if quick.is_empty() { "fabric_llm" } else { "fabric_llm_quick" },
         title: "Fabric article (001), section 10: text classifiers before and after the techniques".into(),
-        notes: vec![
-            format!("DistilBERT: {distilbert}; BigBird: {bigbird}, block-sparse; batch 1 a rank, random token ids, 3 steps (quick: 2)"),
-            "peak: the counting allocator's process peak (FSDP: the largest of 4 MPI processes'); offload: the optimizer state on disk".into(),
-            "article: GB per A100 (FSDP: 4 GPUs, CPU offload); its DistilBERT after-script is taken to be its BigBird one".into(),
-        ],
+        notes: [
+            vec![
+                format!("DistilBERT: {distilbert}; BigBird: {bigbird}, block-sparse; batch 1 a rank, random token ids, 3 steps (quick: 2; GPU: 5)"),
+                format!("{} (FSDP: the largest of 4 MPI processes'); offload: the optimizer state on disk", machine.peak_note()),
+                "article: GB per A100 (FSDP: 4 GPUs, CPU offload); its DistilBERT after-script is taken to be its BigBird one".into(),
+            ],
+            left_out,
+        ]
+        .concat(),
         columns: vec![
             "run",
             "ranks",

@@ -7,8 +7,11 @@
 //!
 //!     cargo bench --bench hf_bert_large               # BERT-large, 128 tokens, 3 steps a rung
 //!     cargo bench --bench hf_bert_large -- --quick    # MiniLM-L6 size, 64 tokens, 2 steps
+//!     cargo bench --features cuda --bench hf_bert_large   # on a GPU: 512 tokens, 5 steps
 //!
-//! Scaled for a CPU: sequences of 128 tokens instead of 512 (activations are a smaller share
+//! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
+//! rungs run at the article's 512 tokens, and the peak is the device pool's reserved bytes (no
+//! plan: the planner predicts host memory only). Scaled for a CPU: sequences of 128 tokens instead of 512 (activations are a smaller share
 //! of the peak than in the article), a few steps instead of an epoch. The article's
 //! `nvidia-smi` figures include ~1.3 GB of CUDA kernels (its 1343 MB before the model loads);
 //! its ratios here are taken after subtracting them. On Flex (the CPU backend) fp16 is
@@ -17,11 +20,10 @@
 mod article_table;
 
 use anyhow::{Result, bail};
-use article_table::{Table, cell, mib, num, planned_off, ratios};
-use burn::prelude::*;
+use article_table::{Machine, Table, cell, mib, num, planned_off, ratios};
 use burnscale::bert::{Bert, BertConfig, BertHead};
-use burnscale::plan_check::PLANNED_ON_CPU;
 use burnscale::tasks::TextClassification;
+use burnscale::train::accelerator::Accelerator;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, train};
 use clap::Parser;
@@ -84,14 +86,26 @@ struct Cli {
     /// Worker mode (set by the driver): run one rung.
     #[arg(long, hide = true)]
     rung: Option<usize>,
+    /// Where the rungs run: cpu, cuda or cubecl-cpu.
+    #[arg(long, value_enum)]
+    accelerator: Option<Accelerator>,
     // `cargo bench` passes `--bench` to every bench target.
     #[arg(long, hide = true)]
     bench: bool,
 }
 
 impl Cli {
+    fn machine(&self) -> Machine {
+        Machine::of(self.accelerator)
+    }
+
     fn steps(&self) -> usize {
-        self.steps.unwrap_or(if self.quick { 2 } else { 3 })
+        let default = match (self.quick, self.machine().on_cpu()) {
+            (true, _) => 2,
+            (false, true) => 3,
+            (false, false) => 5,
+        };
+        self.steps.unwrap_or(default)
     }
 
     /// (model, sequence length).
@@ -103,19 +117,26 @@ impl Cli {
         let config = config
             .with_head(BertHead::SequenceClassification { num_labels: 2 })
             .with_dropout(0.0);
-        (config, if self.quick { 64 } else { 128 })
+        let len = match (self.quick, self.machine().on_cpu()) {
+            (true, _) => 64,
+            (false, true) => 128,
+            (false, false) => 512,
+        };
+        (config, len)
     }
 }
 
 fn worker(cli: &Cli, rung: usize) -> Result<()> {
-    let device = Device::flex().autodiff();
-    device.seed(1);
     let Some((_, parts, ..)) = RUNGS.get(rung) else {
         bail!("no rung {rung}");
     };
     let steps = cli.steps().to_string();
+    let machine = cli.machine().train_flags();
     let common = ["--max-steps", &steps, "--lr", "1e-4"];
-    let args = TrainArgs::from_flags(&[&[&common[..], &PLANNED_ON_CPU], *parts].concat().concat())?;
+    let here: Vec<&str> = machine.iter().map(String::as_str).collect();
+    let args = TrainArgs::from_flags(&[&[&common[..], &here], *parts].concat().concat())?;
+    let device = args.device()?;
+    device.seed(1);
     let (config, len) = cli.model();
     let mut task = TextClassification::<Bert>::random_tokens(64, len, args.batch_size)?;
     let summary = train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1;
@@ -143,6 +164,7 @@ fn run() -> Result<()> {
         if cli.quick {
             args.push("--quick".into());
         }
+        args.extend(cli.machine().worker_flags());
         eprintln!("rung {}: {label}", rung + 1);
         runs.push(burnscale::run_worker(&args)?);
     }
@@ -189,7 +211,7 @@ fn run() -> Result<()> {
             cli.steps()
         ),
         notes: vec![
-            "peak: the counting allocator's process peak; planned: the planner's prediction before the first step".into(),
+            format!("{}; planned: the planner's prediction before the first step", cli.machine().peak_note()),
             "state B/p: parameters + gradients + optimizer state per parameter (the article: 18 for mixed-precision AdamW)".into(),
             format!("article: V100 nvidia-smi MB and samples/s; its ratios without its {ARTICLE_KERNELS_MB} MB of CUDA kernels"),
         ],
