@@ -14,8 +14,8 @@
 //! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
 //! rungs run at the article's size, ViT-L/16 at 224 px, 5 steps a rung, and the peak is the
 //! device pool's reserved bytes (no plan: the planner predicts host memory only); the FSDP
-//! rungs need 4 GPUs and are left out on fewer, saying so. Scaled for a CPU: ViT-L/16 (304M
-//! parameters) on 64 px digits (16 patches instead of 196:
+//! rungs need 4 GPUs, and on fewer their cells stay empty with a note saying why. Scaled
+//! for a CPU: ViT-L/16 (304M parameters) on 64 px digits (16 patches instead of 196:
 //! activations are a smaller share of the peak than in the article), 3 steps a rung; the
 //! accuracy runs are vit_finetune's defaults (135 steps at 56 px; quick: 15 steps). The
 //! FSDP rungs run as 4 MPI processes (each rank's own peak; the article's is per GPU); on a
@@ -175,19 +175,19 @@ impl Cli {
 
     /// The ladder's ViT preset and image size.
     fn ladder_model(&self) -> (&'static str, usize) {
-        match (self.quick, self.machine().on_cpu()) {
+        match (self.quick, self.machine().at_article_size()) {
             (true, _) => ("vit-s-14", 28),
-            (false, true) => ("vit-l-16", 64),
-            (false, false) => ("vit-l-16", 224),
+            (false, false) => ("vit-l-16", 64),
+            (false, true) => ("vit-l-16", 224),
         }
     }
 
     /// Steps a run takes: a few on a CPU, more on a GPU for steady-state times.
     fn steps(&self) -> &'static str {
-        match (self.quick, self.machine().on_cpu()) {
+        match (self.quick, self.machine().at_article_size()) {
             (true, _) => "2",
-            (false, true) => "3",
-            (false, false) => "5",
+            (false, false) => "3",
+            (false, true) => "5",
         }
     }
 }
@@ -347,13 +347,13 @@ fn launch(
         machine.worker_flags(),
     ]
     .concat();
-    match ranks {
-        1 => burnscale::run_worker(args),
-        _ if cfg!(not(feature = "mpi")) => bail!(
-            "{label} runs {ranks} MPI processes: cargo bench --features mpi --bench fabric_vit"
-        ),
-        n => burnscale::run_mpi_worker(n, args),
-    }
+    let run = match ranks {
+        1 => burnscale::run_worker(args)?,
+        n => burnscale::run_mpi_worker(n, args)?,
+    };
+    // Each run's summary as it ends: a run cut short keeps the runs it finished.
+    eprintln!("{run}");
+    Ok(run)
 }
 
 fn main() -> std::process::ExitCode {
@@ -366,6 +366,18 @@ fn run() -> Result<()> {
         return worker(&cli);
     }
     let (machine, mut left_out) = (cli.machine(), Vec::new());
+    // Stop before the first rung, not at the first FSDP one after minutes of the others.
+    let mpi_runs = RUNGS
+        .iter()
+        .map(|r| r.2)
+        .chain(TEXT_RUNS.iter().map(|r| r.3));
+    if cfg!(not(feature = "mpi"))
+        && mpi_runs
+            .filter(|&n| n > 1)
+            .any(|n| machine.cannot_run(n).is_none())
+    {
+        bail!("the FSDP rungs are MPI processes: cargo bench --features mpi --bench fabric_vit");
+    }
     let quick = if cli.quick { vec!["--quick"] } else { vec![] };
     let mut runs = Vec::new();
     for (i, (label, _, ranks, ..)) in RUNGS.iter().enumerate() {
@@ -421,7 +433,7 @@ fn run() -> Result<()> {
     let params = num(&runs[0], "/num_params").unwrap_or(0.0);
     let mut notes = vec![
         format!(
-            "{} (FSDP rungs: the largest of 4 MPI processes'); planned: the planner's",
+            "{} (FSDP rungs: the largest of 4 MPI processes')",
             machine.peak_note()
         ),
         "article: one A100 (FSDP: 4, per GPU), GB and minutes; blank where it gives only a plot".into(),

@@ -10,9 +10,10 @@
 //!     cargo bench --features cuda --bench hf_bert_large   # on a GPU: 512 tokens, 5 steps
 //!
 //! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
-//! rungs run at the article's 512 tokens, and the peak is the device pool's reserved bytes (no
-//! plan: the planner predicts host memory only). Scaled for a CPU: sequences of 128 tokens instead of 512 (activations are a smaller share
-//! of the peak than in the article), a few steps instead of an epoch. The article's
+//! rungs run at the article's 512 tokens, and the peak is the device pool's reserved bytes
+//! (no plan: the planner predicts host memory only). Scaled for a CPU: sequences of 128
+//! tokens instead of 512 (activations are a smaller share of the peak than in the article),
+//! a few steps instead of an epoch. The article's
 //! `nvidia-smi` figures include ~1.3 GB of CUDA kernels (its 1343 MB before the model loads);
 //! its ratios here are taken after subtracting them. On Flex (the CPU backend) fp16 is
 //! stored in 16 bits but computed through f32, so the fp16 rungs save memory, not time.
@@ -100,10 +101,10 @@ impl Cli {
     }
 
     fn steps(&self) -> usize {
-        let default = match (self.quick, self.machine().on_cpu()) {
+        let default = match (self.quick, self.machine().at_article_size()) {
             (true, _) => 2,
-            (false, true) => 3,
-            (false, false) => 5,
+            (false, false) => 3,
+            (false, true) => 5,
         };
         self.steps.unwrap_or(default)
     }
@@ -117,10 +118,10 @@ impl Cli {
         let config = config
             .with_head(BertHead::SequenceClassification { num_labels: 2 })
             .with_dropout(0.0);
-        let len = match (self.quick, self.machine().on_cpu()) {
+        let len = match (self.quick, self.machine().at_article_size()) {
             (true, _) => 64,
-            (false, true) => 128,
-            (false, false) => 512,
+            (false, false) => 128,
+            (false, true) => 512,
         };
         (config, len)
     }
@@ -166,9 +167,12 @@ fn run() -> Result<()> {
         }
         args.extend(cli.machine().worker_flags());
         eprintln!("rung {}: {label}", rung + 1);
-        runs.push(burnscale::run_worker(&args)?);
+        let run = burnscale::run_worker(&args)?;
+        // Each rung's summary as it ends: a run cut short keeps the rungs it finished.
+        eprintln!("{run}");
+        runs.push(run);
     }
-    let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/peak_mem_bytes")).collect();
+    let peaks: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/rank_peak")).collect();
     let speeds: Vec<Option<f64>> = runs.iter().map(|r| num(r, "/samples_per_s")).collect();
     let article_mb: Vec<Option<f64>> = RUNGS
         .iter()
@@ -211,7 +215,7 @@ fn run() -> Result<()> {
             cli.steps()
         ),
         notes: vec![
-            format!("{}; planned: the planner's prediction before the first step", cli.machine().peak_note()),
+            cli.machine().peak_note(),
             "state B/p: parameters + gradients + optimizer state per parameter (the article: 18 for mixed-precision AdamW)".into(),
             format!("article: V100 nvidia-smi MB and samples/s; its ratios without its {ARTICLE_KERNELS_MB} MB of CUDA kernels"),
         ],

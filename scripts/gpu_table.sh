@@ -4,7 +4,7 @@
 #
 #     scripts/gpu_table.sh mingpt BENCH OUT
 #     scripts/gpu_table.sh vit VIT_FINETUNE OUT
-#     scripts/gpu_table.sh article ARTICLE_BENCH OUT
+#     scripts/gpu_table.sh article ARTICLE_BENCH OUT [BENCH FLAGS...]
 #
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, the engine's ZeRO-3 variants
 # beside single, bf16-mixed, a second process of the same configuration for the first step
@@ -19,16 +19,19 @@
 # one rank, and bf16-mixed. VIT_FINETUNE is a `cargo build
 # --release --features cuda --example vit_finetune` binary.
 #
-# article: one article's table on the GPU at the article's size (issue 17): ARTICLE_BENCH is
+# article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is
 # a `cargo bench --no-run --features cuda --bench hf_bert_large` (or `--bench fabric_vit`)
-# binary; its table's CSV, JSON and SVG land in OUT/article-tables.
+# binary, given BENCH FLAGS (hf_bert_large's `--steps 3` for a shorter run); the tables' CSV,
+# JSON and SVG land in OUT/article-tables. The tables are written at the end; each rung's
+# summary line goes to log.txt as it ends, so a run cut by the cap keeps the finished ones.
 #
 # OUT: a folder for log.txt (the tables, each phase's start and end), smi.csv (nvidia-smi
 # every 250 ms: the device's own memory figure) and one summary JSON per burnscale phase.
 # Each phase has its own time cap, so one that runs long or fails does not cost the rest.
 set -u
-if [ $# -ne 3 ] || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != article ]; }; then
-    echo "usage: $0 mingpt|vit|article BINARY OUT" >&2
+if [ $# -lt 3 ] || { [ "$1" != article ] && [ $# -ne 3 ]; } \
+    || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != article ]; }; then
+    echo "usage: $0 mingpt|vit BINARY OUT, or $0 article BINARY OUT [BENCH FLAGS...]" >&2
     exit 2
 fi
 table=$1
@@ -79,7 +82,7 @@ torch_vit() { # NAME CAP ARGS...: PyTorch's side of a ViT row, capped at CAP sec
 if [ "$table" = article ]; then
     # The bench's driver starts each rung as a process of its own binary.
     export CARGO_TARGET_DIR=$out
-    capped article 560 "$bin" --accelerator cuda
+    capped article 560 "$bin" --accelerator cuda "${@:4}"
     exit 0
 fi
 

@@ -33,6 +33,12 @@ impl Machine {
         self.0 == Accelerator::Cpu
     }
 
+    /// Whether the runs take the article's own sizes: on a GPU. (cubecl's CPU runtime, far
+    /// slower than Flex, takes the CPU's.)
+    pub fn at_article_size(self) -> bool {
+        self.0 == Accelerator::Cuda
+    }
+
     /// The flags a driver hands its workers.
     pub fn worker_flags(self) -> Vec<String> {
         vec!["--accelerator".into(), self.0.name()]
@@ -54,12 +60,12 @@ impl Machine {
             .then(|| format!("needs {ranks} GPUs, this machine has {gpus}"))
     }
 
-    /// What the peak column is.
+    /// What the peak and planned columns are.
     pub fn peak_note(self) -> String {
         match self.on_cpu() {
-            true => "peak: the counting allocator's process peak".into(),
+            true => "peak: the counting allocator's process peak; planned: the planner's, before the first step".into(),
             false => format!(
-                "peak: the device pool's reserved bytes ({}, PyTorch's memory reserved); no plan off the CPU",
+                "peak: the device pool's reserved bytes ({}; PyTorch's memory reserved); planned: none (the planner plans host memory)",
                 self.0.name()
             ),
         }

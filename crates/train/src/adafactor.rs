@@ -13,8 +13,8 @@
 //! ([`Adafactor::finish`]). On one rank the reductions are the identity.
 //!
 //! A vector or a matrix that is f32 in host memory (an offloaded parameter, or any on the
-//! CPU) takes each phase as one pass of loops over its rows ([`HostRows`]) instead of a dozen
-//! tensor operations.
+//! CPU) takes each phase as loops over its rows ([`HostRows`]), a pass or two over the
+//! gradient, instead of a dozen tensor operations.
 
 use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::prelude::*;
@@ -68,12 +68,19 @@ impl Adafactor {
         let Some(host) = HostRows::of(&grad, Some(tensor), state) else {
             return self.tensor_partial_sums(tensor, &grad, state, real);
         };
+        if !host.factored && !self.relative_step {
+            return None;
+        }
         let device = grad.device();
         let (g, p) = (
             grad.into_data(),
             self.relative_step.then(|| tensor.to_data()),
         );
-        let rows = host.new_row_moments(f32s(&g), state);
+        // A matrix's row moments enter its sums; a vector's sum is of its values' squares.
+        let rows = match host.factored {
+            true => host.new_row_moments(f32s(&g), state),
+            false => Vec::new(),
+        };
         let sums = host.sums(self, p.as_ref().map(f32s), f32s(&g), &rows, real);
         let len = sums.len();
         (len > 0).then(|| host_tensor(sums, [len], &device))
@@ -459,7 +466,7 @@ impl HostRows {
         device: &Device,
     ) -> (Tensor<D>, AdafactorState<D>) {
         let (rows, cols, adafactor, lr) = (self.rows, self.cols, step.adafactor, step.lr);
-        let time = time(state.as_ref());
+        let step_time = time(state.as_ref());
         // The tensor path's scalars: f32 operations on `[1]` tensors, f64 scalars in f32.
         let numel = step.full.iter().product::<usize>() as f32;
         let clipping = ((step.update_sq / numel).sqrt() / CLIP_THRESHOLD as f32).max(1.0);
@@ -470,7 +477,7 @@ impl HostRows {
             (sums[sums.len() - 1] / numel).sqrt().max(EPSILON_2 as f32)
         });
         let step_size = match adafactor.relative_step {
-            true => lr.min(1.0 / (time as f64).sqrt()),
+            true => lr.min(1.0 / (step_time as f64).sqrt()),
             false => lr,
         } as f32;
         let keep =
@@ -524,7 +531,7 @@ impl HostRows {
         drop(exp_avg_rows);
         let row_shape = if D == 2 { vec![rows, 1] } else { vec![rows] };
         let state = AdafactorState {
-            time,
+            time: step_time,
             second_moment: host_tensor(factors.rows, row_shape, device),
             column_second_moment: factors.columns.map(|c| host_tensor(c, [1, cols], device)),
             exp_avg: beta_1.map(|_| Tensor::from_data(exp_avg, (device, TensorDType::F32))),
@@ -543,12 +550,12 @@ impl HostRows {
     ) -> Factors {
         let (columns, row_mean) = match (self.factored, sums) {
             (true, Some(sums)) => {
-                let n = full_rows as f32;
+                let (n, decay) = (full_rows as f32, decay(state));
                 let old = state
                     .and_then(|s| s.column_second_moment.as_ref())
                     .map(host_values);
                 let columns = (0..self.cols)
-                    .map(|j| decayed_at(old.as_deref().map(|c| c[j]), decay(state), sums[j] / n))
+                    .map(|j| decayed_at(old.as_deref().map(|c| c[j]), decay, sums[j] / n))
                     .collect::<Vec<f32>>();
                 (Some(columns), Some(sums[self.cols] / n))
             }
@@ -701,10 +708,11 @@ impl Optimizer for Adafactor {
             let (tensor, state) = host.step(&step, p, f32s(&g), factors, state, &device);
             return (tensor, Some(state));
         }
-        let sums = self.partial_sums(&tensor, grad.clone(), state.as_ref(), full[0]);
+        let sums = self.tensor_partial_sums(&tensor, &grad, state.as_ref(), full[0]);
         let update_sq =
-            self.update_sum_sq(grad.clone(), state.as_ref(), sums.as_ref(), &full, full[0]);
-        let (tensor, state) = self.finish(lr, tensor, grad, state, sums.as_ref(), update_sq, &full);
+            self.tensor_update_sum_sq(&grad, state.as_ref(), sums.as_ref(), &full, full[0]);
+        let (tensor, state) =
+            self.tensor_finish(lr, tensor, grad, state, sums.as_ref(), update_sq, &full);
         (tensor, Some(state))
     }
 
@@ -880,9 +888,9 @@ mod tests {
         }
     }
 
-    /// A matrix and a vector, each with its last rows padding, with and without a first
-    /// moment, a relative step and decay: the host rows take the tensor path's steps, to the
-    /// f32 rounding of sums taken in another order.
+    /// A matrix and a vector, each with its last rows padding and whole, and a matrix of one
+    /// column, with and without a first moment, a relative step and decay: the host rows take
+    /// the tensor path's steps, to the f32 rounding of sums taken in another order.
     #[test]
     fn the_host_rows_step_as_the_tensor_path() {
         for beta_1 in [None, Some(0.9)] {
@@ -897,6 +905,7 @@ mod tests {
                     steps_alike(&adafactor, [33, 300], [33, 300]);
                     steps_alike(&adafactor, [300], [291]);
                     steps_alike(&adafactor, [291], [291]);
+                    steps_alike(&adafactor, [37, 1], [37, 1]);
                 }
             }
         }

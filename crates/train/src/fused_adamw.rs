@@ -89,13 +89,13 @@ impl FusedAdamW {
     }
 }
 
-/// Whether `device` is host memory (Flex), where the one-pass steps run (this one, and
-/// 8-bit AdamW's).
+/// Whether `device` is host memory (Flex), where the host-memory steps run (this one, 8-bit
+/// AdamW's and Adafactor's).
 pub(crate) fn in_host_memory(device: &Device) -> bool {
     device.clone().without_autodiff() == Device::flex()
 }
 
-/// Whether `tensor` is f32 in host memory, where [`FusedAdamW`] steps it.
+/// Whether `tensor` is f32 in host memory, where the host-memory steps take it.
 pub(crate) fn f32_in_host_memory<const D: usize>(tensor: &Tensor<D>) -> bool {
     tensor.dtype() == DType::F32 && in_host_memory(&tensor.device())
 }

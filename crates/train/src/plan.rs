@@ -462,9 +462,10 @@ impl MemoryPlan {
             (true, false) => full_grads,
             (true, true) => sharded_grads,
         };
-        // Added into whole sums of earlier micro-steps, a unit's 16-bit gradients are cast
-        // into the weights' dtype first: both beside the sums for a moment.
-        let cast_into_sums = |elems: usize| match accumulated > 0 && !sharding.gradients && c != w {
+        // Whole gradient sums carried over micro-steps (DDP, ZeRO-1): a unit's 16-bit gradients
+        // are cast into the weights' dtype to be added in, both beside the sums for a moment.
+        let whole_sums = args.accumulate > 1 && !sharding.gradients;
+        let cast_into_sums = |elems: usize| match whole_sums && c != w {
             true => w * elems,
             false => 0,
         };
@@ -516,16 +517,23 @@ impl MemoryPlan {
             let embeddings =
                 |held| held + probe.embed + c * (n - units.embeddings) + probe.embed_backward;
             let bottom = |held| held + units.grads_moved_in(c, w);
-            let (embeddings, bottom) = match args.accumulate > 1 && !sharding.gradients {
+            let (embeddings, bottom) = match whole_sums {
                 false => (embeddings(held), bottom(held)),
                 // Accumulating whole sums, the first micro-step (no sums yet) is plain, the
                 // later ones go block by block beside the sums, each block's gradients
                 // added in as backward leaves it.
                 true => {
                     let first = held - accumulated;
+                    let (block, embed) = (units.largest_block(), units.embeddings);
+                    let unit = |backward: usize, elems: usize| {
+                        backward.max(c * elems + cast_into_sums(elems))
+                    };
                     (
-                        embeddings(first).max(held + probe.embed + probe.embed_backward),
-                        bottom(first).max(held + probe.embed + probe.block + probe.block_backward),
+                        embeddings(first)
+                            .max(held + probe.embed + unit(probe.embed_backward, embed)),
+                        bottom(first).max(
+                            held + probe.embed + probe.block + unit(probe.block_backward, block),
+                        ),
                     )
                 }
             };
