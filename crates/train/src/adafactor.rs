@@ -22,7 +22,7 @@ use burn::store::burn_pack::Scalar;
 use burn::tensor::{DType as TensorDType, FloatDType, TensorData};
 use rayon::prelude::*;
 
-use crate::fused_adamw::{CHUNK, f32_in_host_memory};
+use crate::fused_adamw::{CHUNK, f32_in_host_memory, f32s, f32s_mut};
 
 const EPSILON_1: f64 = 1e-30;
 const EPSILON_2: f64 = 1e-3;
@@ -650,16 +650,6 @@ fn decayed_at(old: Option<f32>, decay: Option<(f32, f32)>, observed: f32) -> f32
 /// One squared gradient as the tensor path rounds it (`square`, then `+ 1e-30`).
 fn squared_of(g: f32) -> f32 {
     g * g + EPSILON_1 as f32
-}
-
-fn f32s(data: &TensorData) -> &[f32] {
-    data.as_slice::<f32>()
-        .expect("f32 host tensors read as f32")
-}
-
-fn f32s_mut(data: &mut TensorData) -> &mut [f32] {
-    data.as_mut_slice::<f32>()
-        .expect("f32 host tensors read as f32")
 }
 
 /// `t`'s values (f32 in host memory).

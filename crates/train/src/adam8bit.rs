@@ -21,7 +21,7 @@ use burnscale_nn::device_cache;
 use rayon::prelude::*;
 use std::sync::OnceLock;
 
-use crate::fused_adamw::{f32_in_host_memory, in_host_memory};
+use crate::fused_adamw::{f32_in_host_memory, f32s, f32s_mut, in_host_memory};
 
 /// Elements per quantization block (bitsandbytes' block size for its 8-bit optimizers).
 pub const BLOCK: usize = 256;
@@ -485,13 +485,11 @@ impl AdamW8bit {
         let (step_size, eps) = (scalars.step_size as f32, scalars.epsilon as f32);
         let keep = scalars.keep.map(|keep| keep as f32);
         let (signed, unsigned) = (Tables::of(true), Tables::of(false));
-        let f32s = "f32 host tensors read as f32";
         let (m_codes, m_absmax) = m.slices();
         let (v_codes, v_absmax) = v.slices();
-        p.as_mut_slice::<f32>()
-            .expect(f32s)
+        f32s_mut(&mut p)
             .par_chunks_mut(row_len)
-            .zip(g.as_slice::<f32>().expect(f32s).par_chunks(row_len))
+            .zip(f32s(&g).par_chunks(row_len))
             .zip(
                 m_codes
                     .par_chunks_mut(row_len)

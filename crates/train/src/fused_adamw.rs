@@ -100,6 +100,18 @@ pub(crate) fn f32_in_host_memory<const D: usize>(tensor: &Tensor<D>) -> bool {
     tensor.dtype() == DType::F32 && in_host_memory(&tensor.device())
 }
 
+/// The values of an f32 tensor's data, read from host memory ([`f32_in_host_memory`]).
+pub(crate) fn f32s(data: &TensorData) -> &[f32] {
+    data.as_slice::<f32>()
+        .expect("f32 host tensors read as f32")
+}
+
+/// [`f32s`], to update in place.
+pub(crate) fn f32s_mut(data: &mut TensorData) -> &mut [f32] {
+    data.as_mut_slice::<f32>()
+        .expect("f32 host tensors read as f32")
+}
+
 impl Optimizer for FusedAdamW {
     type State<const D: usize> = AdamWState<D>;
 
@@ -139,13 +151,12 @@ impl Optimizer for FusedAdamW {
                 (1, zeros(), zeros())
             }
         };
-        let slice = "f32 host tensors read as f32";
         self.update(
             lr,
-            p.as_mut_slice::<f32>().expect(slice),
-            g.as_slice::<f32>().expect(slice),
-            m.as_mut_slice::<f32>().expect(slice),
-            v.as_mut_slice::<f32>().expect(slice),
+            f32s_mut(&mut p),
+            f32s(&g),
+            f32s_mut(&mut m),
+            f32s_mut(&mut v),
             time,
         );
         let tensor = |data| Tensor::<D>::from_data(data, (&device, DType::F32));
