@@ -182,13 +182,9 @@ impl Cli {
         }
     }
 
-    /// Steps a run takes: a few on a CPU, more on a GPU for steady-state times.
-    fn steps(&self) -> &'static str {
-        match (self.quick, self.machine().at_article_size()) {
-            (true, _) => "2",
-            (false, false) => "3",
-            (false, true) => "5",
-        }
+    /// Steps a run takes, as the flag's value.
+    fn steps(&self) -> String {
+        self.machine().steps(self.quick).to_string()
     }
 }
 
@@ -196,13 +192,14 @@ fn worker(cli: &Cli) -> Result<()> {
     if let Some(run) = cli.text {
         return text_worker(cli, run);
     }
+    let steps = cli.steps();
     let (preset, size, flags) = match (cli.rung, cli.accuracy.as_deref()) {
         (Some(rung), None) => {
             let Some((_, parts, ..)) = RUNGS.get(rung) else {
                 bail!("no rung {rung}");
             };
             let mut flags = vec!["--batch-size", "32", "--lr", "5e-5", "--max-steps"];
-            flags.push(cli.steps());
+            flags.push(&steps);
             flags.extend(parts.iter().flat_map(|p| p.iter()));
             let (preset, size) = cli.ladder_model();
             (preset, size, flags)
@@ -267,14 +264,8 @@ fn text_worker(cli: &Cli, run: usize) -> Result<()> {
     let Some(&(_, model, parts, ..)) = TEXT_RUNS.get(run) else {
         bail!("no text run {run}");
     };
-    let common = [
-        "--batch-size",
-        "1",
-        "--lr",
-        "5e-5",
-        "--max-steps",
-        cli.steps(),
-    ];
+    let steps = cli.steps();
+    let common = ["--batch-size", "1", "--lr", "5e-5", "--max-steps", &steps];
     let args = train_args([&common[..], parts].concat(), cli.machine())?;
     let device = &args.device()?;
     device.seed(1);

@@ -101,12 +101,8 @@ impl Cli {
     }
 
     fn steps(&self) -> usize {
-        let default = match (self.quick, self.machine().at_article_size()) {
-            (true, _) => 2,
-            (false, false) => 3,
-            (false, true) => 5,
-        };
-        self.steps.unwrap_or(default)
+        self.steps
+            .unwrap_or_else(|| self.machine().steps(self.quick))
     }
 
     /// (model, sequence length).

@@ -52,6 +52,16 @@ impl Machine {
         }
     }
 
+    /// Steps a run takes (`quick`: a smoke run's): a few on a CPU, more at the article's size
+    /// for steady-state times.
+    pub fn steps(self, quick: bool) -> usize {
+        match (quick, self.at_article_size()) {
+            (true, _) => 2,
+            (false, false) => 3,
+            (false, true) => 5,
+        }
+    }
+
     /// Why a run of `ranks` ranks cannot run on this machine's GPUs (one a rank), if it has
     /// some but too few. Without any, the run goes ahead and its error says why.
     pub fn cannot_run(self, ranks: usize) -> Option<String> {
