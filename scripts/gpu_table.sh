@@ -5,6 +5,7 @@
 #     scripts/gpu_table.sh mingpt BENCH OUT
 #     scripts/gpu_table.sh vit VIT_FINETUNE OUT
 #     scripts/gpu_table.sh article ARTICLE_BENCH OUT [BENCH FLAGS...]
+#     scripts/gpu_table.sh profile BINARY OUT STEPS [BINARY FLAGS...]
 #
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, the engine's ZeRO-3 variants
 # beside single, bf16-mixed, a second process of the same configuration for the first step
@@ -25,13 +26,19 @@
 # JSON and SVG land in OUT/article-tables. The tables are written at the end; each rung's
 # summary line goes to log.txt as it ends, so a run cut by the cap keeps the finished ones.
 #
+# profile: BINARY (a training example) run for STEPS `--max-steps` with cubecl's profiling log
+# on (each kernel timed on the device); OUT gets the log as profile.log.gz, which
+# `scripts/kernel_times.py` splits into steps and sums by kernel family.
+#
 # OUT: a folder for log.txt (the tables, each phase's start and end), smi.csv (nvidia-smi
 # every 250 ms: the device's own memory figure) and one summary JSON per burnscale phase.
 # Each phase has its own time cap, so one that runs long or fails does not cost the rest.
 set -u
-if [ $# -lt 3 ] || { [ "$1" != article ] && [ $# -ne 3 ]; } \
-    || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != article ]; }; then
-    echo "usage: $0 mingpt|vit BINARY OUT, or $0 article BINARY OUT [BENCH FLAGS...]" >&2
+if [ $# -lt 3 ] || { [ "$1" != article ] && [ "$1" != profile ] && [ $# -ne 3 ]; } \
+    || { [ "$1" = profile ] && [ $# -lt 4 ]; } \
+    || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != article ] && [ "$1" != profile ]; }; then
+    echo "usage: $0 mingpt|vit BINARY OUT, $0 article BINARY OUT [BENCH FLAGS...]," \
+        "or $0 profile BINARY OUT STEPS [BINARY FLAGS...]" >&2
     exit 2
 fi
 table=$1
@@ -83,6 +90,14 @@ if [ "$table" = article ]; then
     # The bench's driver starts each rung as a process of its own binary.
     export CARGO_TARGET_DIR=$out
     capped article 560 "$bin" --accelerator cuda "${@:4}"
+    exit 0
+fi
+
+if [ "$table" = profile ]; then
+    printf '[profiling.logger]\nlevel = "medium"\nfile = "%s"\nappend = false\n' \
+        "$out/profile.log" >>cubecl.toml
+    capped profile 280 "$bin" --accelerator cuda "${@:5}" --max-steps "$4"
+    gzip -f "$out/profile.log"
     exit 0
 fi
 
