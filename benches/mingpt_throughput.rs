@@ -15,6 +15,8 @@
 //!     # on a GPU (a `cuda` build), the 57M config in bf16-mixed:
 //!     cargo bench --features cuda --bench mingpt_throughput -- --accelerator cuda \
 //!         --n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --precision bf16-mixed
+//!     # the same model on Burn's LibTorch backend (PyTorch's kernels; README: LibTorch):
+//!     cargo bench --features tch --bench mingpt_throughput -- --accelerator libtorch
 //!
 //! The PyTorch side is scripts/bench_mingpt_torch.py (needs `pip install torch`); without it
 //! the table shows burnscale alone and says why. All sides train the same model (minGPT,
@@ -48,8 +50,8 @@ struct Cli {
     n_head: Option<usize>,
     #[arg(long)]
     n_embd: Option<usize>,
-    /// cpu, cuda or cubecl-cpu (burnscale's `--accelerator`; PyTorch runs on the same
-    /// device, on the CPU for cubecl-cpu).
+    /// cpu, cuda, cubecl-cpu or libtorch (burnscale's `--accelerator`; PyTorch runs on the
+    /// same device: on the CPU for cubecl-cpu, and for libtorch where LibTorch sees no GPU).
     #[arg(long, default_value = "cpu")]
     accelerator: String,
     /// burnscale's `--precision` (PyTorch: 32-true, bf16-mixed or bf16-true).
@@ -187,10 +189,9 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
         .args(["--threads", &cli.threads.to_string()])
         .args([
             "--device",
-            if cli.accelerator == "cuda" {
-                "cuda"
-            } else {
-                "cpu"
+            match train_args(cli, 1, &[])?.runs_on().on_gpu() {
+                true => "cuda",
+                false => "cpu",
             },
         ])
         .args(["--precision", &cli.precision])

@@ -10,7 +10,7 @@
 //!
 //! Exits non-zero if any strategy differs on any rank.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burnscale::check_ranks;
@@ -28,6 +28,10 @@ struct Cli {
     /// Also check resuming from a checkpoint written here (removed after).
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
+    /// Where the ranks' tensors live: cpu, or libtorch (a `tch` build: Burn's LibTorch
+    /// backend, both the engine's run and the plain loop on it).
+    #[arg(long, default_value = "cpu")]
+    accelerator: String,
 }
 
 /// SGD (scale-sensitive) alone, with accumulation, and reducing in bf16 (16-bit values on
@@ -40,7 +44,8 @@ const SETTINGS: [(&[&str], &[&str]); 4] = [
 ];
 
 /// Prints this rank's results; returns how many failed.
-fn report(comm: &dyn Communicator, checkpoint_dir: Option<&Path>) -> usize {
+fn report(comm: &dyn Communicator, cli: &Cli) -> usize {
+    let on: &[&str] = &["--accelerator", &cli.accelerator];
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut failed = 0;
     let mut outcome = |case: String, found: Result<Comparison, TrainError>| match found {
@@ -58,21 +63,22 @@ fn report(comm: &dyn Communicator, checkpoint_dir: Option<&Path>) -> usize {
     };
     for strategy in ["ddp", "zero1", "zero2", "zero3"] {
         for (optimizer, extra) in SETTINGS {
-            let flags = [optimizer, extra].concat();
+            let flags = [optimizer, extra, on].concat();
             let case = format!("[rank {rank}/{world}] {strategy} {}", flags.join(" "));
             outcome(case, check(comm, strategy, &flags));
         }
-        if let Some(dir) = checkpoint_dir {
+        if let Some(dir) = &cli.checkpoint_dir {
             let case = format!("[rank {rank}/{world}] {strategy} resumed from a checkpoint");
+            let flags = [ADAMW, on].concat();
             outcome(
                 case,
-                check_resume(comm, strategy, &dir.join(strategy), ADAMW),
+                check_resume(comm, strategy, &dir.join(strategy), &flags),
             );
         }
     }
     // ZeRO-3 keeping each unit gathered from its forward to the end of its backward.
     for (optimizer, extra) in [SETTINGS[0], SETTINGS[3]] {
-        let flags = [optimizer, extra, KEPT_GATHERED].concat();
+        let flags = [optimizer, extra, KEPT_GATHERED, on].concat();
         let case = format!("[rank {rank}/{world}] zero3 {}", flags.join(" "));
         outcome(case, check(comm, "zero3", &flags));
     }
@@ -81,7 +87,5 @@ fn report(comm: &dyn Communicator, checkpoint_dir: Option<&Path>) -> usize {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    check_ranks(cli.devices, DEFAULT_TIMEOUT, |comm| {
-        report(comm, cli.checkpoint_dir.as_deref())
-    })
+    check_ranks(cli.devices, DEFAULT_TIMEOUT, |comm| report(comm, &cli))
 }

@@ -30,6 +30,10 @@
 # on (each kernel timed on the device); OUT gets the log as profile.log.gz, which
 # `scripts/kernel_times.py` splits into steps and sums by kernel family.
 #
+# ACCELERATOR=libtorch (default cuda) runs burnscale's phases on Burn's LibTorch backend, from
+# binaries built with `--features tch` against this machine's PyTorch (scripts/libtorch.sh
+# cuda), whose libraries it puts on LD_LIBRARY_PATH.
+#
 # OUT: a folder for log.txt (the tables, each phase's start and end), smi.csv (nvidia-smi
 # every 250 ms: the device's own memory figure) and one summary JSON per burnscale phase.
 # Each phase has its own time cap, so one that runs long or fails does not cost the rest.
@@ -56,10 +60,15 @@ nccl=$(find /opt /usr/lib /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -n
 mkdir -p /tmp/gpu_table_lib
 ln -sf "$nccl" /tmp/gpu_table_lib/libnccl.so
 export LD_LIBRARY_PATH=/tmp/gpu_table_lib:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+accelerator=${ACCELERATOR:-cuda}
+if [ "$accelerator" = libtorch ]; then
+    torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
+    export LD_LIBRARY_PATH=$torch_lib:$LD_LIBRARY_PATH
+fi
 # cubecl reads cubecl.toml from the working directory up; this script writes its own.
 [ -e cubecl.toml ] && { echo "cubecl.toml exists here: move it away first" >&2; exit 2; }
 {
-    echo "CUDA_PATH=$CUDA_PATH nccl=$nccl"
+    echo "CUDA_PATH=$CUDA_PATH nccl=$nccl accelerator=$accelerator"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee -a "$log"
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
@@ -78,7 +87,7 @@ capped() { # NAME CAP COMMAND...: COMMAND capped at CAP seconds, its start and e
 }
 
 phase() { # NAME CAP ARGS...: one burnscale process, capped at CAP seconds
-    capped "$1" "$2" "$bin" --accelerator cuda --summary-json "$out/$1.json" "${@:3}"
+    capped "$1" "$2" "$bin" --accelerator "$accelerator" --summary-json "$out/$1.json" "${@:3}"
     pkill -f scripts/bench_mingpt_torch.py # a capped phase's PyTorch side
 }
 
@@ -89,14 +98,14 @@ torch_vit() { # NAME CAP ARGS...: PyTorch's side of a ViT row, capped at CAP sec
 if [ "$table" = article ]; then
     # The bench's driver starts each rung as a process of its own binary.
     export CARGO_TARGET_DIR=$out
-    capped article 560 "$bin" --accelerator cuda "${@:4}"
+    capped article 560 "$bin" --accelerator "$accelerator" "${@:4}"
     exit 0
 fi
 
 if [ "$table" = profile ]; then
     printf '[profiling.logger]\nlevel = "medium"\nfile = "%s"\nappend = false\n' \
         "$out/profile.log" >>cubecl.toml
-    capped profile 280 "$bin" --accelerator cuda "${@:5}" --max-steps "$4"
+    capped profile 280 "$bin" --accelerator "$accelerator" "${@:5}" --max-steps "$4"
     gzip -f "$out/profile.log"
     exit 0
 fi

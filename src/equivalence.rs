@@ -165,9 +165,9 @@ pub fn check_with_dropout(
     config
         .validate()
         .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
-    let model = || seeded_model(SEED, |device| Gpt::new(&config, device).expect("validated"));
+    let device = args.device()?;
+    let model = || seeded_model_on(SEED, &device, |d| Gpt::new(&config, d).expect("validated"));
     let task = |batch| NextToken::new(tokens(), BLOCK, batch, SEED);
-    let device = Device::default().autodiff();
     let initial = weights::collect(&model());
     let (engine, summary) = train_on(comm, model(), &mut task(args.batch_size)?, &args, &device)?;
     let engine = engine.expect("asked for the whole model");
@@ -256,9 +256,9 @@ pub fn check_resume(
         .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
     args.gather_model = true;
     let config = GptConfig::tiny().with_dropout(0.1);
-    let model = || seeded_model(SEED, |device| Gpt::new(&config, device).expect("valid"));
+    let device = args.device()?;
+    let model = || seeded_model_on(SEED, &device, |d| Gpt::new(&config, d).expect("valid"));
     let task = || NextToken::new(tokens(), BLOCK, args.batch_size, SEED);
-    let device = Device::default().autodiff();
     let (whole, uninterrupted) = train_on(comm, model(), &mut task()?, &args, &device)?;
     let io = |e: std::io::Error| TrainError::InvalidData(format!("{}: {e}", dir.display()));
     comm.barrier()?;
@@ -499,15 +499,23 @@ fn tokens() -> Vec<i64> {
     (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect()
 }
 
-/// Builds a model on the autodiff device with the generator seeded. Flex seeds one
-/// process-wide generator, and ranks that are threads (or tests running in parallel) build
-/// models at once, so builds take turns.
+/// [`seeded_model_on`] the default device, with autodiff.
 pub fn seeded_model<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M {
+    seeded_model_on(seed, &Device::default().autodiff(), build)
+}
+
+/// Builds a model on `device` with its generator seeded. Flex seeds one process-wide
+/// generator, and ranks that are threads (or tests running in parallel) build models at once,
+/// so builds take turns.
+pub fn seeded_model_on<M: Module>(
+    seed: u64,
+    device: &Device,
+    build: impl FnOnce(&Device) -> M,
+) -> M {
     static INIT: Mutex<()> = Mutex::new(());
     let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let device = Device::default().autodiff();
     device.seed(seed);
-    let model = build(&device);
+    let model = build(device);
     burnscale_shard::params::materialize(&model);
     model
 }

@@ -114,6 +114,10 @@ fn bad_flags_are_named() {
         "built without cubecl's CPU runtime",
     );
     fails_with(
+        &["--accelerator", "libtorch"],
+        "built without Burn's LibTorch backend",
+    );
+    fails_with(
         &["--data", "/nonexistent/text.txt"],
         "/nonexistent/text.txt",
     );

@@ -1,7 +1,8 @@
 //! Where ranks run (Fabric's `accelerator`): on the CPU (ranks as threads or MPI processes,
 //! collectives through host memory), or one rank per CUDA GPU with NCCL collectives; or, to
 //! study the GPU's code path on a machine without one, on cubecl's CPU runtime (the CUDA
-//! backend's fusion, kernels and memory pool, compiled for the CPU through LLVM).
+//! backend's fusion, kernels and memory pool, compiled for the CPU through LLVM); or on Burn's
+//! LibTorch backend, whose kernels are PyTorch's (cuBLAS, cuDNN), to compare them with cubecl's.
 
 use std::time::Duration;
 
@@ -25,6 +26,9 @@ pub enum Accelerator {
     #[value(name = "cubecl-cpu")]
     #[serde(rename = "cubecl-cpu")]
     CubeclCpu,
+    /// Burn's LibTorch backend (a `tch` build): rank i on LibTorch's CUDA GPU i when LibTorch
+    /// sees GPUs, else on its CPU. Collectives go through host memory, as on `cpu`.
+    Libtorch,
 }
 
 impl Accelerator {
@@ -53,10 +57,10 @@ impl Accelerator {
         timeout: Duration,
         f: impl Fn(&dyn Communicator, usize) -> T + Sync,
     ) -> Result<Vec<Result<T, String>>, TrainError> {
-        let local = |comm: &dyn Communicator| local_index(comm.rank());
+        let local = |comm: &dyn Communicator| self.local_index(comm.rank());
         self.check(devices)?;
         match self {
-            Accelerator::Cpu | Accelerator::CubeclCpu => {
+            Accelerator::Cpu | Accelerator::CubeclCpu | Accelerator::Libtorch => {
                 Ok(run_ranks(devices, timeout, |comm| f(comm, local(comm)))?)
             }
             Accelerator::Cuda => {
@@ -73,31 +77,55 @@ impl Accelerator {
     }
 
     /// Whether this process can run its ranks (`devices` threads, or its one MPI rank) here:
-    /// on CUDA, one GPU for each.
+    /// on GPUs, one for each.
     pub fn check(self, devices: usize) -> Result<(), TrainError> {
-        let gpus = match self {
-            Accelerator::Cpu => return Ok(()),
-            Accelerator::CubeclCpu if cfg!(feature = "cubecl-cpu") => return Ok(()),
-            Accelerator::CubeclCpu => return Err(TrainError::InvalidArgs(
-                "--accelerator cubecl-cpu: this binary was built without cubecl's CPU runtime; rebuild with --features cubecl-cpu".into(),
-            )),
-            Accelerator::Cuda => gpu_count(),
+        let unbuilt = |feature: &str, what: &str| {
+            Err(TrainError::InvalidArgs(format!(
+                "--accelerator {}: this binary was built without {what}; rebuild with --features {feature}",
+                self.name()
+            )))
         };
+        match self {
+            Accelerator::Cpu => return Ok(()),
+            Accelerator::CubeclCpu if cfg!(not(feature = "cubecl-cpu")) => {
+                return unbuilt("cubecl-cpu", "cubecl's CPU runtime");
+            }
+            Accelerator::CubeclCpu => return Ok(()),
+            Accelerator::Cuda if cfg!(not(feature = "cuda")) => {
+                return unbuilt("cuda (or use --accelerator cpu)", "CUDA");
+            }
+            Accelerator::Libtorch if cfg!(not(feature = "tch")) => {
+                return unbuilt("tch (README: LibTorch)", "Burn's LibTorch backend");
+            }
+            // On LibTorch's CPU any number of ranks share the cores.
+            Accelerator::Libtorch if !self.on_gpu() => return Ok(()),
+            Accelerator::Cuda | Accelerator::Libtorch => {}
+        }
+        let gpus = self.gpus();
         let needed = match launched_by_mpirun() {
             true => mpi_local_gpu(gpus) + 1,
             false => devices,
         };
-        if needed > gpus {
-            return Err(TrainError::InvalidArgs(no_gpu(needed, gpus)));
+        if needed <= gpus {
+            return Ok(());
         }
-        Ok(())
+        let name = self.name();
+        Err(TrainError::InvalidArgs(match launched_by_mpirun() {
+            true => format!(
+                "--accelerator {name}: this process is rank {} on its node, but it sees {gpus} GPU(s): start at most {gpus} processes per node (or give each its own GPU)",
+                launcher_local_rank()
+            ),
+            false => format!(
+                "--accelerator {name}: {needed} rank(s) need one GPU each, but this machine has {gpus}: lower --devices, or use --accelerator cpu"
+            ),
+        }))
     }
 
     /// Where a model is built for training: the first rank's device, with autodiff (the
     /// runner moves each other rank's copy to its own).
     pub fn first_device(self) -> Result<Device, TrainError> {
         self.check(1)?;
-        Ok(self.device(&Device::flex().autodiff(), local_index(0)))
+        Ok(self.device(&Device::flex().autodiff(), self.local_index(0)))
     }
 
     /// The device of the rank whose device index on this node is `local`: `like` itself on
@@ -114,27 +142,50 @@ impl Accelerator {
             Accelerator::CubeclCpu => autodiff_as(Device::cpu(), like),
             #[cfg(not(feature = "cubecl-cpu"))]
             Accelerator::CubeclCpu => unreachable!("checked: a build without cubecl-cpu"),
+            #[cfg(feature = "tch")]
+            #[allow(deprecated)]
+            // burn-tch is deprecated in Burn 0.22, and kept to compare with
+            Accelerator::Libtorch => match self.on_gpu() {
+                false => autodiff_as(Device::libtorch(), like),
+                true => autodiff_as(Device::libtorch_cuda(local), like),
+            },
+            #[cfg(not(feature = "tch"))]
+            Accelerator::Libtorch => unreachable!("checked: a build without tch"),
+        }
+    }
+
+    /// GPUs this process sees for these ranks (0 for the CPU's, and in a build without them).
+    fn gpus(self) -> usize {
+        match self {
+            Accelerator::Cuda => gpu_count(),
+            Accelerator::Libtorch => libtorch_gpu_count(),
+            Accelerator::Cpu | Accelerator::CubeclCpu => 0,
+        }
+    }
+
+    /// Whether the ranks' devices are GPUs.
+    pub fn on_gpu(self) -> bool {
+        self.gpus() > 0
+    }
+
+    /// The index on this node of the device of this process's rank `rank`: the rank itself
+    /// for thread ranks, under mpirun [`mpi_local_gpu`].
+    fn local_index(self, rank: usize) -> usize {
+        match launched_by_mpirun() {
+            true => mpi_local_gpu(self.gpus()),
+            false => rank,
         }
     }
 }
 
 /// `device` with `like`'s autodiff and gradient checkpointing.
-#[cfg(any(feature = "cuda", feature = "cubecl-cpu"))]
+#[cfg(any(feature = "cuda", feature = "cubecl-cpu", feature = "tch"))]
 fn autodiff_as(device: Device, like: &Device) -> Device {
     use burn::tensor::GradientCheckpointingStrategy::Balanced;
     match like.gradient_checkpointing_strategy() {
         None => device,
         Some(Balanced) => device.autodiff().gradient_checkpointing(),
         Some(_) => device.autodiff(),
-    }
-}
-
-/// The index on this node of the device of this process's rank `rank`: the rank itself for
-/// thread ranks, under mpirun [`mpi_local_gpu`].
-fn local_index(rank: usize) -> usize {
-    match launched_by_mpirun() {
-        true => mpi_local_gpu(gpu_count()),
-        false => rank,
     }
 }
 
@@ -146,17 +197,10 @@ pub fn gpu_count() -> usize {
     0
 }
 
-fn no_gpu(needed: usize, gpus: usize) -> String {
-    if cfg!(not(feature = "cuda")) {
-        return "--accelerator cuda: this binary was built without CUDA; rebuild with --features cuda, or use --accelerator cpu".into();
-    }
-    match launched_by_mpirun() {
-        true => format!(
-            "--accelerator cuda: this process is rank {} on its node, but it sees {gpus} GPU(s): start at most {gpus} processes per node (or give each its own GPU)",
-            launcher_local_rank()
-        ),
-        false => format!(
-            "--accelerator cuda: {needed} rank(s) need one GPU each, but this machine has {gpus}: lower --devices, or use --accelerator cpu"
-        ),
-    }
+/// CUDA GPUs LibTorch sees (0 in a build without the `tch` feature).
+fn libtorch_gpu_count() -> usize {
+    #[cfg(feature = "tch")]
+    return Device::enumerate(burn::tensor::DeviceType::LibTorch).len();
+    #[cfg(not(feature = "tch"))]
+    0
 }

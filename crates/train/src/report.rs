@@ -81,7 +81,8 @@ pub struct RankMemory {
     /// This rank's process peak; ranks that are threads of one process share it.
     pub peak_mem_bytes: usize,
     /// The peak of this rank's device memory ([`memory::DevicePeak`]: the GPU's reservation
-    /// at step ends; on a CPU the process peak again).
+    /// at step ends; on a CPU the process peak again; on LibTorch, whose allocator burnscale
+    /// cannot read, Rust's heap only).
     pub device_peak_mem_bytes: usize,
     /// The planner's prediction of `peak_mem_bytes`, when a plan was made.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -307,10 +308,14 @@ impl RunSummary {
             ),
             (
                 "memory used (peak, process)",
-                if memory::is_counting() {
-                    human_bytes(self.peak_mem_bytes)
-                } else {
-                    "not measured (no counting allocator installed)".into()
+                match (memory::is_counting(), self.accelerator) {
+                    (false, _) => "not measured (no counting allocator installed)".into(),
+                    // LibTorch allocates in C++, past the counting allocator.
+                    (true, Accelerator::Libtorch) => format!(
+                        "{} of Rust's heap; LibTorch's tensors not counted (read nvidia-smi)",
+                        human_bytes(self.peak_mem_bytes)
+                    ),
+                    (true, _) => human_bytes(self.peak_mem_bytes),
                 },
             ),
             (

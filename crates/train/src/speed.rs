@@ -41,9 +41,9 @@ pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> O
 /// a chain of eight over a chain of one, which leaves the launch and the sync out. A chain of
 /// eight that does not take at least four times a chain of one was not timed, and gives none.
 fn measure(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
-    let (side, chained) = match on {
-        Accelerator::Cuda => (8192, 8),
-        Accelerator::Cpu | Accelerator::CubeclCpu => (1024, 1),
+    let (side, chained) = match on.on_gpu() {
+        true => (8192, 8),
+        false => (1024, 1),
     };
     // The scale keeps the values where they started along the chain.
     let scale = 1.0 / (side as f64).sqrt();
@@ -87,6 +87,9 @@ mod tests {
         let mut accelerators = vec![Accelerator::Cpu];
         if cfg!(feature = "cubecl-cpu") {
             accelerators.push(Accelerator::CubeclCpu);
+        }
+        if cfg!(feature = "tch") {
+            accelerators.push(Accelerator::Libtorch);
         }
         for on in accelerators {
             // As the runner asks for it (`Device::default()` would be a GPU in a cuda build).
