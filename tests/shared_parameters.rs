@@ -54,6 +54,10 @@ impl BlockModel for TiedLm {
         (self.wte.forward(input), None) // [batch, seq, width]
     }
 
+    fn positions(&self, input: &Tensor<2, Int>) -> usize {
+        input.shape().num_elements()
+    }
+
     fn block_forward(&self, block: &Linear, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         block.forward(x)
     }

@@ -1,12 +1,13 @@
-//! ViT through the runner: it learns the bundled digits, and a sharded run over thread ranks
-//! equals a single-device run with the same global batch.
+//! ViT through the runner: it learns the bundled digits (and reports its MFU), and a sharded
+//! run over thread ranks equals a single-device run with the same global batch.
 
 mod common;
 
 use burn::prelude::*;
 use burnscale::images::{self, Preprocess};
+use burnscale::nn::BlockModel;
 use burnscale::tasks::ImageClassification;
-use burnscale::train::{TrainArgs, train};
+use burnscale::train::{RunSummary, TrainArgs, train};
 use burnscale::vit::{Vit, VitConfig};
 use common::{assert_same, seeded_model};
 
@@ -17,7 +18,7 @@ fn config() -> VitConfig {
     }
 }
 
-fn run(flags: &[&str]) -> (Vit, Option<f64>) {
+fn run(flags: &[&str]) -> (Vit, RunSummary) {
     let mut args = TrainArgs::from_flags(flags).unwrap();
     args.gather_model = true;
     let device = Device::default().autodiff();
@@ -31,12 +32,12 @@ fn run(flags: &[&str]) -> (Vit, Option<f64>) {
     let mut task =
         ImageClassification::new(train_set, test_set, prep, args.batch_size, 256, 5).unwrap();
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
-    (model.expect("asked for the whole model"), summary.accuracy)
+    (model.expect("asked for the whole model"), summary)
 }
 
 #[test]
 fn tiny_vit_learns_the_digits() {
-    let (_, accuracy) = run(&[
+    let (_, summary) = run(&[
         "--max-steps",
         "300",
         "--batch-size",
@@ -46,9 +47,24 @@ fn tiny_vit_learns_the_digits() {
         "--warmup-steps",
         "20",
     ]);
-    let accuracy = accuracy.unwrap();
+    let accuracy = summary.accuracy.unwrap();
     // Chance is 10%.
     assert!(accuracy > 0.6, "test accuracy {accuracy}");
+    // A ViT counts samples; its MFU counts the positions its blocks run.
+    let mfu = summary.mfu.expect("an MFU where the probe timed its work");
+    assert!(mfu > 0.0 && mfu < 1.0, "MFU {mfu}");
+}
+
+/// The positions MFU counts are what `embed` makes: each 16 px image's 16 patches of 4 px and
+/// its class token.
+#[test]
+fn positions_are_the_patches_and_the_class_token() {
+    let device = Device::default();
+    let model = Vit::new(&config(), &device).unwrap();
+    let pixels = Tensor::<4>::zeros([3, 3, 16, 16], &device);
+    let [b, seq, _] = BlockModel::embed(&model, pixels.clone()).0.dims();
+    assert_eq!(model.positions(&pixels), b * seq);
+    assert_eq!(b * seq, 3 * 17);
 }
 
 #[test]

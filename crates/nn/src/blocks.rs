@@ -24,6 +24,10 @@ pub trait BlockModel: Module {
 
     /// Activations entering the first block, and the mask every block applies.
     fn embed(&self, input: Self::Input) -> (Tensor<3>, Mask); // [batch, seq, d_model]
+    /// The positions every block runs for `input` (batch · seq of [`BlockModel::embed`]'s
+    /// output: tokens, or patches and a class token), read from shapes and configuration:
+    /// the tokens of MFU's 6·P·tokens estimate.
+    fn positions(&self, input: &Self::Input) -> usize;
     /// One block, run by its model (which may hold what every block shares, as an attention
     /// pattern); the model's own block list may be taken out meanwhile. It may read the
     /// model's configuration but not its parameters: under ZeRO-3 those are shards then.

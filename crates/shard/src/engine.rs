@@ -409,6 +409,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(self.unit(&root, &self.head_units, false)?.valid().logits(x))
     }
 
+    /// The positions every block runs for `input` ([`BlockModel::positions`]).
+    pub fn positions(&self, input: &M::Input) -> usize {
+        self.model.as_ref().expect(PRESENT).positions(input)
+    }
+
     /// Where [`Sharded::eval_logits`] takes its input.
     pub fn eval_device(&self) -> Device {
         self.inner_device()

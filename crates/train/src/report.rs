@@ -89,10 +89,12 @@ pub struct RankMemory {
     pub planned_peak_mem_bytes: Option<usize>,
 }
 
+/// Items a second, as the task counts them; a sample's positions a second beside them
+/// ([`BlockModel::positions`](burnscale_nn::BlockModel::positions)), for MFU.
 #[derive(Debug, Clone, Copy)]
 pub enum Throughput {
     Tokens(f64),
-    Samples(f64),
+    Samples { per_s: f64, positions_per_s: f64 },
 }
 
 /// Everything a run reports; serialised as the `--summary-json` object.
@@ -154,7 +156,8 @@ pub struct RunSummary {
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
     #[serde(skip)]
     pub history: Vec<StepMetrics>,
-    /// 6·P·tokens/s over `world_size · peak_flops` (token models only).
+    /// 6·P·positions/s over `world_size · peak_flops` (positions: tokens; a ViT's patches and
+    /// class tokens).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
     /// What `--save` took.
@@ -219,15 +222,17 @@ impl RunSummary {
         throughput: Throughput,
         peak_flops: Option<f64>,
     ) -> Self {
-        let (tokens_per_s, samples_per_s) = match throughput {
-            Throughput::Tokens(t) => (Some(t), None),
-            Throughput::Samples(s) => (None, Some(s)),
+        let (tokens_per_s, samples_per_s, positions_per_s) = match throughput {
+            Throughput::Tokens(t) => (Some(t), None, t),
+            Throughput::Samples {
+                per_s,
+                positions_per_s,
+            } => (None, Some(per_s), positions_per_s),
         };
         // Each rank counts as one device of the measured peak; ranks that share cores
         // (threads, or oversubscribed processes) make this an underestimate.
-        let mfu = tokens_per_s
-            .zip(peak_flops)
-            .map(|(t, peak)| 6.0 * num_params as f64 * t / (world_size as f64 * peak));
+        let mfu = peak_flops
+            .map(|peak| 6.0 * num_params as f64 * positions_per_s / (world_size as f64 * peak));
         let sharding = args.sharding().ok();
         Self {
             accelerator: args.runs_on(),
@@ -403,7 +408,7 @@ impl RunSummary {
                     peak / 1e9,
                 ),
             )),
-            (None, None) if self.tokens_per_s.is_some() => rows.push((
+            (None, None) => rows.push((
                 "MFU",
                 format!("not measured: the GEMM probe's time ({dtype}) did not grow with its work"),
             )),

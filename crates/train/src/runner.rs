@@ -297,8 +297,8 @@ fn train_rank<T: TrainTask>(
     release_free_pages(device);
     let mut device_peak = memory::DevicePeak::new(device);
     let start = Instant::now();
-    let mut items = 0usize;
-    // Time and items of the steady-state training steps (evaluations left out): what the
+    let (mut items, mut positions) = (0usize, 0usize);
+    // Time, items and positions of the steady-state training steps (evaluations left out): what the
     // throughput divides.
     let mut train_s = 0.0;
     let mut step_times = Vec::with_capacity(args.max_steps);
@@ -310,10 +310,11 @@ fn train_rank<T: TrainTask>(
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
-        let mut step_items = 0;
+        let (mut step_items, mut step_positions) = (0, 0);
         for micro in 1..=args.accumulate {
             let (input, target) = task.next_batch(device, part);
             step_items += world * task.items(&input);
+            step_positions += world * engine.positions(&input);
             engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
         }
         fault::kill_if_asked(fault::Point::Step, step, rank);
@@ -344,6 +345,7 @@ fn train_rank<T: TrainTask>(
         // GPU, and is reported apart (`warmup_s`); a one-step run has only that one.
         if step > first_step || first_step == args.max_steps {
             items += step_items;
+            positions += step_positions;
             train_s += step_s;
         }
         step_times.push(step_s);
@@ -439,7 +441,10 @@ fn train_rank<T: TrainTask>(
     let throughput = if task.counts_tokens() {
         Throughput::Tokens(items_per_s)
     } else {
-        Throughput::Samples(items_per_s)
+        Throughput::Samples {
+            per_s: items_per_s,
+            positions_per_s: positions as f64 / train_s,
+        }
     };
     let mut summary = RunSummary::new(
         args,

@@ -349,6 +349,11 @@ impl BlockModel for Bert {
         Bert::embed(self, input)
     }
 
+    /// Padding included: every block runs it.
+    fn positions(&self, input: &BertInput) -> usize {
+        input.input_ids.shape().num_elements()
+    }
+
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
         layer.forward(x, mask, &full_attention)
     }

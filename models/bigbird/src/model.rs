@@ -98,6 +98,11 @@ impl BlockModel for BigBird {
         self.embeddings.embed(input)
     }
 
+    /// Padding included: every block runs it.
+    fn positions(&self, input: &BertInput) -> usize {
+        input.input_ids.shape().num_elements()
+    }
+
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
         let [_, t, _] = x.dims();
         if !self.is_sparse(t) {

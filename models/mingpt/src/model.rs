@@ -211,6 +211,10 @@ impl BlockModel for Gpt {
         (Gpt::embed(self, idx), None)
     }
 
+    fn positions(&self, idx: &Tensor<2, Int>) -> usize {
+        idx.shape().num_elements()
+    }
+
     fn block_forward(&self, block: &Block, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         block.forward(x)
     }

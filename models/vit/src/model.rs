@@ -222,6 +222,13 @@ impl BlockModel for Vit {
         (Vit::embed(self, pixels), None)
     }
 
+    /// Each image's patches and its class token.
+    fn positions(&self, pixels: &Tensor<4>) -> usize {
+        let [b, _, h, w] = pixels.dims();
+        let [ph, pw] = self.embeddings.projection.stride;
+        b * (1 + (h / ph) * (w / pw))
+    }
+
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
         layer.forward(x)
     }
