@@ -31,6 +31,24 @@ append = false
 """
 
 
+UNITS = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def seconds(field):
+    """A Rust `Duration`'s Debug text (`3.74ms`, `533.376µs`) in seconds, or None."""
+    m = re.fullmatch(r"([0-9.]+)(ns|µs|ms|s)", field.strip())
+    return float(m.group(1)) * UNITS[m.group(2)] if m else None
+
+
+def timed(line):
+    """Whether `line` is one kernel's line (`| 42.1µs | Name`, or `| not measured | Name`),
+    not a row of the summary table cubecl also writes there."""
+    if not line.startswith("|"):
+        return False
+    first = line.strip().strip("|").split("|")[0].strip()
+    return first == "not measured" or seconds(first) is not None
+
+
 def family(line):
     """The kernel family of one profiling line (`| 42.1µs | Name_1a2b3c4d`)."""
     fields = [f.strip() for f in line.strip().strip("|").split("|")]
@@ -50,8 +68,8 @@ def launches(binary, args, steps_flag, steps):
         if not os.path.exists(log):
             sys.exit(f"no profiling log from {binary}: was it built with cubecl-cpu or cuda "
                      "and run with that --accelerator?")
-        with open(log) as lines:
-            return collections.Counter(family(line) for line in lines if line.startswith("|"))
+        with open(log, encoding="utf-8", errors="replace") as lines:
+            return collections.Counter(family(line) for line in lines if timed(line))
 
 
 def main():

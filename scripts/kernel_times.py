@@ -21,25 +21,15 @@ on an H100 for ViT-L/16).
 import argparse
 import collections
 import gzip
-import re
 import statistics
 import sys
 
-from kernel_counts import family
-
-UNITS = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def seconds(field):
-    """A Rust `Duration`'s Debug text (`3.74ms`, `533.376µs`) in seconds, or None."""
-    m = re.fullmatch(r"([0-9.]+)(ns|µs|ms|s)", field.strip())
-    return float(m.group(1)) * UNITS[m.group(2)] if m else None
-
+from kernel_counts import family, seconds
 
 def kernels(path):
     """(family, seconds) of every timed kernel in the log at `path`, in order."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as lines:
+    with opener(path, "rt", encoding="utf-8", errors="replace") as lines:
         for line in lines:
             if not line.startswith("|"):
                 continue

@@ -377,16 +377,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// The sum of the squares of every value in `grads` (`[1]`, on the device), summed in
     /// slot order so that a run is reproducible.
     fn squared_norm(&self, grads: &Flat) -> Tensor<1> {
-        let sums: Vec<Tensor<1>> = self
-            .slots
+        self.slots
             .iter()
             .filter_map(|slot| grads.get(&slot.id))
-            .map(|g| g.clone().cast(TensorDType::F32).powi_scalar(2).sum())
-            .collect();
-        match sums.is_empty() {
-            true => Tensor::zeros([1], (&self.inner_device(), TensorDType::F32)),
-            false => Tensor::cat(sums, 0).sum(),
-        }
+            .map(|g| squares_summed(g.clone()))
+            .reduce(|sum, squares| sum + squares)
+            .unwrap_or_else(|| Tensor::zeros([1], (&self.inner_device(), TensorDType::F32)))
     }
 
     /// The model's logits for `input` (built on [`Sharded::eval_device`]) in evaluation mode
@@ -1028,6 +1024,38 @@ enum Group {
     Unit(usize),
 }
 
+/// The sum of the squares of `g`'s values, in f32 (`[1]`), in one reduction kernel where it
+/// can: burn-fusion takes element-wise reads (the cast, the square) into a reduction along an
+/// axis, not into a whole-tensor `sum`, which made the square a kernel and an f32 copy of its
+/// own. A long gradient is summed in rows of 1024 first, so that the work spreads over the
+/// device (one long row is one reduction's work); the rows' sums, and the elements past the
+/// last whole row, are then summed in reductions of their own.
+fn squares_summed(g: Tensor<1>) -> Tensor<1> {
+    const ROW: usize = 1024;
+    let squares = |t: Tensor<1>| {
+        let t = t.cast(TensorDType::F32);
+        t.clone() * t
+    };
+    let n = g.dims()[0];
+    let rows = n / ROW;
+    if rows < 2 {
+        return squares(g).sum_dim(0);
+    }
+    let whole = match n % ROW {
+        0 => g.clone(),
+        _ => g.clone().narrow(0, 0, rows * ROW),
+    };
+    let sum = squares(whole)
+        .reshape([rows, ROW])
+        .sum_dim(1)
+        .sum_dim(0)
+        .reshape([1]);
+    match n % ROW {
+        0 => sum,
+        tail => sum + squares(g.narrow(0, rows * ROW, tail)).sum_dim(0),
+    }
+}
+
 /// What gradients are multiplied by to clip them to a global L2 norm of `max_norm`, from
 /// their squared norm (`[1]`, on the device): 1 unless the norm is finite and above it. A
 /// non-finite norm is not clipped to zero gradients: the step takes it, and the runner stops
@@ -1040,4 +1068,27 @@ fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
         .bool_and(norm.clone().is_finite());
     let coefficient = (norm.clone() + 1e-6).recip() * max_norm;
     norm.ones_like().mask_where(clipped, coefficient)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Short, long (whole rows of 1024) and long with a tail: the sum of every square, as f64
+    /// sums it, within f32's rounding of a sum of `n` positive terms.
+    #[test]
+    fn squares_summed_counts_every_value() {
+        let device = Device::flex();
+        for n in [1, 1000, 2047, 2048, 3000, 5 * 1024 + 1] {
+            let values: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.5).collect();
+            let want: f64 = values.iter().map(|&v| (v as f64) * (v as f64)).sum();
+            let got = squares_summed(Tensor::<1>::from_floats(values.as_slice(), &device))
+                .into_scalar::<f32>() as f64;
+            let allowed = n as f64 * f32::EPSILON as f64 * want;
+            assert!(
+                (got - want).abs() <= allowed,
+                "n = {n}: {got}, want {want} (within {allowed})"
+            );
+        }
+    }
 }
