@@ -30,6 +30,7 @@ use anyhow::{Context, Result};
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::reference::PlainConfig;
 use burnscale::tasks::NextToken;
+use burnscale::train::accelerator::Accelerator;
 use burnscale::train::memory::{self, CountingAllocator};
 use burnscale::train::{RunSummary, TrainArgs, train};
 use clap::Parser;
@@ -212,8 +213,12 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
 }
 
 /// The first rank's device peak (on the CPU its process peak).
-fn device_peak(summary: &RunSummary) -> usize {
-    summary.ranks.first().map_or(0, |r| r.device_peak_mem_bytes)
+fn device_peak(summary: &RunSummary) -> String {
+    match summary.accelerator {
+        // Its allocator is PyTorch's, which the runner cannot read.
+        Accelerator::Libtorch => "not read (LibTorch's allocator; see nvidia-smi)".into(),
+        _ => memory::human_bytes(summary.ranks.first().map_or(0, |r| r.device_peak_mem_bytes)),
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -258,7 +263,7 @@ fn run() -> Result<()> {
         ours_tps,
         step_ms(ours_tps),
         ours.warmup_s,
-        memory::human_bytes(device_peak(&ours))
+        device_peak(&ours)
     );
     let mut others = Vec::new();
     for flags in &cli.also {
@@ -271,7 +276,7 @@ fn run() -> Result<()> {
             ours_tps / tps,
             summary.warmup_s,
             memory::human_bytes(summary.peak_mem_bytes),
-            memory::human_bytes(device_peak(&summary))
+            device_peak(&summary)
         );
         others.push((flags, summary));
     }
@@ -315,7 +320,7 @@ fn run() -> Result<()> {
     {
         println!(
             "peak device memory: burnscale {} | pytorch {} (max_memory_reserved)",
-            memory::human_bytes(device_peak),
+            device_peak,
             memory::human_bytes(reserved as usize)
         );
     }
