@@ -30,7 +30,6 @@ use anyhow::{Context, Result};
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::reference::PlainConfig;
 use burnscale::tasks::NextToken;
-use burnscale::train::accelerator::Accelerator;
 use burnscale::train::memory::{self, CountingAllocator};
 use burnscale::train::{RunSummary, TrainArgs, train};
 use clap::Parser;
@@ -214,10 +213,9 @@ fn torch_run(cli: &Cli, config: &GptConfig) -> Result<Value> {
 
 /// The first rank's device peak (on the CPU its process peak).
 fn device_peak(summary: &RunSummary) -> String {
-    match summary.accelerator {
-        // Its allocator is PyTorch's, which the runner cannot read.
-        Accelerator::Libtorch => "not read (LibTorch's allocator; see nvidia-smi)".into(),
-        _ => memory::human_bytes(summary.ranks.first().map_or(0, |r| r.device_peak_mem_bytes)),
+    match summary.ranks.first().and_then(|r| r.device_peak_mem_bytes) {
+        Some(bytes) => memory::human_bytes(bytes),
+        None => "not read (on LibTorch: see nvidia-smi)".into(),
     }
 }
 

@@ -107,8 +107,8 @@ pub fn print_summary(summary: &RunSummary) -> Result<()> {
     out["rank_peak"] = json!(
         ranks
             .iter()
-            .map(|r| match summary.accelerator {
-                Accelerator::Cpu => r.peak_mem_bytes,
+            .filter_map(|r| match summary.accelerator {
+                Accelerator::Cpu => Some(r.peak_mem_bytes),
                 _ => r.device_peak_mem_bytes,
             })
             .max()

@@ -1037,11 +1037,11 @@ fn squares_summed(g: Tensor<1>) -> Tensor<1> {
         t.clone() * t
     };
     let n = g.dims()[0];
-    let rows = n / ROW;
+    let (rows, tail) = (n / ROW, n % ROW);
     if rows < 2 {
         return squares(g).sum_dim(0);
     }
-    let whole = match n % ROW {
+    let whole = match tail {
         0 => g.clone(),
         _ => g.clone().narrow(0, 0, rows * ROW),
     };
@@ -1050,9 +1050,9 @@ fn squares_summed(g: Tensor<1>) -> Tensor<1> {
         .sum_dim(1)
         .sum_dim(0)
         .reshape([1]);
-    match n % ROW {
+    match tail {
         0 => sum,
-        tail => sum + squares(g.narrow(0, rows * ROW, tail)).sum_dim(0),
+        _ => sum + squares(g.narrow(0, rows * ROW, tail)).sum_dim(0),
     }
 }
 

@@ -81,9 +81,9 @@ pub struct RankMemory {
     /// This rank's process peak; ranks that are threads of one process share it.
     pub peak_mem_bytes: usize,
     /// The peak of this rank's device memory ([`memory::DevicePeak`]: the GPU's reservation
-    /// at step ends; on a CPU the process peak again; on LibTorch, whose allocator burnscale
-    /// cannot read, Rust's heap only).
-    pub device_peak_mem_bytes: usize,
+    /// at step ends; on a CPU the process peak again). `None` where it is not read: on
+    /// LibTorch, whose allocator burnscale cannot read, and without a counting allocator.
+    pub device_peak_mem_bytes: Option<usize>,
     /// The planner's prediction of `peak_mem_bytes`, when a plan was made.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub planned_peak_mem_bytes: Option<usize>,

@@ -424,9 +424,15 @@ fn train_rank<T: TrainTask>(
         [
             model_state.total(),
             peak_mem,
+            // Without pools to read: on the CPU the device's memory is the host's; LibTorch's
+            // allocator (C++, past the counting allocator) is not read (0: none).
             device_peak
                 .bytes()
-                .unwrap_or_else(|| memory::peak_bytes().max(training_peak)),
+                .or_else(|| {
+                    (args.runs_on() == Accelerator::Cpu)
+                        .then(|| memory::peak_bytes().max(training_peak))
+                })
+                .unwrap_or(0),
             plan.as_ref().map_or(0, |p| p.process_peak),
         ],
     )?;
@@ -585,7 +591,7 @@ fn every_rank_memory(
             rank,
             model_state_bytes: v[0] as usize,
             peak_mem_bytes: v[1] as usize,
-            device_peak_mem_bytes: v[2] as usize,
+            device_peak_mem_bytes: (v[2] > 0).then_some(v[2] as usize),
             planned_peak_mem_bytes: (v[3] > 0).then_some(v[3] as usize),
         })
         .collect())
