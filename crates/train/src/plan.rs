@@ -276,7 +276,8 @@ pub struct MemoryPlan {
     /// checkpointing (the run's own is the one its flags choose).
     pub activations: usize,
     pub activations_checkpointed: usize,
-    /// Collective buffers at once (a bucket packed, cast and reduced).
+    /// Collective buffers at once (a bucket packed and reduced, as the engine's collectives
+    /// hold them).
     pub buffers: usize,
     /// The optimizer step's temporaries on the largest tensor this rank steps.
     pub step_temporaries: usize,
@@ -480,7 +481,19 @@ impl MemoryPlan {
             true => units.largest_unit(),
             false => units.largest_bucket(),
         };
-        let buffers = if world > 1 { 2 * w * group } else { 0 };
+        // One bucket's reduction beside the gradients: its packed copy (beside the gradients
+        // it copies until they drop), and then, under MPI, a receive buffer of its size, which
+        // the communicator keeps. Ranks that are threads read each other's buckets: their
+        // all-reduce runs in place (the chunk it reduces is a fraction of the packing's
+        // copy), and their reduce-scatter shares a copy of the packed bucket and receives a
+        // chunk beside it.
+        let bucket = w * group;
+        let buffers = match (world > 1, ranks_in_process > 1, sharding.gradients) {
+            (false, ..) => 0,
+            (true, false, _) => 2 * bucket,
+            (true, true, false) => bucket,
+            (true, true, true) => bucket + bucket.div_ceil(world),
+        };
         let activations = probe.embed + depth * probe.block + probe.head;
         // With sharded parameters resharded after forward the embeddings run outside
         // autodiff (they are recomputed in backward), so forward keeps only their output.
