@@ -26,6 +26,7 @@ import sys
 
 from kernel_counts import family, seconds
 
+
 def kernels(path):
     """(family, seconds) of every timed kernel in the log at `path`, in order."""
     opener = gzip.open if path.endswith(".gz") else open

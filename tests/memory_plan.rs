@@ -7,10 +7,10 @@
 use std::sync::Mutex;
 
 use burnscale::plan_check::{ONE_RANK, TOLERANCE, run, setup};
-use burnscale::train::TrainError;
 use burnscale::train::auto::resolve;
 use burnscale::train::memory::{CountingAllocator, human_bytes};
 use burnscale::train::plan::{Probe, off};
+use burnscale::train::{RunSummary, TrainError};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -121,6 +121,24 @@ fn resolve_error(flags: &[&str]) -> Option<TrainError> {
     resolve(&model, &task, &args, &device).err()
 }
 
+/// How far the process peak planned for the run of `flags` is from the one measured, and a
+/// line that says so (printed).
+fn planned_against_measured(flags: &[&str], summary: &RunSummary) -> (f64, String) {
+    let plan = summary.plan.as_ref().expect("--plan makes a plan");
+    let measured = summary.peak_mem_bytes;
+    let off = off(plan.process_peak, measured);
+    let line = format!(
+        "[{}] measured {} planned {} ({:+.1}%, peak in {:?})",
+        flags.join(" "),
+        human_bytes(measured),
+        human_bytes(plan.process_peak),
+        100.0 * off,
+        plan.peak_phase
+    );
+    eprintln!("{line}");
+    (off, line)
+}
+
 #[test]
 fn the_planned_peak_is_within_five_percent_of_the_measured_one() {
     let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
@@ -129,17 +147,7 @@ fn the_planned_peak_is_within_five_percent_of_the_measured_one() {
     for flags in ONE_RANK {
         let summary = run(flags).unwrap();
         let plan = summary.plan.as_ref().expect("--plan makes a plan");
-        let measured = summary.peak_mem_bytes;
-        let off = off(plan.process_peak, measured);
-        let line = format!(
-            "[{}] measured {} planned {} ({:+.1}%, peak in {:?})",
-            flags.join(" "),
-            human_bytes(measured),
-            human_bytes(plan.process_peak),
-            100.0 * off,
-            plan.peak_phase
-        );
-        eprintln!("{line}");
+        let (off, line) = planned_against_measured(flags, &summary);
         if off.abs() > worst.0 {
             worst = (off.abs(), line.clone());
         }
@@ -192,17 +200,7 @@ fn the_planned_peak_of_two_thread_ranks_is_within_five_percent() {
         let summary = run(&flags).unwrap();
         let plan = summary.plan.as_ref().expect("--plan makes a plan");
         assert_eq!(plan.ranks_in_process, 2);
-        let measured = summary.peak_mem_bytes;
-        let off = off(plan.process_peak, measured);
-        let line = format!(
-            "[{}] measured {} planned {} ({:+.1}%, peak in {:?})",
-            flags.join(" "),
-            human_bytes(measured),
-            human_bytes(plan.process_peak),
-            100.0 * off,
-            plan.peak_phase
-        );
-        eprintln!("{line}");
+        let (off, line) = planned_against_measured(&flags, &summary);
         if off.abs() > TOLERANCE {
             failures.push(line);
         }
