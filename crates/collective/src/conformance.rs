@@ -107,7 +107,7 @@ pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), 
             check(format!("reduce_scatter {op:?} {dtype:?}"), {
                 all_of(sizes.iter().chain(&[world - 1]), |&n| {
                     let chunk = comm
-                        .reduce_scatter(&contribution(dtype, rank, n), op)
+                        .reduce_scatter(contribution(dtype, rank, n), op)
                         .map_err(err)?;
                     let full = reference(dtype, world, n, op);
                     let want = &full[shard_range(n, world, rank)];

@@ -63,10 +63,11 @@ pub trait Communicator: Send {
         self.all_gather_into(input, &mut output)?;
         Ok(output)
     }
-    /// [`Communicator::reduce_scatter_into`] a new buffer.
-    fn reduce_scatter(&self, input: &Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+    /// [`Communicator::reduce_scatter_into`] a new buffer, from an `input` the caller gives
+    /// up (an engine that can send it as it is need not copy it).
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
         let mut output = Buffer::empty(input.dtype());
-        self.reduce_scatter_into(input, &mut output, op)?;
+        self.reduce_scatter_into(&input, &mut output, op)?;
         Ok(output)
     }
     /// Replaces `buf` on every rank by `root`'s `buf`.

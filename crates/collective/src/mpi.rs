@@ -12,7 +12,6 @@
 //! timeout, and a panicking rank exits at once; either way mpirun then stops every rank, so
 //! none hangs.
 
-use std::cell::RefCell;
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,14 +19,20 @@ use std::time::Duration;
 use half::slice::HalfFloatSliceExt;
 use half::vec::HalfBitsVecExt;
 use half::{bf16, f16};
-use mpi::collective::{SystemOperation, UnsafeUserOperation};
-use mpi::datatype::PartitionMut;
+use mpi::collective::{Operation, SystemOperation, UnsafeUserOperation};
+use mpi::datatype::{Equivalence, PartitionMut};
 use mpi::environment::Universe;
+use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 
 use crate::guard::{self, Watchdog};
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
+
+unsafe extern "C" {
+    /// MPI_IN_PLACE, as the linked MPI library's header defines it (`csrc/in_place.c`).
+    fn burnscale_mpi_in_place() -> *mut c_void;
+}
 
 /// This process's rank in `MPI_COMM_WORLD`.
 pub struct MpiComm {
@@ -38,9 +43,6 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     watchdog: Arc<Watchdog>,
-    /// The previous all-reduce's input, reused as the next one's output: no fresh
-    /// allocation (and page faults) per call.
-    scratch: RefCell<Vec<f32>>,
 }
 
 // SAFETY: the handle is used by one thread at a time (the trait takes `&self` from the rank's
@@ -70,7 +72,6 @@ impl MpiComm {
             rank,
             size,
             watchdog: Watchdog::start(rank, timeout),
-            scratch: RefCell::new(Vec::new()),
         })
     }
 
@@ -112,27 +113,18 @@ impl Communicator for MpiComm {
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_reduce");
         self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
-        let send = match buf {
-            Buffer::F32(send) => send,
-            Buffer::F16(values) => {
-                *values = self.all_reduce_half(values, op);
-                return Ok(());
+        match buf {
+            Buffer::F32(values) => {
+                self.all_reduce_in_place(values, system_op(op))?;
+                if op == ReduceOp::Mean {
+                    let n = self.size as f32;
+                    values.iter_mut().for_each(|x| *x /= n);
+                }
+                Ok(())
             }
-            Buffer::Bf16(values) => {
-                *values = self.all_reduce_half(values, op);
-                return Ok(());
-            }
-        };
-        let mut recv = self.scratch.take();
-        recv.resize(send.len(), 0.0);
-        self.world
-            .all_reduce_into(&send[..], &mut recv[..], system_op(op));
-        if op == ReduceOp::Mean {
-            let n = self.size as f32;
-            recv.iter_mut().for_each(|x| *x /= n);
+            Buffer::F16(values) => self.all_reduce_half(values, op),
+            Buffer::Bf16(values) => self.all_reduce_half(values, op),
         }
-        *self.scratch.borrow_mut() = std::mem::replace(send, recv);
-        Ok(())
     }
 
     fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
@@ -257,12 +249,49 @@ impl MpiComm {
         recv
     }
 
-    /// [`Communicator::all_reduce`] of 16-bit values.
-    fn all_reduce_half<T: Half>(&self, values: &[T], op: ReduceOp) -> Vec<T> {
-        self.reduce_half(values, values.len(), op, |recv, send| {
-            self.world
-                .all_reduce_into(send, recv, self.half_ops.of::<T>(op))
-        })
+    /// Replaces `values` by their reduction over the ranks in place (MPI_IN_PLACE): no
+    /// receive buffer beside them.
+    fn all_reduce_in_place<T: Equivalence>(
+        &self,
+        values: &mut [T],
+        op: impl Operation,
+    ) -> Result<(), CollectiveError> {
+        let count = c_int::try_from(values.len()).map_err(|_| {
+            CollectiveError::Invalid(format!(
+                "all_reduce of {} elements: MPI counts stop at {}",
+                values.len(),
+                c_int::MAX
+            ))
+        })?;
+        // SAFETY: MPI reads and writes `count` elements of `T`'s datatype in `values`, which
+        // is borrowed mutably for the call; every rank passes the same count (`agree`).
+        unsafe {
+            mpi::ffi::MPI_Allreduce(
+                burnscale_mpi_in_place(),
+                values.as_mut_ptr().cast(),
+                count,
+                T::equivalent_datatype().as_raw(),
+                op.as_raw(),
+                self.world.as_raw(),
+            );
+        }
+        Ok(())
+    }
+
+    /// [`Communicator::all_reduce`] of 16-bit values, in place; a mean divides each value by
+    /// the world size first (see [`MpiComm::reduce_half`]).
+    fn all_reduce_half<T: Half>(
+        &self,
+        values: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        if op == ReduceOp::Mean {
+            let n = self.size as f32;
+            values
+                .iter_mut()
+                .for_each(|x| *x = T::from_f32(x.to_f32() / n));
+        }
+        self.all_reduce_in_place(T::bits_mut(values), self.half_ops.of::<T>(op))
     }
 
     /// This rank's `mine` values of the reduction of `send`, zero-padded to `chunk` values
@@ -314,6 +343,7 @@ trait Half: Copy + 'static {
     fn to_f32(self) -> f32;
     fn from_f32(value: f32) -> Self;
     fn bits(values: &[Self]) -> &[u16];
+    fn bits_mut(values: &mut [Self]) -> &mut [u16];
     fn from_bits_vec(bits: Vec<u16>) -> Vec<Self>;
 }
 
@@ -328,6 +358,9 @@ macro_rules! half_type {
             }
             fn bits(values: &[Self]) -> &[u16] {
                 values.reinterpret_cast()
+            }
+            fn bits_mut(values: &mut [Self]) -> &mut [u16] {
+                values.reinterpret_cast_mut()
             }
             fn from_bits_vec(bits: Vec<u16>) -> Vec<Self> {
                 bits.reinterpret_into()

@@ -82,7 +82,7 @@ pub(crate) fn reduce_scatter_staged<C: Communicator + ?Sized>(
 ) -> Result<Tensor<1>, CollectiveError> {
     let device = tensor.device();
     Ok(to_tensor(
-        comm.reduce_scatter(&to_buffer(tensor)?, op)?,
+        comm.reduce_scatter(to_buffer(tensor)?, op)?,
         &device,
     ))
 }

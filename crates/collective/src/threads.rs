@@ -210,6 +210,17 @@ impl ThreadComm {
         }
     }
 
+    /// Posts `input` for a reduce-scatter and reduces this rank's chunk into `output`.
+    fn reduce_scatter_posted(
+        &self,
+        input: Arc<Buffer>,
+        output: &mut Buffer,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        let posts = self.exchange("reduce_scatter", input)?;
+        self.reduce_scatter_posts(&posts, output, op)
+    }
+
     fn reduce_scatter_posts(
         &self,
         posts: &[Arc<Post>],
@@ -261,8 +272,14 @@ impl Communicator for ThreadComm {
         output: &mut Buffer,
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        let posts = self.exchange("reduce_scatter", Arc::new(input.clone()))?;
-        self.reduce_scatter_posts(&posts, output, op)
+        self.reduce_scatter_posted(Arc::new(input.clone()), output, op)
+    }
+
+    /// The input moves into the exchange: no copy.
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+        let mut output = Buffer::empty(input.dtype());
+        self.reduce_scatter_posted(Arc::new(input), &mut output, op)?;
+        Ok(output)
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
