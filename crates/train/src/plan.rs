@@ -276,8 +276,8 @@ pub struct MemoryPlan {
     /// checkpointing (the run's own is the one its flags choose).
     pub activations: usize,
     pub activations_checkpointed: usize,
-    /// Collective buffers at once (a bucket packed and reduced, as the engine's collectives
-    /// hold them).
+    /// Collective buffers at once (a bucket packed for its reduction, the reduced values
+    /// taking the place of the gradients it copies).
     pub buffers: usize,
     /// The optimizer step's temporaries on the largest tensor this rank steps.
     pub step_temporaries: usize,
@@ -481,18 +481,13 @@ impl MemoryPlan {
             true => units.largest_unit(),
             false => units.largest_bucket(),
         };
-        // One bucket's reduction beside the gradients: its packed copy (beside the gradients
-        // it copies until they drop), and then, under MPI, a receive buffer of its size, which
-        // the communicator keeps. Ranks that are threads read each other's buckets: their
-        // all-reduce runs in place (the chunk it reduces is a fraction of the packing's
-        // copy), and their reduce-scatter shares a copy of the packed bucket and receives a
-        // chunk beside it.
-        let bucket = w * group;
-        let buffers = match (world > 1, ranks_in_process > 1, sharding.gradients) {
-            (false, ..) => 0,
-            (true, false, _) => 2 * bucket,
-            (true, true, false) => bucket,
-            (true, true, true) => bucket + bucket.div_ceil(world),
+        // One bucket's reduction beside the gradients: its packed copy, beside the gradients
+        // it copies until they drop. What the collective receives then takes their place: a
+        // bucket for an all-reduce (into a new buffer under MPI, the input freed; in place on
+        // threads), a chunk for a reduce-scatter (which sends the packed copy as it is).
+        let buffers = match world > 1 {
+            true => w * group,
+            false => 0,
         };
         let activations = probe.embed + depth * probe.block + probe.head;
         // With sharded parameters resharded after forward the embeddings run outside
@@ -525,10 +520,16 @@ impl MemoryPlan {
                 held + activations - probe.head + c * units.head_unit() + probe.block_backward,
                 &probe,
             ));
-            // A plain backward: the embeddings last, beside its gradients of everything else;
-            // then all of them moved into the sums.
-            let embeddings =
-                |held| held + probe.embed + c * (n - units.embeddings) + probe.embed_backward;
+            // A plain backward: the embeddings last, beside its gradients of everything else
+            // (a tied head's of the token table among them, until the embeddings' own add to
+            // it); then all of them moved into the sums.
+            let tied_table_grads = c * (units.head_unit() - units.head);
+            let embeddings = |held| {
+                held + probe.embed
+                    + c * (n - units.embeddings)
+                    + tied_table_grads
+                    + probe.embed_backward
+            };
             let bottom = |held| held + units.grads_moved_in(c, w);
             let (embeddings, bottom) = match whole_sums {
                 false => (embeddings(held), bottom(held)),
