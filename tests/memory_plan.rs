@@ -180,8 +180,8 @@ fn the_planned_peak_is_within_five_percent_of_the_measured_one() {
 /// Ranks that are threads share this process, and hold their collective buffers at once: the
 /// plan sums them. With a 32768-token table (and head), each its own bucket of 8.4M
 /// elements, at batch 1, the gradient reduction sets the peak, where the thread engine's
-/// all-reduce runs in place and its reduce-scatter shares one copy of the packed bucket (a
-/// plan that counted MPI's receive buffer for them read +9.4% and +5.7%).
+/// all-reduce runs in place and its reduce-scatter posts the packed bucket as it is (a plan
+/// that counted a receive buffer of a bucket for them read +9.4% and +5.7%).
 #[test]
 fn the_planned_peak_of_two_thread_ranks_is_within_five_percent() {
     let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
