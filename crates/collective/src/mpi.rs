@@ -278,24 +278,18 @@ impl MpiComm {
         Ok(())
     }
 
-    /// [`Communicator::all_reduce`] of 16-bit values, in place; a mean divides each value by
-    /// the world size first (see [`MpiComm::reduce_half`]).
+    /// [`Communicator::all_reduce`] of 16-bit values, in place.
     fn all_reduce_half<T: Half>(
         &self,
         values: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        if op == ReduceOp::Mean {
-            let n = self.size as f32;
-            values
-                .iter_mut()
-                .for_each(|x| *x = T::from_f32(x.to_f32() / n));
-        }
+        self.divide_for_mean(values, op);
         self.all_reduce_in_place(T::bits_mut(values), self.half_ops.of::<T>(op))
     }
 
     /// This rank's `mine` values of the reduction of `send`, zero-padded to `chunk` values
-    /// per rank.
+    /// per rank (in a copy, which a mean divides in place).
     fn reduce_scatter_half<T: Half>(
         &self,
         send: &[T],
@@ -305,36 +299,29 @@ impl MpiComm {
     ) -> Vec<T> {
         let mut padded = T::bits(send).to_vec();
         padded.resize(chunk * self.size, 0);
-        let padded = T::from_bits_vec(padded);
-        let mut recv = self.reduce_half(&padded, chunk, op, |recv, send| {
-            self.world
-                .reduce_scatter_block_into(send, recv, self.half_ops.of::<T>(op))
-        });
+        let mut padded = T::from_bits_vec(padded);
+        self.divide_for_mean(&mut padded, op);
+        let mut recv = vec![0u16; chunk];
+        self.world.reduce_scatter_block_into(
+            T::bits(&padded),
+            &mut recv[..],
+            self.half_ops.of::<T>(op),
+        );
+        let mut recv = T::from_bits_vec(recv);
         recv.truncate(mine);
         recv
     }
 
-    /// The `len` 16-bit values `reduce` writes from the bits of `send`; for a mean each value
-    /// is divided by the world size first (in f32, then rounded), so that a sum cannot
-    /// overflow the dtype where the mean fits (loss-scaled f16 gradients).
-    fn reduce_half<T: Half>(
-        &self,
-        send: &[T],
-        len: usize,
-        op: ReduceOp,
-        reduce: impl FnOnce(&mut [u16], &[u16]),
-    ) -> Vec<T> {
-        let scaled: Vec<T>;
-        let send = if op == ReduceOp::Mean {
+    /// For a mean of 16-bit values, divides each by the world size before MPI sums them (in
+    /// f32, then rounded), so that a sum cannot overflow the dtype where the mean fits
+    /// (loss-scaled f16 gradients).
+    fn divide_for_mean<T: Half>(&self, values: &mut [T], op: ReduceOp) {
+        if op == ReduceOp::Mean {
             let n = self.size as f32;
-            scaled = send.iter().map(|x| T::from_f32(x.to_f32() / n)).collect();
-            &scaled[..]
-        } else {
-            send
-        };
-        let mut recv = vec![0u16; len];
-        reduce(&mut recv, T::bits(send));
-        T::from_bits_vec(recv)
+            values
+                .iter_mut()
+                .for_each(|x| *x = T::from_f32(x.to_f32() / n));
+        }
     }
 }
 
