@@ -391,9 +391,14 @@ impl Units {
 
     /// Elements the head's forward reads: its own, and the token table where it is tied.
     fn head_unit(&self) -> usize {
+        self.head + self.tied_to_head()
+    }
+
+    /// Elements of the embeddings' unit that a tied head reads (and gives gradients).
+    fn tied_to_head(&self) -> usize {
         match self.head_reads_embeddings {
-            true => self.head + self.embeddings,
-            false => self.head,
+            true => self.embeddings,
+            false => 0,
         }
     }
 
@@ -523,7 +528,7 @@ impl MemoryPlan {
             // A plain backward: the embeddings last, beside its gradients of everything else
             // (a tied head's of the token table among them, until the embeddings' own add to
             // it); then all of them moved into the sums.
-            let tied_table_grads = c * (units.head_unit() - units.head);
+            let tied_table_grads = c * units.tied_to_head();
             let embeddings = |held| {
                 held + probe.embed
                     + c * (n - units.embeddings)
@@ -611,7 +616,7 @@ impl MemoryPlan {
             // embeddings' own backward adds theirs and reduce-scatters the sum, the last.
             let per_unit = sharding.gradients;
             let tied_table_grads = match per_unit {
-                true => w * (head_unit - units.head),
+                true => w * units.tied_to_head(),
                 false => 0,
             };
             // A unit of `elems` recomputed: its `copy` with what its forward `kept` and its
