@@ -321,12 +321,13 @@ impl PhaseBytes {
 struct Units {
     /// Every slot of the model, over `world` ranks.
     slots: Vec<Slot>,
+    /// The embeddings' slots, in visit order.
+    embedding_slots: Vec<Slot>,
+    /// Elements of the embeddings.
     embeddings: usize,
-    /// Elements of the embeddings' shard on one rank.
-    embeddings_shard: usize,
     head: usize,
-    /// Elements of each block.
-    blocks: Vec<usize>,
+    /// Each block's slots, in visit order.
+    blocks: Vec<Vec<Slot>>,
     /// Whether the head reads the embeddings' parameters (a tied decoder).
     head_reads_embeddings: bool,
 }
@@ -338,19 +339,19 @@ impl Units {
         let blocks = root.take_blocks();
         let embedding: HashSet<ParamId> = root.embedding_params().into_iter().collect();
         let root_slots = layout::slots(&root, world);
-        let embedding_slots = || root_slots.iter().filter(|s| embedding.contains(&s.id));
-        let embeddings = embedding_slots().map(Slot::numel).sum();
-        let embeddings_shard = embedding_slots().map(Slot::shard_numel).sum();
-        let head = root_slots.iter().map(Slot::numel).sum::<usize>() - embeddings;
-        let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
-        let blocks = blocks
+        let embedding_slots: Vec<Slot> = root_slots
             .iter()
-            .map(|b| layout::slots(b, world).iter().map(Slot::numel).sum())
+            .filter(|s| embedding.contains(&s.id))
+            .cloned()
             .collect();
+        let embeddings = elems(&embedding_slots);
+        let head = elems(&root_slots) - embeddings;
+        let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
+        let blocks = blocks.iter().map(|b| layout::slots(b, world)).collect();
         Self {
             slots,
+            embedding_slots,
             embeddings,
-            embeddings_shard,
             head,
             blocks,
             head_reads_embeddings,
@@ -358,35 +359,28 @@ impl Units {
     }
 
     fn numel(&self) -> usize {
-        self.slots.iter().map(Slot::numel).sum()
+        elems(&self.slots)
     }
 
     fn shard_numel(&self) -> usize {
-        self.slots.iter().map(Slot::shard_numel).sum()
+        shard_elems(&self.slots)
+    }
+
+    /// The slots of the block with the most elements.
+    fn largest_block_slots(&self) -> &[Slot] {
+        let block = |slots: &&Vec<Slot>| elems(slots);
+        self.blocks
+            .iter()
+            .max_by_key(block)
+            .map_or(&[], Vec::as_slice)
     }
 
     fn largest_block(&self) -> usize {
-        self.blocks.iter().copied().max().unwrap_or(0)
+        elems(self.largest_block_slots())
     }
 
     fn largest_param(&self) -> usize {
         self.slots.iter().map(Slot::numel).max().unwrap_or(0)
-    }
-
-    /// The most a plain backward's gradients (`c` bytes each, the compute dtype) take while
-    /// the engine moves them one parameter at a time, in visit order, into its (empty) sums
-    /// (`w` bytes each): cast where the dtypes differ.
-    fn grads_moved_in(&self, c: usize, w: usize) -> usize {
-        let n = self.numel();
-        let (mut done, mut most) = (0, 0);
-        for p in self.slots.iter().map(Slot::numel) {
-            let rest = c * (n - done - p);
-            // Both dtypes at once while one is cast; the same bytes moved where they agree.
-            let moved = if c != w { c * p + w * p } else { w * p };
-            most = most.max(rest + w * done + moved);
-            done += p;
-        }
-        most
     }
 
     /// Elements the head's forward reads: its own, and the token table where it is tied.
@@ -512,7 +506,7 @@ impl MemoryPlan {
         // forward, each held until its backward ends.
         let kept_copies = keep_gathered && gathers;
         let gathered_kept = match kept_copies {
-            true => c * (units.embeddings + units.blocks.iter().sum::<usize>()),
+            true => c * (n - units.head),
             false => 0,
         };
         if !blockwise {
@@ -535,7 +529,7 @@ impl MemoryPlan {
                     + tied_table_grads
                     + probe.embed_backward
             };
-            let bottom = |held| held + units.grads_moved_in(c, w);
+            let bottom = |held| held + grads_moved_in(&units.slots, c, w);
             let (embeddings, bottom) = match whole_sums {
                 false => (embeddings(held), bottom(held)),
                 // Accumulating whole sums, the first micro-step (no sums yet) is plain, the
@@ -619,16 +613,22 @@ impl MemoryPlan {
                 true => w * units.tied_to_head(),
                 false => 0,
             };
-            // A unit of `elems` recomputed: its `copy` with what its forward `kept` and its
+            // A unit with `slots` recomputed: its `copy` with what its forward `kept` and its
             // backward's own peak (its gradients among them); then those gradients, in the
-            // compute dtype, summed into the unit's (per unit: held whole until its
-            // reduce-scatter, which packs a copy once the unit is dropped). One after
-            // another, not all at once.
-            let unit_backward = |elems: usize, copy: usize, kept: usize, backward: usize| {
+            // compute dtype, moved one parameter at a time into the unit's sums (empty unless
+            // carried over micro-steps: then each is cast beside its sum), and per unit held
+            // whole until its reduce-scatter, which packs a copy once the unit is dropped. One
+            // after another, not all at once; and throughout, the gradient of its output from
+            // the unit above (then of its input, as large).
+            let unit_backward = |slots: &[Slot], copy: usize, kept: usize, backward: usize| {
+                let elems = elems(slots);
+                let summed = match whole_sums {
+                    false => grads_moved_in(slots, c, w),
+                    true => c * elems + cast_into_sums(elems),
+                };
                 let whole = if per_unit { w * elems } else { 0 };
-                (copy + kept + backward)
-                    .max(copy + c * elems + whole + cast_into_sums(elems))
-                    .max(2 * whole)
+                let unit = (copy + kept + backward).max(copy + summed).max(2 * whole);
+                unit + probe.block_output
             };
             // The top block's backward: its copy gathered again unless kept (then it counts in
             // `gathered_kept`), its activations recomputed unless forward kept its graph (then
@@ -641,7 +641,9 @@ impl MemoryPlan {
                 true => probe.block,
                 false => 0,
             };
-            let top_block = unit_backward(block, top_copy, top_activations, probe.block_backward);
+            let block_slots = units.largest_block_slots();
+            let top_block =
+                unit_backward(block_slots, top_copy, top_activations, probe.block_backward);
             phases.push(backward_top(
                 held + kept + gathered_kept + head_copy + probe.head_backward,
                 held + kept.saturating_sub(probe.head) + gathered_kept + top_block + head_grads,
@@ -649,19 +651,28 @@ impl MemoryPlan {
             ));
             // The bottom block's backward, its activations (recomputed, or kept) and its copy
             // beside the embeddings' (kept gathered with them, or gathered again after).
-            let bottom_block =
-                unit_backward(block, unit_copy(block), probe.block, probe.block_backward);
+            let bottom_block = unit_backward(
+                block_slots,
+                unit_copy(block),
+                probe.block,
+                probe.block_backward,
+            );
             let embed_gathered = match kept_copies {
                 true => c * units.embeddings,
                 false => 0,
             };
-            // The bottom block: nearly every gradient summed. Full sums are counted whole (the
-            // last units' own, cast into the weights' dtype, take their place); reduced per
-            // unit, the shards of all but the embeddings, whose shard comes with their reduce,
-            // the last (the packed copy it is cut from counts in `buffers`).
-            let grads_so_far = match per_unit {
-                true => w * (units.shard_numel() - units.embeddings_shard),
-                false => full_grads,
+            // The gradients held as a unit's backward starts: those of the units above it,
+            // whole sums (the head's take in a tied table's), or reduced per unit, their
+            // shards (a tied table's whole gradient counts in `tied_table_grads`). A unit's
+            // own come in after its backward (`unit_backward`); reduced, its shard is a chunk
+            // of its packed copy, which its whole sums no longer beside it outweigh.
+            let grads_above = |unit: &[Slot]| match per_unit {
+                true => {
+                    w * (units.shard_numel()
+                        - shard_elems(&units.embedding_slots)
+                        - shard_elems(unit))
+                }
+                false => w * (n - units.embeddings + units.tied_to_head() - elems(unit)),
             };
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
@@ -672,7 +683,7 @@ impl MemoryPlan {
                     + embed_gathered
                     + probe.block_output
                     + bottom_block
-                    + grads_so_far.max(accumulated)
+                    + grads_above(block_slots).max(accumulated)
                     + tied_table_grads,
                 probe.block_backward,
             ));
@@ -683,7 +694,7 @@ impl MemoryPlan {
                 false => 0,
             };
             let embeddings = unit_backward(
-                units.embeddings,
+                &units.embedding_slots,
                 embed_copy,
                 probe.embed,
                 probe.embed_backward,
@@ -693,14 +704,20 @@ impl MemoryPlan {
                 params
                     + optimizer
                     + compute_copy
-                    + grads_so_far.max(accumulated)
+                    + grads_above(&[]).max(accumulated)
                     + tied_table_grads
                     + embeddings,
                 probe.embed_backward,
             ));
+            // The last reduction: per unit the embeddings', beside every other unit's shards;
+            // else every bucket of the whole sums.
+            let grads_reduced = match per_unit {
+                true => grads_above(&[]),
+                false => full_grads,
+            };
             phases.push(PhaseBytes::new(
                 Phase::Reduce,
-                params + optimizer + compute_copy + grads_so_far.max(accumulated) + buffers,
+                params + optimizer + compute_copy + grads_reduced.max(accumulated) + buffers,
                 0,
             ));
         }
@@ -827,6 +844,30 @@ impl MemoryPlan {
         ));
         aligned(&rows)
     }
+}
+
+fn elems(slots: &[Slot]) -> usize {
+    slots.iter().map(Slot::numel).sum()
+}
+
+fn shard_elems(slots: &[Slot]) -> usize {
+    slots.iter().map(Slot::shard_numel).sum()
+}
+
+/// The most the gradients of `slots` (in visit order; `c` bytes an element, the compute dtype)
+/// take while the engine moves them one parameter at a time into its (empty) sums (`w` bytes
+/// each): cast where the dtypes differ.
+fn grads_moved_in(slots: &[Slot], c: usize, w: usize) -> usize {
+    let n = elems(slots);
+    let (mut done, mut most) = (0, 0);
+    for p in slots.iter().map(Slot::numel) {
+        let rest = c * (n - done - p);
+        // Both dtypes at once while one is cast; the same bytes moved where they agree.
+        let moved = if c != w { c * p + w * p } else { w * p };
+        most = most.max(rest + w * done + moved);
+        done += p;
+    }
+    most
 }
 
 /// Backward's top: through the head and loss (`through_head`), or the top block's backward
