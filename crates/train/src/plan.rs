@@ -44,6 +44,10 @@ pub struct Probe {
     pub block: usize,
     /// One block's output: what a checkpointed block keeps of its forward.
     pub block_output: usize,
+    /// What a block keeps beyond `block` when its input is held as well, as the engine holds
+    /// it going block by block (to read its gradient): an op that would work in place on an
+    /// input the block alone owns copies it instead, and keeps the copy.
+    pub held_input: usize,
     /// What the head and loss keep.
     pub head: usize,
     /// The most backward adds above the forward it undoes (gradients of the activations and
@@ -116,12 +120,19 @@ impl Probe {
             let leaf = || Tensor::<3>::zeros(dims.clone(), (device, dtype.into())).require_grad();
             let loss = root.head_loss(leaf(), target);
             let head_backward = memory::peak_added_by(|| loss.backward()).1;
-            let block_backward = match &block {
+            let (block_backward, held_input) = match &block {
                 Some(block) => {
                     let y = root.block_forward(block, leaf(), &mask);
-                    memory::peak_added_by(|| y.sum().backward()).1
+                    let backward = memory::peak_added_by(|| y.sum().backward()).1;
+                    let input = leaf();
+                    let live = memory::live_bytes();
+                    let y = root.block_forward(block, input.clone(), &mask);
+                    let held = memory::live_bytes().saturating_sub(live);
+                    let held = held.saturating_sub(blocked.saturating_sub(embedded));
+                    drop(y.sum().backward());
+                    (backward, held)
                 }
-                None => 0,
+                None => (0, 0),
             };
             let (x, _) = root.embed(input);
             let embed_backward = match x.is_tracked() {
@@ -134,10 +145,10 @@ impl Probe {
                 blocked.saturating_sub(embedded),
                 output,
                 headed.saturating_sub(blocked),
-                [head_backward, block_backward, embed_backward],
+                [head_backward, block_backward, embed_backward, held_input],
             )
         };
-        let [head_backward, block_backward, embed_backward] = parts;
+        let [head_backward, block_backward, embed_backward, held_input] = parts;
         drop((root, block));
         let (step, step_elems) = optimizer_step_bytes(model, args, device)?;
         Ok(Self {
@@ -146,6 +157,7 @@ impl Probe {
             embed,
             block: block_bytes,
             block_output,
+            held_input,
             head,
             head_backward,
             block_backward,
@@ -585,9 +597,10 @@ impl MemoryPlan {
                 0
             };
             let held = params + optimizer + accumulated + compute_copy;
+            // Each block's graph kept from forward holds its input beside it (`held_input`).
             let kept = match checkpoint {
                 true => activations_checkpointed,
-                false => activations,
+                false => activations + depth * probe.held_input,
             };
             // Kept gathered, a tied head reads the token table the embeddings keep (counted in
             // `gathered_kept`): its copy is its own unit.
@@ -618,8 +631,10 @@ impl MemoryPlan {
             // compute dtype, moved one parameter at a time into the unit's sums (empty unless
             // carried over micro-steps: then each is cast beside its sum), and per unit held
             // whole until its reduce-scatter, which packs a copy once the unit is dropped. One
-            // after another, not all at once; and throughout, the gradient of its output from
-            // the unit above (then of its input, as large).
+            // after another, not all at once. The gradient of its output from the unit above
+            // goes into its backward, which then adds as much less than the probe's (whose
+            // own gradient of the output is new); after it, the gradient of its input, as
+            // large, waits for the unit below.
             let unit_backward = |slots: &[Slot], copy: usize, kept: usize, backward: usize| {
                 let elems = elems(slots);
                 let summed = match whole_sums {
@@ -627,8 +642,10 @@ impl MemoryPlan {
                     true => c * elems + cast_into_sums(elems),
                 };
                 let whole = if per_unit { w * elems } else { 0 };
-                let unit = (copy + kept + backward).max(copy + summed).max(2 * whole);
-                unit + probe.block_output
+                let grad_in = probe.block_output;
+                (copy + kept + backward)
+                    .max(copy + summed + grad_in)
+                    .max(2 * whole + grad_in)
             };
             // The top block's backward: its copy gathered again unless kept (then it counts in
             // `gathered_kept`), its activations recomputed unless forward kept its graph (then
@@ -638,7 +655,7 @@ impl MemoryPlan {
                 false => unit_copy(block),
             };
             let top_activations = match checkpoint {
-                true => probe.block,
+                true => probe.block + probe.held_input,
                 false => 0,
             };
             let block_slots = units.largest_block_slots();
@@ -650,11 +667,13 @@ impl MemoryPlan {
                 &probe,
             ));
             // The bottom block's backward, its activations (recomputed, or kept) and its copy
-            // beside the embeddings' (kept gathered with them, or gathered again after).
+            // beside the embeddings' (kept gathered with them, or gathered again after) and the
+            // head's input, held to the end of the micro-step.
+            let head_input = probe.block_output;
             let bottom_block = unit_backward(
                 block_slots,
                 unit_copy(block),
-                probe.block,
+                probe.block + probe.held_input,
                 probe.block_backward,
             );
             let embed_gathered = match kept_copies {
@@ -681,7 +700,7 @@ impl MemoryPlan {
                     + compute_copy
                     + embed_kept
                     + embed_gathered
-                    + probe.block_output
+                    + head_input
                     + bottom_block
                     + grads_above(block_slots).max(accumulated)
                     + tied_table_grads,
@@ -706,6 +725,7 @@ impl MemoryPlan {
                     + compute_copy
                     + grads_above(&[]).max(accumulated)
                     + tied_table_grads
+                    + head_input
                     + embeddings,
                 probe.embed_backward,
             ));
