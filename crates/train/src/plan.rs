@@ -335,8 +335,6 @@ struct Units {
     slots: Vec<Slot>,
     /// The embeddings' slots, in visit order.
     embedding_slots: Vec<Slot>,
-    /// Elements of the embeddings.
-    embeddings: usize,
     head: usize,
     /// Each block's slots, in visit order.
     blocks: Vec<Vec<Slot>>,
@@ -356,14 +354,12 @@ impl Units {
             .filter(|s| embedding.contains(&s.id))
             .cloned()
             .collect();
-        let embeddings = elems(&embedding_slots);
-        let head = elems(&root_slots) - embeddings;
+        let head = elems(&root_slots) - elems(&embedding_slots);
         let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
         let blocks = blocks.iter().map(|b| layout::slots(b, world)).collect();
         Self {
             slots,
             embedding_slots,
-            embeddings,
             head,
             blocks,
             head_reads_embeddings,
@@ -376,6 +372,10 @@ impl Units {
 
     fn shard_numel(&self) -> usize {
         shard_elems(&self.slots)
+    }
+
+    fn embeddings(&self) -> usize {
+        elems(&self.embedding_slots)
     }
 
     /// The slots of the block with the most elements.
@@ -403,13 +403,13 @@ impl Units {
     /// Elements of the embeddings' unit that a tied head reads (and gives gradients).
     fn tied_to_head(&self) -> usize {
         match self.head_reads_embeddings {
-            true => self.embeddings,
+            true => self.embeddings(),
             false => 0,
         }
     }
 
     fn largest_unit(&self) -> usize {
-        self.largest_block().max(self.embeddings).max(self.head)
+        self.largest_block().max(self.embeddings()).max(self.head)
     }
 
     /// The most ZeRO-1/2's gather after the step holds beside the replica (`w` bytes an
@@ -537,7 +537,7 @@ impl MemoryPlan {
             let tied_table_grads = c * units.tied_to_head();
             let embeddings = |held| {
                 held + probe.embed
-                    + c * (n - units.embeddings)
+                    + c * (n - units.embeddings())
                     + tied_table_grads
                     + probe.embed_backward
             };
@@ -549,7 +549,7 @@ impl MemoryPlan {
                 // added in as backward leaves it.
                 true => {
                     let first = held - accumulated;
-                    let (block, embed) = (units.largest_block(), units.embeddings);
+                    let (block, embed) = (units.largest_block(), units.embeddings());
                     let unit = |backward: usize, elems: usize| {
                         backward.max(c * elems + cast_into_sums(elems))
                     };
@@ -577,7 +577,7 @@ impl MemoryPlan {
                 0,
             ));
         } else {
-            let root = units.embeddings + units.head;
+            let root = units.embeddings() + units.head;
             let block = units.largest_block();
             // The unit a phase runs: gathered (zero3), or a 16-bit copy (mixed), or the
             // replica's own.
@@ -592,7 +592,7 @@ impl MemoryPlan {
             };
             let head_unit = units.head_unit();
             gathered_unit = if gathers {
-                c * block.max(head_unit).max(units.embeddings)
+                c * block.max(head_unit).max(units.embeddings())
             } else {
                 0
             };
@@ -677,7 +677,7 @@ impl MemoryPlan {
                 probe.block_backward,
             );
             let embed_gathered = match kept_copies {
-                true => c * units.embeddings,
+                true => c * units.embeddings(),
                 false => 0,
             };
             // The gradients held as a unit's backward starts: those of the units above it,
@@ -691,7 +691,7 @@ impl MemoryPlan {
                         - shard_elems(&units.embedding_slots)
                         - shard_elems(unit))
                 }
-                false => w * (n - units.embeddings + units.tied_to_head() - elems(unit)),
+                false => w * (n - units.embeddings() + units.tied_to_head() - elems(unit)),
             };
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
@@ -709,7 +709,7 @@ impl MemoryPlan {
             // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
             // root's compute copy serves), recomputed unless kept, backward through them.
             let embed_copy = match gathers {
-                true => c * units.embeddings,
+                true => c * units.embeddings(),
                 false => 0,
             };
             let embeddings = unit_backward(
