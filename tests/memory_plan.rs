@@ -177,11 +177,20 @@ fn the_planned_peak_is_within_five_percent_of_the_measured_one() {
     );
 }
 
+/// Runs of a thread-rank configuration, at most, until one measures its ranks' peaks at once.
+const THREAD_RUNS: usize = 5;
+
 /// Ranks that are threads share this process, and hold their collective buffers at once: the
 /// plan sums them. With a 32768-token table (and head), each its own bucket of 8.4M
 /// elements, at batch 1, the gradient reduction sets the peak, where the thread engine's
 /// all-reduce runs in place and its reduce-scatter posts the packed bucket as it is (a plan
 /// that counted a receive buffer of a bucket for them read +9.4% and +5.7%).
+///
+/// The plan is the process peak when both ranks reach their own peak at once, which they
+/// need not: the OS schedules the threads, and a rank a moment behind the other misses the
+/// other's spike (zero2 measured 496 to 524 MiB run to run against 524 planned). So no run
+/// may measure more than the tolerance above the plan, and the highest of up to
+/// [`THREAD_RUNS`] runs must come within it below.
 #[test]
 fn the_planned_peak_of_two_thread_ranks_is_within_five_percent() {
     let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
@@ -197,11 +206,21 @@ fn the_planned_peak_of_two_thread_ranks_is_within_five_percent() {
             "--strategy",
             strategy,
         ];
-        let summary = run(&flags).unwrap();
-        let plan = summary.plan.as_ref().expect("--plan makes a plan");
-        assert_eq!(plan.ranks_in_process, 2);
-        let (off, line) = planned_against_measured(&flags, &summary);
-        if off.abs() > TOLERANCE {
+        // The run that measured the most: the least planned above it.
+        let mut highest: Option<(f64, String)> = None;
+        for _ in 0..THREAD_RUNS {
+            let summary = run(&flags).unwrap();
+            let plan = summary.plan.as_ref().expect("--plan makes a plan");
+            assert_eq!(plan.ranks_in_process, 2);
+            let (off, line) = planned_against_measured(&flags, &summary);
+            if highest.as_ref().is_none_or(|(least, _)| off < *least) {
+                highest = Some((off, line));
+            }
+            if off <= TOLERANCE {
+                break;
+            }
+        }
+        if let Some((_, line)) = highest.filter(|(off, _)| off.abs() > TOLERANCE) {
             failures.push(line);
         }
     }
