@@ -65,12 +65,14 @@ fn zero3_kept_gathered_takes_the_plain_steps() {
 
 #[test]
 fn recomputed_blocks_drop_what_their_forward_dropped() {
-    // ZeRO-3 and --checkpoint-activations run blocks forward outside autodiff and recompute
-    // them in backward, and accumulation's later micro-batches run each block on a graph of
-    // its own: all must apply the masks of a plain step (one rank, whose dropout stream is
-    // the plain loop's).
+    // ZeRO-3 resharding after forward and --checkpoint-activations run blocks forward
+    // outside autodiff and recompute them in backward, and accumulation's later micro-batches
+    // run each block on a graph of its own: all must apply the masks of a plain step (one
+    // rank, whose dropout stream is the plain loop's; alone, ZeRO-3 reshards only what it
+    // copied to compute with, here its shards offloaded to the host).
     for optimizer in [SGD, ADAMW] {
         for (strategy, extra) in [
+            ("zero3", &["--offload", "params"][..]),
             ("zero3", &[][..]),
             ("zero3", KEPT_GATHERED),
             (

@@ -256,13 +256,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         accumulate: usize,
         last: bool,
     ) -> Result<(), ShardError> {
-        if self.sharding.recomputes(self.checkpoint) {
+        let sharding = self.acting();
+        if sharding.recomputes(self.checkpoint) {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Inputs);
         }
         // Kept gathered units are dropped as backward leaves each; and in later micro-steps of
         // an accumulation into whole sums a plain backward would hand back every gradient at
         // once, a second whole copy beside the sums.
-        if self.sharding.keeps_gathered() || !self.local.is_empty() {
+        if sharding.keeps_gathered() || !self.local.is_empty() {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
         }
         let model = self.compute(self.model.as_ref().expect(PRESENT).clone());
@@ -487,6 +488,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// Which model states each rank keeps only its shard of.
     pub fn sharding(&self) -> Sharding {
         self.sharding
+    }
+
+    /// The sharding as it acts on this rank ([`Sharding::acting_on`]): a unit gathered for
+    /// compute is a copy of the shards when gathered from other ranks, cast to the compute
+    /// dtype, or moved from the host.
+    fn acting(&self) -> Sharding {
+        self.sharding.acting_on(
+            self.comm.world_size() > 1 || self.precision.is_mixed() || self.home.is_some(),
+        )
     }
 
     /// What this rank holds of every parameter (by id), flat, in the dtype it is stored in:
@@ -810,7 +820,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         keep: Keep,
     ) -> Result<(), ShardError> {
         let sharded_params = self.sharding.parameters;
-        let keep_gathered = self.sharding.keeps_gathered();
+        let keep_gathered = self.acting().keeps_gathered();
         let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
@@ -819,7 +829,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // their graph, when not resharded); else its compute copy serves all. The embeddings'
         // output under autodiff, with their gathered unit, when backward need not recompute
         // them.
-        let (mut x, mask, embedded) = if self.sharding.reshards() {
+        let (mut x, mask, embedded) = if self.acting().reshards() {
             let _training = dropout::training_scope();
             let (x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.embed(input.clone());
             (x, mask, None)

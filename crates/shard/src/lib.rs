@@ -84,6 +84,19 @@ pub struct Sharding {
 }
 
 impl Sharding {
+    /// This sharding as it acts on a rank whose gathered units are (`copies`) or are not
+    /// copies of its shards. A rank alone, computing in its parameters' dtype on the device
+    /// they live on, computes with its shards as they are (they are its whole parameters):
+    /// there is nothing to drop after forward, and resharding would only recompute each
+    /// block. Such a rank keeps its units' graphs, as a plain step (or FSDP, which
+    /// recomputes nothing unasked) does.
+    pub const fn acting_on(self, copies: bool) -> Self {
+        Sharding {
+            reshard_after_forward: self.reshard_after_forward && copies,
+            ..self
+        }
+    }
+
     /// Whether sharded parameters are dropped after each unit's forward, so that backward
     /// gathers them again and recomputes the unit (the embeddings too).
     pub const fn reshards(self) -> bool {

@@ -123,14 +123,16 @@ pub struct TrainArgs {
     #[arg(long)]
     pub init_on_device: bool,
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward (always so under zero3 unless --reshard-after-forward false).
+    /// recomputed in backward (always so under zero3 resharded after forward).
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// zero3: whether each unit's gathered parameters are dropped after its forward and
     /// gathered again for its backward, which recomputes the forward (true, FSDP2's
     /// default), or kept gathered with their graph until the unit's backward ends (false:
     /// one all-gather per unit a micro-step and no recomputation, for the whole model's parameters
-    /// held during forward and backward; FSDP2's reshard_after_forward=False).
+    /// held during forward and backward; FSDP2's reshard_after_forward=False). A rank alone
+    /// whose units compute with its shards as they are (32-true, bf16-true, not offloaded)
+    /// has no copy to drop and keeps its graphs either way.
     #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set)]
     pub reshard_after_forward: Option<bool>,
     /// Keep optimizer state (optimizer: every strategy) and also ZeRO-3's parameter shards
@@ -288,6 +290,15 @@ impl TrainArgs {
             sharding.reshard_after_forward = reshard;
         }
         Ok(sharding)
+    }
+
+    /// [`TrainArgs::sharding`] as it acts on each of `world` ranks
+    /// ([`burnscale_shard::Sharding::acting_on`]): their gathered units are copies of their
+    /// shards when gathered from other ranks, cast to a mixed policy's compute dtype, or
+    /// moved from the host.
+    pub fn acting_sharding(&self, world: usize) -> Result<burnscale_shard::Sharding, TrainError> {
+        let copies = world > 1 || self.precision.is_mixed() || self.offload == Offload::Params;
+        Ok(self.sharding()?.acting_on(copies))
     }
 
     /// Where the ranks run: `--accelerator`, or its default on this machine.

@@ -452,7 +452,7 @@ impl MemoryPlan {
         probe: Probe,
     ) -> Result<Self, TrainError> {
         let units = Units::of(model, world);
-        let sharding = args.sharding()?;
+        let sharding = args.acting_sharding(world)?;
         let w = DType::from(args.precision.param_dtype()).size();
         let c = DType::from(args.precision.compute_dtype()).size();
         let mixed = args.precision.is_mixed();

@@ -233,7 +233,7 @@ impl RunSummary {
         // (threads, or oversubscribed processes) make this an underestimate.
         let mfu = peak_flops
             .map(|peak| 6.0 * num_params as f64 * positions_per_s / (world_size as f64 * peak));
-        let sharding = args.sharding().ok();
+        let sharding = args.acting_sharding(world_size).ok();
         Self {
             accelerator: args.runs_on(),
             strategy: args.strategy,
