@@ -374,6 +374,13 @@ impl Units {
         shard_elems(&self.slots)
     }
 
+    /// Elements of one rank's shards of the head's own parameters (a tied table is the
+    /// embeddings').
+    fn head_shard(&self) -> usize {
+        let blocks: usize = self.blocks.iter().map(|b| shard_elems(b)).sum();
+        self.shard_numel() - shard_elems(&self.embedding_slots) - blocks
+    }
+
     fn embeddings(&self) -> usize {
         elems(&self.embedding_slots)
     }
@@ -614,10 +621,6 @@ impl MemoryPlan {
                 held + kept + gathered_kept + head_copy,
                 0,
             ));
-            // Backward through the head and loss; then the top block recomputed beside the
-            // head's gradients (a tied decoder's include the token table's), the head's
-            // activations freed.
-            let head_grads = w * head_unit;
             // Zero2/3 reduce-scatter each unit's gradients as backward leaves it, on every
             // micro-step. A tied decoder's gradient of the token table stays whole until the
             // embeddings' own backward adds theirs and reduce-scatters the sum, the last.
@@ -625,6 +628,15 @@ impl MemoryPlan {
             let tied_table_grads = match per_unit {
                 true => w * units.tied_to_head(),
                 false => 0,
+            };
+            // Backward through the head and loss; then the top block recomputed beside the
+            // head's gradients (a tied decoder's include the token table's), the head's
+            // activations freed. Reduced per unit, the head's are its shard by then (added
+            // into the shards earlier micro-steps reduced, when there are some).
+            let head_grads = match (per_unit, args.accumulate > 1) {
+                (false, _) => w * head_unit,
+                (true, false) => w * units.head_shard() + tied_table_grads,
+                (true, true) => tied_table_grads,
             };
             // A unit with `slots` recomputed: its `copy` with what its forward `kept` and its
             // backward's own peak (its gradients among them); then those gradients, in the
