@@ -501,6 +501,20 @@ mod tests {
     }
 
     #[test]
+    fn a_rank_alone_reshards_only_what_it_copied_to_compute() {
+        let reshards = |flags: &[&str], world: usize| {
+            let args = parse(&[&["--strategy", "zero3"], flags].concat()).unwrap();
+            args.acting_sharding(world).unwrap().reshards()
+        };
+        assert!(!reshards(&[], 1));
+        assert!(!reshards(&["--precision", "bf16-true"], 1));
+        assert!(reshards(&[], 2));
+        assert!(reshards(&["--precision", "bf16-mixed"], 1));
+        assert!(reshards(&["--offload", "params"], 1));
+        assert!(!reshards(&["--reshard-after-forward", "false"], 2));
+    }
+
+    #[test]
     fn the_planner_plans_cpu_runs_only() {
         for flags in [
             &["--accelerator", "cubecl-cpu", "--plan"][..],
