@@ -490,12 +490,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.sharding
     }
 
-    /// The sharding as it acts on this rank ([`Sharding::acting_on`]): a unit gathered for
-    /// compute is a copy of the shards when gathered from other ranks, cast to the compute
-    /// dtype, or moved from the host.
+    /// The sharding as it acts on this rank ([`Sharding::acting_on`]).
     fn acting(&self) -> Sharding {
         self.sharding.acting_on(
-            self.comm.world_size() > 1 || self.precision.is_mixed() || self.home.is_some(),
+            self.comm.world_size(),
+            self.precision.is_mixed(),
+            self.home.is_some(),
         )
     }
 
@@ -820,7 +820,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         keep: Keep,
     ) -> Result<(), ShardError> {
         let sharded_params = self.sharding.parameters;
-        let keep_gathered = self.acting().keeps_gathered();
+        let acting = self.acting();
+        let keep_gathered = acting.keeps_gathered();
         let _autocast = autocast::scope(self.precision.is_mixed());
         let mut root = self.model.as_ref().expect(PRESENT).clone();
         let blocks = root.take_blocks();
@@ -829,7 +830,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // their graph, when not resharded); else its compute copy serves all. The embeddings'
         // output under autodiff, with their gathered unit, when backward need not recompute
         // them.
-        let (mut x, mask, embedded) = if self.acting().reshards() {
+        let (mut x, mask, embedded) = if acting.reshards() {
             let _training = dropout::training_scope();
             let (x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.embed(input.clone());
             (x, mask, None)

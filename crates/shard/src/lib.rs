@@ -84,13 +84,16 @@ pub struct Sharding {
 }
 
 impl Sharding {
-    /// This sharding as it acts on a rank whose gathered units are (`copies`) or are not
-    /// copies of its shards. A rank alone, computing in its parameters' dtype on the device
-    /// they live on, computes with its shards as they are (they are its whole parameters):
-    /// there is nothing to drop after forward, and resharding would only recompute each
-    /// block. Such a rank keeps its units' graphs, as a plain step (or FSDP, which
-    /// recomputes nothing unasked) does.
-    pub const fn acting_on(self, copies: bool) -> Self {
+    /// This sharding as it acts on a rank of `world`, computing in a dtype of its own when
+    /// `cast` (the mixed policies), its shards on the host between uses when `offloaded`. A
+    /// unit it gathers is a copy of its shards when gathered from other ranks, cast, or moved
+    /// from the host; else (a rank alone, computing in its parameters' dtype on the device
+    /// they live on) it computes with its shards as they are, its whole parameters: there is
+    /// nothing to drop after forward, and resharding would only recompute each block. Such a
+    /// rank keeps its units' graphs, as a plain step (or FSDP, which recomputes nothing
+    /// unasked) does.
+    pub const fn acting_on(self, world: usize, cast: bool, offloaded: bool) -> Self {
+        let copies = world > 1 || cast || offloaded;
         Sharding {
             reshard_after_forward: self.reshard_after_forward && copies,
             ..self

@@ -293,12 +293,10 @@ impl TrainArgs {
     }
 
     /// [`TrainArgs::sharding`] as it acts on each of `world` ranks
-    /// ([`burnscale_shard::Sharding::acting_on`]): their gathered units are copies of their
-    /// shards when gathered from other ranks, cast to a mixed policy's compute dtype, or
-    /// moved from the host.
+    /// ([`burnscale_shard::Sharding::acting_on`]).
     pub fn acting_sharding(&self, world: usize) -> Result<burnscale_shard::Sharding, TrainError> {
-        let copies = world > 1 || self.precision.is_mixed() || self.offload == Offload::Params;
-        Ok(self.sharding()?.acting_on(copies))
+        let (cast, offloaded) = (self.precision.is_mixed(), self.offload == Offload::Params);
+        Ok(self.sharding()?.acting_on(world, cast, offloaded))
     }
 
     /// Where the ranks run: `--accelerator`, or its default on this machine.
