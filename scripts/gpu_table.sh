@@ -30,6 +30,13 @@
 # on (each kernel timed on the device); OUT gets the log as profile.log.gz, which
 # `scripts/kernel_times.py` splits into steps and sums by kernel family.
 #
+# AUTOTUNE=minimal|balanced|extensive|full sets cubecl's autotune level (default balanced,
+# which stops tuning a matmul at the first candidate within 0.8 of the peak cubecl measured
+# itself; full tries every candidate).
+#
+# NO_TORCH=1 leaves out the vit table's PyTorch phases (when a call on the same warm machine
+# has taken them).
+#
 # ACCELERATOR=libtorch (default cuda) runs burnscale's phases on Burn's LibTorch backend, from
 # binaries built with `--features tch` against this machine's PyTorch (scripts/libtorch.sh
 # cuda), whose libraries it puts on LD_LIBRARY_PATH.
@@ -76,7 +83,7 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,nohead
 smi=$!
 trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
 # Compiled kernels are kept across processes (autotune results always are).
-printf '[compilation]\ncache = true\n' >cubecl.toml
+printf '[compilation]\ncache = true\n[autotune]\nlevel = "%s"\n' "${AUTOTUNE:-balanced}" >cubecl.toml
 
 capped() { # NAME CAP COMMAND...: COMMAND capped at CAP seconds, its start and end logged
     local name=$1 cap=$2
@@ -92,6 +99,7 @@ phase() { # NAME CAP ARGS...: one burnscale process, capped at CAP seconds
 }
 
 torch_vit() { # NAME CAP ARGS...: PyTorch's side of a ViT row, capped at CAP seconds
+    [ "${NO_TORCH:-0}" = 1 ] && return
     capped "$1" "$2" python3 scripts/bench_vit_torch.py --device cuda "${@:3}"
 }
 
@@ -132,5 +140,5 @@ phase m57_f32_warm 45 "${m57[@]}" --steps 10 --warmup 2 --no-plain --no-torch
 phase m303_f32 110 --n-layer 24 --n-head 16 --n-embd 1024 --block-size 512 --batch-size 8 \
     --steps 6 --warmup 2
 # CUDA's stream-ordered allocator under cubecl's pools, beside the default (synchronous).
-printf '[compilation]\ncache = true\n[memory.cuda]\nallocator = "async"\n' >cubecl.toml
+printf '[memory.cuda]\nallocator = "async"\n' >>cubecl.toml
 phase m57_f32_async 45 "${m57[@]}" --steps 10 --warmup 2 --no-plain --no-torch
