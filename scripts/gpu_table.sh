@@ -30,9 +30,11 @@
 # on (each kernel timed on the device); OUT gets the log as profile.log.gz, which
 # `scripts/kernel_times.py` splits into steps and sums by kernel family.
 #
-# AUTOTUNE=minimal|balanced|extensive|full sets cubecl's autotune level (default balanced,
-# which stops tuning a matmul at the first candidate within 0.8 of the peak cubecl measured
-# itself; full tries every candidate).
+# AUTOTUNE=minimal|balanced|extensive|full sets cubecl's autotune level (by default
+# balanced: a group's tuning stops at the first candidate within 0.8 of the roofline peak
+# that cubecl measures itself; full sets no such bound), tunes afresh in every process (no
+# autotune cache, which keeps a decision whatever the level) and logs every candidate's time
+# or error, the bounds and the winner to OUT/autotune.log.
 #
 # NO_TORCH=1 leaves out the vit table's PyTorch phases (when a call on the same warm machine
 # has taken them).
@@ -82,8 +84,12 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,nohead
     -lms 250 >"$out/smi.csv" &
 smi=$!
 trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
-# Compiled kernels are kept across processes (autotune results always are).
-printf '[compilation]\ncache = true\n[autotune]\nlevel = "%s"\n' "${AUTOTUNE:-balanced}" >cubecl.toml
+# Compiled kernels are kept across processes (autotune decisions too, unless AUTOTUNE is set).
+printf '[compilation]\ncache = true\n' >cubecl.toml
+if [ -n "${AUTOTUNE:-}" ]; then
+    printf '[autotune]\nlevel = "%s"\ndisable_cache = true\n[autotune.logger]\nlevel = "full"\nfile = "%s"\n' \
+        "$AUTOTUNE" "$out/autotune.log" >>cubecl.toml
+fi
 
 capped() { # NAME CAP COMMAND...: COMMAND capped at CAP seconds, its start and end logged
     local name=$1 cap=$2
