@@ -266,7 +266,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if sharding.keeps_gathered() || !self.local.is_empty() {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
         }
-        let model = self.compute(self.model.as_ref().expect(PRESENT).clone());
+        // The whole model in one graph: a replica's own, or the shards of a rank acting as one
+        // (alone, they are its whole parameters: taken as they are, tracked).
+        let units: Vec<usize> = (0..self.units.len()).collect();
+        let model = self.unit(self.model.as_ref().expect(PRESENT), &units, true)?;
         let loss = {
             let _autocast = autocast::scope(self.precision.is_mixed());
             model.loss(input, target)

@@ -89,14 +89,18 @@ impl Sharding {
     /// unit it gathers is a copy of its shards when gathered from other ranks, cast, or moved
     /// from the host; else (a rank alone, computing in its parameters' dtype on the device
     /// they live on) it computes with its shards as they are, its whole parameters: there is
-    /// nothing to drop after forward, and resharding would only recompute each block. Such a
-    /// rank keeps its units' graphs, as a plain step (or FSDP, which recomputes nothing
-    /// unasked) does.
+    /// nothing to gather or to drop after forward, and resharding would only recompute each
+    /// block. Such a rank acts as a replica: one graph for the whole model, as a plain step
+    /// (or FSDP, which recomputes nothing unasked) has, its gradients and optimizer state
+    /// still its shards (whole too).
     pub const fn acting_on(self, world: usize, cast: bool, offloaded: bool) -> Self {
-        let copies = world > 1 || cast || offloaded;
-        Sharding {
-            reshard_after_forward: self.reshard_after_forward && copies,
-            ..self
+        match world > 1 || cast || offloaded {
+            true => self,
+            false => Sharding {
+                parameters: false,
+                reshard_after_forward: false,
+                ..self
+            },
         }
     }
 

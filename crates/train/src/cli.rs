@@ -132,7 +132,7 @@ pub struct TrainArgs {
     /// one all-gather per unit a micro-step and no recomputation, for the whole model's parameters
     /// held during forward and backward; FSDP2's reshard_after_forward=False). A rank alone
     /// whose units compute with its shards as they are (32-true, bf16-true, not offloaded)
-    /// has no copy to drop and keeps its graphs either way.
+    /// has nothing to gather or drop, and runs its whole model as one graph either way.
     #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set)]
     pub reshard_after_forward: Option<bool>,
     /// Keep optimizer state (optimizer: every strategy) and also ZeRO-3's parameter shards
@@ -499,17 +499,29 @@ mod tests {
     }
 
     #[test]
-    fn a_rank_alone_reshards_only_what_it_copied_to_compute() {
-        let reshards = |flags: &[&str], world: usize| {
+    fn a_rank_alone_gathers_only_what_it_copies_to_compute() {
+        let acting = |flags: &[&str], world: usize| {
             let args = parse(&[&["--strategy", "zero3"], flags].concat()).unwrap();
-            args.acting_sharding(world).unwrap().reshards()
+            args.acting_sharding(world).unwrap()
         };
-        assert!(!reshards(&[], 1));
-        assert!(!reshards(&["--precision", "bf16-true"], 1));
-        assert!(reshards(&[], 2));
-        assert!(reshards(&["--precision", "bf16-mixed"], 1));
-        assert!(reshards(&["--offload", "params"], 1));
-        assert!(!reshards(&["--reshard-after-forward", "false"], 2));
+        // Alone, computing with its shards as they are: a replica of whole parameters.
+        for flags in [&[][..], &["--precision", "bf16-true"]] {
+            let alone = acting(flags, 1);
+            assert!(!alone.parameters && !alone.reshards(), "{flags:?}");
+            assert!(alone.gradients && alone.optimizer_state, "{flags:?}");
+        }
+        for (flags, world) in [
+            (&[][..], 2),
+            (&["--precision", "bf16-mixed"], 1),
+            (&["--offload", "params"], 1),
+        ] {
+            let copying = acting(flags, world);
+            assert!(
+                copying.parameters && copying.reshards(),
+                "{flags:?} x {world}"
+            );
+        }
+        assert!(!acting(&["--reshard-after-forward", "false"], 2).reshards());
     }
 
     #[test]

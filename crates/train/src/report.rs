@@ -107,7 +107,8 @@ pub struct RunSummary {
     /// zero3 resharding after forward).
     pub recomputed_blocks: bool,
     /// zero3: whether gathered units were dropped after forward (FSDP2's
-    /// `reshard_after_forward`).
+    /// `reshard_after_forward`); absent where nothing is gathered (a rank alone computing
+    /// with its shards as they are: [`burnscale_shard::Sharding::acting_on`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reshard_after_forward: Option<bool>,
     pub precision: Precision,
@@ -356,8 +357,9 @@ impl RunSummary {
                     "{} ({}{}{})",
                     self.world_size,
                     value_name(self.strategy),
-                    match self.reshard_after_forward {
-                        Some(false) => ", kept gathered from forward to backward",
+                    match (self.reshard_after_forward, self.strategy == Strategy::Zero3) {
+                        (Some(false), _) => ", kept gathered from forward to backward",
+                        (None, true) => ", alone: its shards are its whole parameters, one graph",
                         _ => "",
                     },
                     match self.recomputed_blocks {
