@@ -519,7 +519,10 @@ impl MemoryPlan {
         let gathered_unit;
         let compute_copy;
         // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
-        // 16-bit cast (an f32 rank alone runs its shards, which are whole, as they are).
+        // 16-bit cast. A rank alone that still acts sharded without a cast has its shards
+        // offloaded, and on the CPU, the one device planned, the host is the device: moving
+        // them there copies nothing (a rank alone otherwise acts as a replica:
+        // `Sharding::acting_on`).
         let gathers = sharding.parameters && (world > 1 || mixed);
         // Not resharded after forward: every unit but the head's gathered by the end of
         // forward, each held until its backward ends.
