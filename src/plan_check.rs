@@ -83,6 +83,8 @@ pub const SHARDED: &[&[&str]] = &[
     &["--strategy", "zero2", "--accumulate", "2"],
     &["--strategy", "zero2", "--checkpoint-activations"],
     &["--strategy", "zero3"],
+    // Resharded with checkpointing: blocks run forward outside autodiff, recomputed.
+    &["--strategy", "zero3", "--checkpoint-activations"],
     // Every micro-step reduce-scatters its gradients: only shards are summed.
     &["--strategy", "zero3", "--accumulate", "2"],
     &["--strategy", "zero3", "--precision", "bf16-true"],

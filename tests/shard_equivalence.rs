@@ -40,7 +40,7 @@ fn clipping_uses_the_global_norm_across_shards() {
 
 #[test]
 fn checkpointed_blocks_take_the_plain_steps() {
-    for strategy in ["ddp", "zero1", "zero2"] {
+    for strategy in ["ddp", "zero1", "zero2", "zero3"] {
         for world in [1, 3] {
             let flags = [SGD, &["--checkpoint-activations"]].concat();
             assert_matches_plain(strategy, world, &flags);
@@ -64,15 +64,19 @@ fn zero3_kept_gathered_takes_the_plain_steps() {
 }
 
 #[test]
-fn recomputed_blocks_drop_what_their_forward_dropped() {
-    // ZeRO-3 resharding after forward and --checkpoint-activations run blocks forward
-    // outside autodiff and recompute them in backward, and accumulation's later micro-batches
-    // run each block on a graph of its own: all must apply the masks of a plain step (one
-    // rank, whose dropout stream is the plain loop's; alone, ZeRO-3 reshards only what it
-    // copied to compute with, here its shards offloaded to the host).
+fn blockwise_steps_drop_what_a_plain_step_drops() {
+    // --checkpoint-activations runs blocks forward outside autodiff and recomputes them in
+    // backward; ZeRO-3, and accumulation's later micro-batches, run each block on a graph of
+    // its own (resharded, its linears regathered): all must apply the masks of a plain step
+    // (one rank, whose dropout stream is the plain loop's; alone, ZeRO-3 reshards only what
+    // it copied to compute with, here its shards offloaded to the host).
     for optimizer in [SGD, ADAMW] {
         for (strategy, extra) in [
             ("zero3", &["--offload", "params"][..]),
+            (
+                "zero3",
+                &["--offload", "params", "--checkpoint-activations"][..],
+            ),
             ("zero3", &[][..]),
             ("zero3", KEPT_GATHERED),
             (

@@ -9,6 +9,7 @@ pub mod device_cache;
 pub mod dropout;
 pub mod init;
 mod loss;
+pub mod regather;
 pub mod weights;
 
 pub use activation::gelu_tanh;

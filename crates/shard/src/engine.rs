@@ -5,7 +5,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType as TensorDType, Gradients};
 use burnscale_collective::{Communicator, DType, ReduceOp, tensor_dtype};
-use burnscale_nn::{BlockModel, autocast, autodiff_on, dropout};
+use burnscale_nn::{BlockModel, autocast, autodiff_on, dropout, regather};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
@@ -63,8 +63,7 @@ pub struct Sharded<'c, M: BlockModel> {
     /// This step's micro-step losses (each divided by the accumulation), on the device:
     /// read once, when the step ends, so that nothing waits for the device mid-step.
     losses: Vec<Tensor<1>>,
-    /// Per-block activation checkpointing, as asked (sharded parameters resharded after
-    /// forward recompute anyway: [`Sharding::recomputes`]).
+    /// Per-block activation checkpointing, as asked.
     checkpoint: bool,
     precision: Precision,
     /// Where the parameter shards live between uses when offloaded (else the device).
@@ -256,14 +255,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         accumulate: usize,
         last: bool,
     ) -> Result<(), ShardError> {
-        let sharding = self.acting();
-        if sharding.recomputes(self.checkpoint) {
+        if self.checkpoint {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Inputs);
         }
-        // Kept gathered units are dropped as backward leaves each; and in later micro-steps of
-        // an accumulation into whole sums a plain backward would hand back every gradient at
-        // once, a second whole copy beside the sums.
-        if sharding.keeps_gathered() || !self.local.is_empty() {
+        // Gathered units are dropped as backward leaves each (or, resharded, their weights
+        // after forward); and in later micro-steps of an accumulation into whole sums a plain
+        // backward would hand back every gradient at once, a second whole copy beside the sums.
+        if self.acting().parameters || !self.local.is_empty() {
             return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
         }
         // The whole model in one graph: a replica's own, or the shards of a rank acting as one
@@ -809,11 +807,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// forward, kept gathered from a unit's forward to the end of its backward. DDP and
     /// ZeRO-1 reduce their buckets after the whole backward of the last micro-step.
     ///
-    /// With [`Keep::Graphs`] nothing is recomputed: each block runs forward under autodiff
-    /// from an input of its own and keeps its graph (and so its gathered parameters), and
-    /// backward goes through the graphs block by block, adding each block's gradients into
-    /// the sums as it leaves it (PyTorch adds into `.grad` as backward goes), instead of a
-    /// plain backward's whole second copy at its end.
+    /// With [`Keep::Graphs`] no block is recomputed: each runs forward under autodiff from an
+    /// input of its own and keeps its graph, and backward goes through the graphs block by
+    /// block, adding each block's gradients into the sums as it leaves it (PyTorch adds into
+    /// `.grad` as backward goes), instead of a plain backward's whole second copy at its end.
+    /// A graph keeps its block's gathered parameters, except where they are resharded after
+    /// forward: there the block's linears run through [`regather`], its weights are dropped
+    /// after its forward and gathered again for its backward, which reads them from there.
     fn blockwise_micro_step(
         &mut self,
         input: M::Input,
@@ -873,12 +873,17 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     Keep::Graphs => {
                         let block = self.unit(block, &unit, true)?;
                         let input = autodiff_on(x, &self.device).require_grad();
-                        let output = root.block_forward(&block, input.clone(), &mask);
+                        let forward = || root.block_forward(&block, input.clone(), &mask);
+                        let (output, regathered) = match acting.reshards() {
+                            true => regather::forward(forward),
+                            false => (forward(), Vec::new()),
+                        };
                         x = output.clone().inner();
                         Saved::Graph {
-                            block,
+                            block: params::emptied(block, &regathered),
                             input,
                             output,
+                            regathered,
                         }
                     }
                 });
@@ -909,7 +914,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             self.reduce(Group::Unit(HEAD))?;
         }
         for (i, block) in blocks.iter().enumerate().rev() {
-            let (block, input, y) = match saved.pop().expect("one saved part per block") {
+            let (block, input, y, weights) = match saved.pop().expect("one saved part per block") {
                 Saved::Input(x, at, gathered) => {
                     let block = match gathered {
                         Some(gathered) => gathered,
@@ -918,15 +923,32 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     dropout::rewind(at);
                     let input = autodiff_on(x, &self.device).require_grad();
                     let y = root.block_forward(&block, input.clone(), &mask);
-                    (block, input, y)
+                    (block, input, y, Vec::new())
                 }
                 Saved::Graph {
-                    block,
+                    block: kept,
                     input,
                     output,
-                } => (block, input, output),
+                    regathered,
+                } => {
+                    let weights = match regathered.is_empty() {
+                        true => Vec::new(),
+                        false => {
+                            let gathered = self.unit(block, &[FIRST_BLOCK + i], false)?;
+                            params::matrices(&gathered, &regathered)
+                        }
+                    };
+                    (kept, input, output, weights)
+                }
             };
-            let grads = (y * autodiff_on(grad_x, &self.device)).sum().backward();
+            let grad_y = autodiff_on(grad_x, &self.device);
+            let (grads, weight_grads) =
+                regather::backward(weights, || (y * grad_y).sum().backward());
+            let dtype = self.grad_dtype();
+            for (id, grad) in weight_grads {
+                let grad = grad.expect("backward reaches every linear of its block");
+                params::add_grad(&mut self.local, id, grad, dtype);
+            }
             grad_x = input
                 .grad(&grads)
                 .expect("a block's output depends on its input");
@@ -1023,11 +1045,13 @@ enum Saved<B> {
     /// Its input (outside autodiff), where the dropout stream stood when it ran, and its
     /// gathered parameters (tracked) when they stay gathered until its backward.
     Input(Tensor<3>, dropout::StreamPosition, Option<B>),
-    /// The block as it ran (its compute copy), its input leaf and its output, tracked.
+    /// The block as it ran (its compute copy, less the weights its graph reads in backward
+    /// from [`regather`]), its input leaf and its output, tracked, and those weights' ids.
     Graph {
         block: B,
         input: Tensor<3>,
         output: Tensor<3>,
+        regathered: Vec<ParamId>,
     },
 }
 

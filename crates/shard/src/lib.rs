@@ -15,10 +15,11 @@
 //! under ZeRO-2 with checkpointing, whose backward also runs block by block; a decoder tied to
 //! the token table leaves the table's whole gradient until the embeddings' reduce-scatter,
 //! the last). Burn's autodiff graph keeps every weight a forward used alive until backward, so
-//! a block's forward runs outside autodiff and backward recomputes it from its saved input
-//! with re-gathered weights ([`Sharded`]), unless [`Sharding::reshard_after_forward`] is off:
-//! then each unit stays gathered, with its graph, from its forward to the end of its
-//! backward.
+//! the blocks' linears run through [`burnscale_nn::regather`] when resharded after forward: a
+//! block's graph keeps its activations, not its weights, and backward stages the weights
+//! gathered again for the linears' backward, as FSDP does (nothing recomputed; the embeddings,
+//! a lookup, run again). With [`Sharding::reshard_after_forward`] off each unit stays
+//! gathered, with its graph, from its forward to the end of its backward.
 //!
 //! [`BlockModel`]: burnscale_nn::BlockModel
 
@@ -74,8 +75,8 @@ pub struct Sharding {
     /// (ZeRO-3, FSDP).
     pub parameters: bool,
     /// With sharded parameters: each unit's gathered parameters are dropped after its
-    /// forward and gathered again for its backward, which recomputes its forward (Burn's
-    /// graph would keep them). When false, a unit gathered for forward stays gathered, with
+    /// forward and gathered again for its backward (the blocks keep their graphs without
+    /// their weights: [`burnscale_nn::regather`]), FSDP2's default. When false, a unit gathered for forward stays gathered, with
     /// its graph, until its backward ends: one all-gather per unit a micro-step (a head tied to
     /// the token table reads the embeddings' kept copy) and no recomputation, for the whole
     /// model's parameters held during forward and backward (FSDP2's
@@ -89,8 +90,7 @@ impl Sharding {
     /// unit it gathers is a copy of its shards when gathered from other ranks, cast, or moved
     /// from the host; else (a rank alone, computing in its parameters' dtype on the device
     /// they live on) it computes with its shards as they are, its whole parameters: there is
-    /// nothing to gather or to drop after forward, and resharding would only recompute each
-    /// block. Such a rank acts as a replica: one graph for the whole model, as a plain step
+    /// nothing to gather or to drop after forward. Such a rank acts as a replica: one graph for the whole model, as a plain step
     /// (or FSDP, which recomputes nothing unasked) has, its gradients and optimizer state
     /// still its shards (whole too).
     pub const fn acting_on(self, world: usize, cast: bool, offloaded: bool) -> Self {
@@ -105,15 +105,9 @@ impl Sharding {
     }
 
     /// Whether sharded parameters are dropped after each unit's forward, so that backward
-    /// gathers them again and recomputes the unit (the embeddings too).
+    /// gathers them again (for the blocks' linears, or to recompute the embeddings).
     pub const fn reshards(self) -> bool {
         self.parameters && self.reshard_after_forward
-    }
-
-    /// Whether each block's forward is recomputed in backward: with per-block activation
-    /// checkpointing, and wherever gathered parameters are dropped after forward.
-    pub const fn recomputes(self, checkpoint_activations: bool) -> bool {
-        checkpoint_activations || self.reshards()
     }
 
     /// Whether sharded parameters stay gathered from a unit's forward to its backward.

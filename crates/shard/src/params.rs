@@ -75,18 +75,64 @@ pub fn add_grads<M: Module>(
     }
     impl ModuleVisitor for Add<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(grad) = self.grads.remove::<D>(param.id) else {
-                return;
-            };
-            let grad = flat(grad).cast(self.dtype);
-            let sum = match self.sums.remove(&param.id) {
-                Some(sum) => sum + grad,
-                None => grad,
-            };
-            self.sums.insert(param.id, sum);
+            if let Some(grad) = self.grads.remove::<D>(param.id) {
+                add_grad(self.sums, param.id, grad, self.dtype);
+            }
         }
     }
     module.visit(&mut Add { grads, sums, dtype });
+}
+
+/// Adds `grad`, the gradient of parameter `id` (in `dtype`, flat), into `sums`.
+pub fn add_grad<const D: usize>(sums: &mut Flat, id: ParamId, grad: Tensor<D>, dtype: TensorDType) {
+    let grad = flat(grad).cast(dtype);
+    let sum = match sums.remove(&id) {
+        Some(sum) => sum + grad,
+        None => grad,
+    };
+    sums.insert(id, sum);
+}
+
+/// The 2-D parameters of `module` named in `ids`, in that order, sharing their values.
+pub fn matrices<M: Module>(module: &M, ids: &[ParamId]) -> Vec<(ParamId, Tensor<2>)> {
+    struct Matrices<'a>(&'a [ParamId], HashMap<ParamId, Tensor<2>>);
+    impl ModuleVisitor for Matrices<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if D == 2 && self.0.contains(&param.id) {
+                let t = param.val();
+                let dims = t.dims();
+                self.1.insert(param.id, t.reshape([dims[0], dims[1]]));
+            }
+        }
+    }
+    let mut visit = Matrices(ids, HashMap::new());
+    module.visit(&mut visit);
+    ids.iter()
+        .map(|id| {
+            (
+                *id,
+                visit.1.remove(id).expect("a 2-D parameter for every id"),
+            )
+        })
+        .collect()
+}
+
+/// `module` with the parameters named in `ids` emptied (no elements; same ids, dims of 0),
+/// the others untouched: what a graph's block keeps when backward gathers those again.
+pub fn emptied<M: Module>(module: M, ids: &[ParamId]) -> M {
+    if ids.is_empty() {
+        return module;
+    }
+    struct Empty<'a>(&'a [ParamId]);
+    impl ModuleMapper for Empty<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if !self.0.contains(&param.id) {
+                return param;
+            }
+            param.map(|t| Tensor::empty([0; D], (&t.device(), t.dtype())))
+        }
+    }
+    module.map(&mut Empty(ids))
 }
 
 /// `module` with the parameters named in `values` replaced by those flat values reshaped to

@@ -5,12 +5,11 @@
 //!
 //! The order is the techniques' usual cost on GPUs: DDP, then ZeRO-1 and ZeRO-2 (the same
 //! bytes on the wire as DDP's all-reduce), then ZeRO-3 keeping each unit gathered from its
-//! forward to its backward (`--reshard-after-forward false`: nothing recomputed, and ZeRO-2's
-//! bytes at `--accumulate 1`, its all-gather every micro-step where ZeRO-2's is once a step),
-//! then the four with activation checkpointing (a second forward per block; ZeRO-3 still
-//! kept gathered, so recomputing without gathering again), then ZeRO-3 resharded after
-//! forward (it gathers parameters around every use, and recomputes anyway), then all of them
-//! again with the optimizer state on disk when `--offload-dir` names a place for it. The
+//! forward to its backward (`--reshard-after-forward false`: ZeRO-2's bytes at
+//! `--accumulate 1`, its all-gather every micro-step where ZeRO-2's is once a step), then
+//! ZeRO-3 resharded after forward (each block gathered again for its backward), then the five
+//! with activation checkpointing (a second forward per block), then all of them again with
+//! the optimizer state on disk when `--offload-dir` names a place for it. The
 //! precision given stays unless nothing fits in it: it changes what the model learns, so
 //! bf16-mixed, then bf16-true, are tried only after every other candidate.
 
@@ -178,7 +177,7 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
         for offload_dir in &disks {
             for checkpoint in [args.checkpoint_activations, true] {
                 for &strategy in strategies {
-                    let resharding = resharding(strategy, checkpoint, args.reshard_after_forward);
+                    let resharding = resharding(strategy, args.reshard_after_forward);
                     for reshard_after_forward in resharding {
                         let candidate = TrainArgs {
                             strategy,
@@ -205,15 +204,12 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
 }
 
 /// The `--reshard-after-forward` values a candidate of `strategy` takes, in order, when the
-/// user gave `given`: ZeRO-3 runs without recomputing only when it keeps its gathered units;
-/// with checkpointing it keeps them (recomputing without gathering again), then reshards,
-/// unless the user said which. Other strategies take none.
-fn resharding(strategy: Strategy, checkpoint: bool, given: Option<bool>) -> Vec<Option<bool>> {
-    match (strategy, checkpoint, given) {
-        (Strategy::Zero3, false, Some(true)) => vec![],
-        (Strategy::Zero3, false, _) => vec![Some(false)],
-        (Strategy::Zero3, true, None) => vec![Some(false), None],
-        (Strategy::Zero3, true, given) => vec![given],
+/// user gave `given`: ZeRO-3 keeps its gathered units (one all-gather per unit), then
+/// reshards, unless the user said which. Other strategies take none.
+fn resharding(strategy: Strategy, given: Option<bool>) -> Vec<Option<bool>> {
+    match (strategy, given) {
+        (Strategy::Zero3, None) => vec![Some(false), None],
+        (Strategy::Zero3, given) => vec![given],
         _ => vec![None],
     }
 }
@@ -250,8 +246,7 @@ fn flags_of(args: &TrainArgs) -> String {
         format!("--strategy {}", value_name(args.strategy)),
         format!("--precision {}", args.precision),
     ];
-    let recomputes_anyway = args.sharding().is_ok_and(|s| s.recomputes(false));
-    if args.checkpoint_activations && !recomputes_anyway {
+    if args.checkpoint_activations {
         flags.push("--checkpoint-activations".into());
     }
     if let Some(on) = args.reshard_after_forward {
@@ -290,7 +285,7 @@ mod tests {
     #[test]
     fn candidates_go_fastest_first_and_keep_the_precision_until_nothing_else_fits() {
         let four = order(&["--strategy", "auto", "--memory-budget", "1G"], 4);
-        let f32: Vec<&str> = four[..9].iter().map(String::as_str).collect();
+        let f32: Vec<&str> = four[..10].iter().map(String::as_str).collect();
         assert_eq!(
             f32,
             [
@@ -298,16 +293,17 @@ mod tests {
                 "--strategy zero1 --precision 32-true",
                 "--strategy zero2 --precision 32-true",
                 "--strategy zero3 --precision 32-true --reshard-after-forward false",
+                "--strategy zero3 --precision 32-true",
                 "--strategy ddp --precision 32-true --checkpoint-activations",
                 "--strategy zero1 --precision 32-true --checkpoint-activations",
                 "--strategy zero2 --precision 32-true --checkpoint-activations",
                 "--strategy zero3 --precision 32-true --checkpoint-activations --reshard-after-forward false",
-                "--strategy zero3 --precision 32-true",
+                "--strategy zero3 --precision 32-true --checkpoint-activations",
             ]
         );
-        assert_eq!(four.len(), 3 * 9);
-        assert!(four[9..18].iter().all(|c| c.contains("bf16-mixed")));
-        assert!(four[18..].iter().all(|c| c.contains("bf16-true")));
+        assert_eq!(four.len(), 3 * 10);
+        assert!(four[10..20].iter().all(|c| c.contains("bf16-mixed")));
+        assert!(four[20..].iter().all(|c| c.contains("bf16-true")));
         let resharded = order(
             &[
                 "--strategy",
@@ -319,9 +315,9 @@ mod tests {
             ],
             4,
         );
-        assert_eq!(resharded.len(), 3 * 7);
+        assert_eq!(resharded.len(), 3 * 8);
         assert_eq!(
-            resharded[6],
+            resharded[3],
             "--strategy zero3 --precision 32-true --reshard-after-forward true"
         );
 
@@ -348,10 +344,7 @@ mod tests {
             ],
             2,
         );
-        assert!(
-            ckpt.iter()
-                .all(|c| c.contains("checkpoint") || c.contains("zero3"))
-        );
+        assert!(ckpt.iter().all(|c| c.contains("--checkpoint-activations")));
         assert_eq!(ckpt.len(), 3 * 5);
         let params = order(
             &[
@@ -379,10 +372,10 @@ mod tests {
             ],
             2,
         );
-        assert_eq!(disk.len(), 3 * 2 * 9);
-        assert!(disk[..9].iter().all(|c| !c.contains("offload")));
+        assert_eq!(disk.len(), 3 * 2 * 10);
+        assert!(disk[..10].iter().all(|c| !c.contains("offload")));
         assert!(
-            disk[9..18]
+            disk[10..20]
                 .iter()
                 .all(|c| c.contains("--offload-dir /tmp/o"))
         );

@@ -123,14 +123,14 @@ pub struct TrainArgs {
     #[arg(long)]
     pub init_on_device: bool,
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward (always so under zero3 resharded after forward).
+    /// recomputed in backward.
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// zero3: whether each unit's gathered parameters are dropped after its forward and
-    /// gathered again for its backward, which recomputes the forward (true, FSDP2's
-    /// default), or kept gathered with their graph until the unit's backward ends (false:
-    /// one all-gather per unit a micro-step and no recomputation, for the whole model's parameters
-    /// held during forward and backward; FSDP2's reshard_after_forward=False). A rank alone
+    /// gathered again for its backward (true, FSDP2's default: a block's graph keeps its
+    /// activations, not its weights), or kept gathered with their graph until the unit's
+    /// backward ends (false: one all-gather per unit a micro-step, for the whole model's
+    /// parameters held during forward and backward; FSDP2's reshard_after_forward=False). A rank alone
     /// whose units compute with its shards as they are (32-true, bf16-true, not offloaded)
     /// has nothing to gather or drop, and runs its whole model as one graph either way.
     #[arg(long, value_name = "BOOL", action = clap::ArgAction::Set)]
@@ -491,11 +491,11 @@ mod tests {
         let args = parse(&["--reshard-after-forward", "false", "--strategy", "fsdp"]).unwrap();
         args.validate().unwrap();
         let sharding = args.sharding().unwrap();
-        assert!(sharding.keeps_gathered() && !sharding.recomputes(false));
+        assert!(sharding.keeps_gathered() && !sharding.reshards());
         let err = parse(&["--reshard-after-forward", "no"]).unwrap_err();
         assert!(err.contains("no") && err.contains("true"), "{err}");
         let default = parse(&["--strategy", "zero3"]).unwrap().sharding().unwrap();
-        assert!(default.recomputes(false) && !default.keeps_gathered());
+        assert!(default.reshards() && !default.keeps_gathered());
     }
 
     #[test]

@@ -19,9 +19,9 @@ use std::collections::HashSet;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::DType;
-use burnscale_nn::{BlockModel, autocast, dropout};
+use burnscale_nn::{BlockModel, Mask, autocast, dropout, regather};
 use burnscale_shard::layout::{self, Slot};
-use burnscale_shard::{BUCKET_ELEMS, StepGrads};
+use burnscale_shard::{BUCKET_ELEMS, StepGrads, params};
 use serde::Serialize;
 
 use crate::memory::{self, human_bytes};
@@ -57,6 +57,9 @@ pub struct Probe {
     pub head_backward: usize,
     pub block_backward: usize,
     pub embed_backward: usize,
+    /// `block_backward` with the block's linears regathered (ZeRO-3 resharded after forward):
+    /// their op drops each input as its backward reads it.
+    pub regathered_backward: usize,
     /// The optimizer step's temporaries on the model's largest parameter (of `step_elems`
     /// elements), above its state.
     pub step: usize,
@@ -102,12 +105,25 @@ impl Probe {
                 let (dims, bytes) = (x.shape(), x.shape().num_elements() * x.dtype().size());
                 (root.head_loss(x, target.clone()), mask, dims, bytes)
             };
-            // A first forward and backward leave what the backend keeps for good (the
-            // matmul's packing buffers, ~3 MiB for a block of width 512 on Flex): outside the
-            // model, once, not in the first part measured after them. Backward, not a drop,
-            // frees the graph.
+            // A block's forward through regathered linears (resharded ZeRO-3) from `input`,
+            // then its backward: the most that adds above its start. Their op drops each input
+            // as its backward reads it; Burn's linear keeps it to the end.
+            let regathered = |block, input: Tensor<3>, mask: &Mask| {
+                let (y, read) = regather::forward(|| root.block_forward(block, input, mask));
+                let weights = params::matrices(block, &read);
+                let peak = || memory::peak_added_by(|| y.sum().backward()).1;
+                regather::backward(weights, peak).0
+            };
+            // A first forward and backward (and a block's through regathered linears) leave
+            // what the backend keeps for good (the matmul's packing buffers, ~3 MiB for a
+            // block of width 512 on Flex): outside the model, once, not in the first part
+            // measured after them. Backward, not a drop, frees the graph.
             let live = memory::live_bytes();
             drop(forward(&mut || ()).0.backward());
+            if let Some(block) = &block {
+                let (x, mask) = root.embed(input.clone());
+                regathered(block, x.detach().require_grad(), &mask);
+            }
             let baseline = baseline + memory::live_bytes().saturating_sub(live);
             let mut marks = Vec::with_capacity(2);
             let live = memory::live_bytes();
@@ -120,7 +136,7 @@ impl Probe {
             let leaf = || Tensor::<3>::zeros(dims.clone(), (device, dtype.into())).require_grad();
             let loss = root.head_loss(leaf(), target);
             let head_backward = memory::peak_added_by(|| loss.backward()).1;
-            let (block_backward, held_input) = match &block {
+            let (block_backward, regathered_backward, held_input) = match &block {
                 Some(block) => {
                     let y = root.block_forward(block, leaf(), &mask);
                     let backward = memory::peak_added_by(|| y.sum().backward()).1;
@@ -130,9 +146,9 @@ impl Probe {
                     let held = memory::live_bytes().saturating_sub(live);
                     let held = held.saturating_sub(blocked.saturating_sub(embedded));
                     drop(y.sum().backward());
-                    (backward, held)
+                    (backward, regathered(block, leaf(), &mask), held)
                 }
-                None => (0, 0),
+                None => (0, 0, 0),
             };
             let (x, _) = root.embed(input);
             let embed_backward = match x.is_tracked() {
@@ -145,10 +161,22 @@ impl Probe {
                 blocked.saturating_sub(embedded),
                 output,
                 headed.saturating_sub(blocked),
-                [head_backward, block_backward, embed_backward, held_input],
+                [
+                    head_backward,
+                    block_backward,
+                    regathered_backward,
+                    embed_backward,
+                    held_input,
+                ],
             )
         };
-        let [head_backward, block_backward, embed_backward, held_input] = parts;
+        let [
+            head_backward,
+            block_backward,
+            regathered_backward,
+            embed_backward,
+            held_input,
+        ] = parts;
         drop((root, block));
         let (step, step_elems) = optimizer_step_bytes(model, args, device)?;
         Ok(Self {
@@ -161,6 +189,7 @@ impl Probe {
             head,
             head_backward,
             block_backward,
+            regathered_backward,
             embed_backward,
             step,
             step_elems,
@@ -488,11 +517,11 @@ impl MemoryPlan {
             true => w * elems,
             false => 0,
         };
-        let checkpoint = sharding.recomputes(args.checkpoint_activations);
+        let checkpoint = args.checkpoint_activations;
         let keep_gathered = sharding.keeps_gathered();
         // Backward goes block by block with checkpointing, and wherever gathered units are
-        // dropped as backward leaves each.
-        let blockwise = checkpoint || keep_gathered;
+        // dropped as backward leaves each (or, resharded, their weights after forward).
+        let blockwise = checkpoint || sharding.parameters;
         // The engine reduces unit by unit where it shards gradients along the blockwise
         // path, else bucket by bucket.
         let group = match sharding.gradients && blockwise {
@@ -507,13 +536,13 @@ impl MemoryPlan {
             true => w * group,
             false => 0,
         };
-        let activations = probe.embed + depth * probe.block + probe.head;
         // With sharded parameters resharded after forward the embeddings run outside
         // autodiff (they are recomputed in backward), so forward keeps only their output.
         let embed_kept = match sharding.reshards() {
             true => probe.block_output,
             false => probe.embed,
         };
+        let activations = embed_kept + depth * probe.block + probe.head;
         let activations_checkpointed = embed_kept + depth * probe.block_output + probe.head;
         let mut phases = Vec::new();
         let gathered_unit;
@@ -540,6 +569,7 @@ impl MemoryPlan {
                 held + activations + probe.head_backward,
                 held + activations - probe.head + c * units.head_unit() + probe.block_backward,
                 &probe,
+                probe.block_backward,
             ));
             // A plain backward: the embeddings last, beside its gradients of everything else
             // (a tied head's of the token table among them, until the embeddings' own add to
@@ -673,13 +703,18 @@ impl MemoryPlan {
                 true => probe.block + probe.held_input,
                 false => 0,
             };
+            // Resharded, the blocks' graphs run through regathered linears.
+            let block_backward = match sharding.reshards() && !checkpoint {
+                true => probe.regathered_backward,
+                false => probe.block_backward,
+            };
             let block_slots = units.largest_block_slots();
-            let top_block =
-                unit_backward(block_slots, top_copy, top_activations, probe.block_backward);
+            let top_block = unit_backward(block_slots, top_copy, top_activations, block_backward);
             phases.push(backward_top(
                 held + kept + gathered_kept + head_copy + probe.head_backward,
                 held + kept.saturating_sub(probe.head) + gathered_kept + top_block + head_grads,
                 &probe,
+                block_backward,
             ));
             // The bottom block's backward, its activations (recomputed, or kept) and its copy
             // beside the embeddings' (kept gathered with them, or gathered again after) and the
@@ -689,7 +724,7 @@ impl MemoryPlan {
                 block_slots,
                 unit_copy(block),
                 probe.block + probe.held_input,
-                probe.block_backward,
+                block_backward,
             );
             let embed_gathered = match kept_copies {
                 true => c * units.embeddings(),
@@ -719,7 +754,7 @@ impl MemoryPlan {
                     + bottom_block
                     + grads_above(block_slots).max(accumulated)
                     + tied_table_grads,
-                probe.block_backward,
+                block_backward,
             ));
             // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
             // root's compute copy serves), recomputed unless kept, backward through them.
@@ -907,11 +942,16 @@ fn grads_moved_in(slots: &[Slot], c: usize, w: usize) -> usize {
 
 /// Backward's top: through the head and loss (`through_head`), or the top block's backward
 /// beside the head's gradients, the head's activations freed (`top_block`), whichever holds
-/// more.
-fn backward_top(through_head: usize, top_block: usize, probe: &Probe) -> PhaseBytes {
+/// more; `block_backward` is the probe's for the way the block runs.
+fn backward_top(
+    through_head: usize,
+    top_block: usize,
+    probe: &Probe,
+    block_backward: usize,
+) -> PhaseBytes {
     match through_head > top_block {
         true => PhaseBytes::new(Phase::BackwardTop, through_head, probe.head_backward),
-        false => PhaseBytes::new(Phase::BackwardTop, top_block, probe.block_backward),
+        false => PhaseBytes::new(Phase::BackwardTop, top_block, block_backward),
     }
 }
 

@@ -238,7 +238,7 @@ impl RunSummary {
         Self {
             accelerator: args.runs_on(),
             strategy: args.strategy,
-            recomputed_blocks: sharding.is_some_and(|s| s.recomputes(args.checkpoint_activations)),
+            recomputed_blocks: sharding.is_some() && args.checkpoint_activations,
             reshard_after_forward: sharding
                 .filter(|s| s.parameters)
                 .map(|s| s.reshard_after_forward),

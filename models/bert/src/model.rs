@@ -4,7 +4,7 @@ use burn::prelude::*;
 use burn::tensor::activation::relu;
 use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache, regather};
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
 
@@ -137,9 +137,9 @@ impl SelfAttention {
         let [b, t, d] = x.dims();
         let hd = d / self.num_heads;
         let heads = |x: Tensor<3>| x.reshape([b, t, self.num_heads, hd]).swap_dims(1, 2);
-        let q = heads(self.query.forward(x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
-        let k = heads(self.key.forward(x.clone()));
-        let v = heads(self.value.forward(x));
+        let q = heads(regather::linear(&self.query, x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
+        let k = heads(regather::linear(&self.key, x.clone()));
+        let v = heads(regather::linear(&self.value, x));
         let y = kernel(q, k, v, mask, &self.dropout); // [b, nh, t, hd]
         y.swap_dims(1, 2).reshape([b, t, d])
     }
@@ -195,16 +195,17 @@ impl Layer {
     }
 
     pub fn forward(&self, x: Tensor<3>, mask: &Mask, kernel: Kernel) -> Tensor<3> {
-        let a = self
-            .attention_output
-            .forward(self.attention.forward(x.clone(), mask, kernel));
+        let a = regather::linear(
+            &self.attention_output,
+            self.attention.forward(x.clone(), mask, kernel),
+        );
         let x = autocast::layer_norm(&self.attention_norm, x + self.dropout.forward(a));
         let h = self
             .activation
-            .forward(self.intermediate.forward(x.clone())); // [b, t, f]
+            .forward(regather::linear(&self.intermediate, x.clone())); // [b, t, f]
         autocast::layer_norm(
             &self.output_norm,
-            x + self.dropout.forward(self.output.forward(h)),
+            x + self.dropout.forward(regather::linear(&self.output, h)),
         )
     }
 }

@@ -4,7 +4,7 @@ use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
 use burn::prelude::*;
 use burnscale_nn::autocast::{layer_norm, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache, gelu_tanh};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache, gelu_tanh, regather};
 
 use crate::{GptConfig, GptError};
 
@@ -34,7 +34,7 @@ impl CausalSelfAttention {
         let [b, t, c] = x.dims();
         let hd = c / self.n_head;
         let heads = |x: Tensor<3>| x.reshape([b, t, self.n_head, hd]).swap_dims(1, 2);
-        let qkv = self.c_attn.forward(x); // [b, t, 3c]
+        let qkv = regather::linear(&self.c_attn, x); // [b, t, 3c]
         let mut qkv = qkv.chunk(3, 2).into_iter();
         let (q, k, v) = match (qkv.next(), qkv.next(), qkv.next()) {
             (Some(q), Some(k), Some(v)) => (heads(q), heads(k), heads(v)), // [b, nh, t, hd]
@@ -53,7 +53,8 @@ impl CausalSelfAttention {
         let att = self.attn_dropout.forward(att);
         let y = att.matmul(v); // [b, nh, t, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, c]);
-        self.resid_dropout.forward(self.c_proj.forward(y))
+        self.resid_dropout
+            .forward(regather::linear(&self.c_proj, y))
     }
 }
 
@@ -76,8 +77,8 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-        let h = gelu_tanh(self.c_fc.forward(x)); // [b, t, 4c]
-        self.dropout.forward(self.c_proj.forward(h))
+        let h = gelu_tanh(regather::linear(&self.c_fc, x)); // [b, t, 4c]
+        self.dropout.forward(regather::linear(&self.c_proj, h))
     }
 }
 

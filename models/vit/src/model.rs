@@ -5,7 +5,7 @@ use burn::prelude::*;
 use burn::tensor::activation::gelu;
 use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, regather};
 
 use crate::{VitConfig, VitError};
 
@@ -76,13 +76,13 @@ impl Attention {
         let [b, t, d] = x.dims();
         let hd = d / self.num_heads;
         let heads = |x: Tensor<3>| x.reshape([b, t, self.num_heads, hd]).swap_dims(1, 2);
-        let q = heads(self.query.forward(x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
-        let k = heads(self.key.forward(x.clone()));
-        let v = heads(self.value.forward(x));
+        let q = heads(regather::linear(&self.query, x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
+        let k = heads(regather::linear(&self.key, x.clone()));
+        let v = heads(regather::linear(&self.value, x));
         let att = softmax(q.matmul(k.swap_dims(2, 3)), 3); // [b, nh, t, t]
         let y = self.attn_dropout.forward(att).matmul(v); // [b, nh, t, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
-        self.dropout.forward(self.output.forward(y))
+        self.dropout.forward(regather::linear(&self.output, y))
     }
 }
 
@@ -117,11 +117,11 @@ impl Layer {
             + self
                 .attention
                 .forward(autocast::layer_norm(&self.layernorm_before, x));
-        let h = gelu(
-            self.intermediate
-                .forward(autocast::layer_norm(&self.layernorm_after, x.clone())),
-        ); // [b, t, f]
-        x + self.dropout.forward(self.output.forward(h))
+        let h = gelu(regather::linear(
+            &self.intermediate,
+            autocast::layer_norm(&self.layernorm_after, x.clone()),
+        )); // [b, t, f]
+        x + self.dropout.forward(regather::linear(&self.output, h))
     }
 }
 

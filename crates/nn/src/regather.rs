@@ -1,0 +1,288 @@
+//! Linear layers whose backward reads the weight from a copy gathered again for it, as FSDP
+//! reads a resharded parameter: ZeRO-3 can then drop a block's gathered weights after its
+//! forward and keep its graph, instead of recomputing the block in backward.
+//!
+//! Burn's own matmul keeps both operands for backward, so a graph through `Linear::forward`
+//! holds every gathered weight until backward. Models call [`linear`] instead; outside
+//! [`forward`] it is `Linear::forward` unchanged. Inside, the product is one op
+//! ([`RegatherOps::regathered_linear`]) whose backward keeps the input and the weight's id,
+//! not the weight: the engine hands the block's weights gathered again to [`backward`], which
+//! stages them for that op and returns their gradients (the op delivers them there, not to
+//! Burn's `Gradients`, since the forward's weight tensors are gone by then).
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::ModuleOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, DispatchKindConversion, DispatchTensor, backend_extension};
+use burn::module::ParamId;
+use burn::nn::Linear;
+use burn::prelude::*;
+
+thread_local! {
+    static ON: Cell<bool> = const { Cell::new(false) };
+    static READ: RefCell<Vec<ParamId>> = const { RefCell::new(Vec::new()) };
+    static STAGED: RefCell<HashMap<ParamId, Tensor<2>>> = RefCell::new(HashMap::new());
+    static GRADS: RefCell<HashMap<ParamId, Tensor<2>>> = RefCell::new(HashMap::new());
+}
+
+/// `layer` applied to `x` (`[.., d_in]` -> `[.., d_out]`): Burn's `Linear::forward`, or inside
+/// [`forward`] the same through [`RegatherOps::regathered_linear`].
+pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
+    if !ON.with(Cell::get) {
+        return layer.forward(x);
+    }
+    // An untracked input would leave the op untracked and its weight without a gradient.
+    assert!(
+        x.is_tracked(),
+        "a regathered linear needs a tracked input: the engine runs each block on one"
+    );
+    READ.with(|r| r.borrow_mut().push(layer.weight.id));
+    let weight = layer.weight.val();
+    // Without a bias of its own, a zero one, outside the graph: one op for both cases.
+    let bias = match &layer.bias {
+        Some(bias) => bias.val(),
+        None => Tensor::zeros([weight.dims()[1]], (&weight.device(), weight.dtype())),
+    };
+    Tensor::from_dispatch(<burn::backend::Dispatch as RegatherOps>::regathered_linear(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+        layer.weight.id.val(),
+    ))
+}
+
+/// Runs `f` (a block's forward under autodiff) with [`linear`]'s weights left out of the graph,
+/// and returns what it returns with the ids of the weights read, which backward then needs
+/// from [`backward`].
+pub fn forward<T>(f: impl FnOnce() -> T) -> (T, Vec<ParamId>) {
+    let before = ON.with(|on| on.replace(true));
+    let out = f();
+    ON.with(|on| on.set(before));
+    (out, READ.with(|r| std::mem::take(&mut *r.borrow_mut())))
+}
+
+/// Runs `f` (a backward through graphs built in [`forward`]) with `weights` (their full values,
+/// gathered again) staged for it, each dropped as soon as its op has read it, and returns what
+/// `f` returns with the weights' gradients, in the weights' order (`None` where backward did
+/// not reach one).
+pub fn backward<T>(
+    weights: Vec<(ParamId, Tensor<2>)>,
+    f: impl FnOnce() -> T,
+) -> (T, Vec<(ParamId, Option<Tensor<2>>)>) {
+    let ids: Vec<ParamId> = weights.iter().map(|(id, _)| *id).collect();
+    let weights = weights.into_iter().map(|(id, w)| (id, w.inner()));
+    STAGED.with(|s| s.borrow_mut().extend(weights));
+    let out = f();
+    STAGED.with(|s| s.borrow_mut().clear());
+    let grads = GRADS.with(|g| {
+        let mut g = g.borrow_mut();
+        ids.into_iter().map(|id| (id, g.remove(&id))).collect()
+    });
+    (out, grads)
+}
+
+/// The op behind [`linear`] inside [`forward`]: on a backend's own tensors its `linear`;
+/// under autodiff, a node that keeps `x` and `key` (the weight's [`ParamId`]) and in backward
+/// reads the weight staged by [`backward`].
+#[backend_extension(
+    Flex,
+    Cube: cfg(feature = "cube"),
+    LibTorch: cfg(feature = "tch"),
+    Autodiff,
+)]
+pub trait RegatherOps: Backend {
+    /// `x @ weight + bias` (`[.., d_in]` x `[d_in, d_out]` + `[d_out]`).
+    fn regathered_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        key: u64,
+    ) -> FloatTensor<Self> {
+        let _ = key;
+        <Self as ModuleOps<Self>>::linear(x, weight, Some(bias))
+    }
+}
+
+impl RegatherOps for burn::backend::Flex {}
+#[cfg(feature = "cube")]
+impl RegatherOps for burn::backend::Cube {}
+#[cfg(feature = "tch")]
+impl RegatherOps for burn::backend::LibTorch {}
+
+impl<B, C> RegatherOps for Autodiff<B, C>
+where
+    B: Backend,
+    C: CheckpointStrategy,
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    fn regathered_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        key: u64,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct RegatheredLinear;
+
+        impl<B: Backend> Backward<B, 2> for RegatheredLinear
+        where
+            DispatchTensor: DispatchKindConversion<B>,
+        {
+            type State = (FloatTensor<B>, u64);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 2>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let (x, key) = ops.state;
+                let id = ParamId::from(key);
+                let grad = grads.consume::<B>(&ops.node);
+                let weight = STAGED
+                    .with(|s| s.borrow_mut().remove(&id))
+                    .unwrap_or_else(|| panic!("weight {id} was not staged for its backward"));
+                let weight = primitive::<B>(weight);
+                let grad_weight = B::linear_weight_backward(x, grad.clone());
+                GRADS.with(|g| {
+                    let mut g = g.borrow_mut();
+                    let sum = match g.remove(&id) {
+                        Some(earlier) => B::float_add(primitive::<B>(earlier), grad_weight),
+                        None => grad_weight,
+                    };
+                    g.insert(id, Tensor::from_primitive::<B>(sum));
+                });
+                let [x_node, bias_node] = ops.parents;
+                if let Some(node) = bias_node {
+                    grads.register::<B>(node.id, B::linear_bias_backward(grad.clone()));
+                }
+                if let Some(node) = x_node {
+                    grads.register::<B>(node.id, B::linear_x_backward(weight, grad));
+                }
+            }
+        }
+
+        let nodes = [x.node(), bias.node()];
+        let x = x.into_primitive();
+        let y = B::linear(
+            x.clone(),
+            weight.into_primitive(),
+            Some(bias.into_primitive()),
+        );
+        match RegatheredLinear
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((x, key), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+}
+
+fn primitive<B: Backend>(t: Tensor<2>) -> FloatTensor<B>
+where
+    DispatchTensor: DispatchKindConversion<B>,
+{
+    t.try_into_primitive::<B>()
+        .unwrap_or_else(|e| panic!("a staged weight on another backend: {e:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::LinearConfig;
+    use burn::tensor::{Distribution, Tolerance};
+
+    fn setup() -> (Linear, Tensor<3>, Tensor<3>) {
+        let device = Device::default().autodiff();
+        let layer = LinearConfig::new(4, 5).init(&device);
+        let x = Tensor::<3>::random([2, 3, 4], Distribution::Default, &device);
+        let r = Tensor::<3>::random([2, 3, 5], Distribution::Default, &device);
+        (layer, x, r)
+    }
+
+    /// Gradients of `(y * r).sum()` for x, the weight and the bias: Burn's own linear.
+    fn reference(layer: &Linear, x: Tensor<3>, r: Tensor<3>) -> [Tensor<1>; 3] {
+        let x = x.require_grad();
+        let grads = (layer.forward(x.clone()) * r).sum().backward();
+        let bias = layer.bias.as_ref().expect("a bias");
+        [
+            x.grad(&grads).expect("x").flatten(0, 2),
+            layer.weight.val().grad(&grads).expect("w").flatten(0, 1),
+            bias.val().grad(&grads).expect("b"),
+        ]
+    }
+
+    /// The same through the regathered op, `staged` handed to backward as the weight.
+    fn regathered(layer: &Linear, x: Tensor<3>, r: Tensor<3>, staged: Tensor<2>) -> [Tensor<1>; 3] {
+        let x = x.require_grad();
+        let (y, read) = forward(|| linear(layer, x.clone()));
+        assert_eq!(read, vec![layer.weight.id]);
+        let (grads, weights) =
+            backward(vec![(layer.weight.id, staged)], || (y * r).sum().backward());
+        let [(id, grad_weight)] = <[_; 1]>::try_from(weights).expect("one weight");
+        assert_eq!(id, layer.weight.id);
+        assert!(
+            layer.weight.val().grad(&grads).is_none(),
+            "the weight's own node has no gradient"
+        );
+        let bias = layer.bias.as_ref().expect("a bias");
+        [
+            x.grad(&grads).expect("x").flatten(0, 2),
+            grad_weight.expect("w").flatten(0, 1),
+            bias.val().grad(&grads).expect("b").inner(),
+        ]
+    }
+
+    #[test]
+    fn equals_burns_linear_in_value_and_every_gradient() {
+        let (layer, x, r) = setup();
+        let plain = layer.forward(x.clone()).inner();
+        let (y, _) = forward(|| linear(&layer, x.clone().require_grad()));
+        y.inner()
+            .into_data()
+            .assert_approx_eq::<f32>(&plain.into_data(), Tolerance::default());
+        let expected = reference(&layer, x.clone(), r.clone());
+        let staged = layer.weight.val().inner();
+        for (got, want) in regathered(&layer, x, r, staged).into_iter().zip(expected) {
+            got.inner()
+                .into_data()
+                .assert_approx_eq::<f32>(&want.inner().into_data(), Tolerance::default());
+        }
+    }
+
+    #[test]
+    fn backward_reads_the_weight_it_is_handed_not_the_forwards() {
+        let (layer, x, r) = setup();
+        let [x_grad, w_grad, _] = reference(&layer, x.clone(), r.clone());
+        let doubled = layer.weight.val().inner() * 2.0;
+        let [got_x, got_w, _] = regathered(&layer, x, r, doubled);
+        // dL/dx = g @ w^T doubles with w; dL/dw = x^T @ g does not depend on it.
+        got_x
+            .inner()
+            .into_data()
+            .assert_approx_eq::<f32>(&(x_grad.inner() * 2.0).into_data(), Tolerance::default());
+        got_w
+            .inner()
+            .into_data()
+            .assert_approx_eq::<f32>(&w_grad.inner().into_data(), Tolerance::default());
+    }
+
+    #[test]
+    fn outside_forward_it_is_burns_linear() {
+        let (layer, x, _) = setup();
+        let (_, read) = forward(|| ());
+        assert!(read.is_empty());
+        linear(&layer, x.clone())
+            .inner()
+            .into_data()
+            .assert_approx_eq::<f32>(&layer.forward(x).inner().into_data(), Tolerance::default());
+    }
+}
