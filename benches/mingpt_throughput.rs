@@ -4,9 +4,9 @@
 //!
 //!     cargo bench --bench mingpt_throughput                 # gpt-mini, block 128, batch 16
 //!     cargo bench --bench mingpt_throughput -- --steps 40 --summary-json /tmp/bench.json
-//!     # ZeRO-3 on one rank beside single: its default (alone in f32: graphs kept, nothing
-//!     # recomputed), kept gathered until backward, and with its shards offloaded (resharded
-//!     # after forward, recomputing each block):
+//!     # ZeRO-3 on one rank beside single: its default (alone in f32: one graph, as single),
+//!     # kept gathered until backward, and with its shards offloaded (resharded after
+//!     # forward, its linears regathered for backward):
 //!     cargo bench --bench mingpt_throughput -- --no-torch --also "--strategy zero3" \
 //!         --also "--strategy zero3 --reshard-after-forward false" \
 //!         --also "--strategy zero3 --offload params"

@@ -156,8 +156,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward. Sharded parameters resharded after forward always work this
-    /// way (gathered weights are dropped after forward).
+    /// recomputed in backward (sharded, from its parameters gathered again, or kept gathered
+    /// when not resharded after forward).
     pub fn checkpoint_activations(mut self, on: bool) -> Self {
         self.checkpoint = on;
         self

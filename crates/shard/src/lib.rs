@@ -76,10 +76,10 @@ pub struct Sharding {
     pub parameters: bool,
     /// With sharded parameters: each unit's gathered parameters are dropped after its
     /// forward and gathered again for its backward (the blocks keep their graphs without
-    /// their weights: [`burnscale_nn::regather`]), FSDP2's default. When false, a unit gathered for forward stays gathered, with
-    /// its graph, until its backward ends: one all-gather per unit a micro-step (a head tied to
-    /// the token table reads the embeddings' kept copy) and no recomputation, for the whole
-    /// model's parameters held during forward and backward (FSDP2's
+    /// their weights: [`burnscale_nn::regather`]), FSDP2's default. When false, a unit
+    /// gathered for forward stays gathered, with its graph, until its backward ends: one
+    /// all-gather per unit a micro-step (a head tied to the token table reads the embeddings'
+    /// kept copy), for the whole model's parameters held during forward and backward (FSDP2's
     /// `reshard_after_forward=False`, FSDP1's `SHARD_GRAD_OP`).
     pub reshard_after_forward: bool,
 }
@@ -90,9 +90,9 @@ impl Sharding {
     /// unit it gathers is a copy of its shards when gathered from other ranks, cast, or moved
     /// from the host; else (a rank alone, computing in its parameters' dtype on the device
     /// they live on) it computes with its shards as they are, its whole parameters: there is
-    /// nothing to gather or to drop after forward. Such a rank acts as a replica: one graph for the whole model, as a plain step
-    /// (or FSDP, which recomputes nothing unasked) has, its gradients and optimizer state
-    /// still its shards (whole too).
+    /// nothing to gather or to drop after forward. Such a rank acts as a replica: one graph
+    /// for the whole model, as a plain step has, its gradients and optimizer state still its
+    /// shards (whole too).
     pub const fn acting_on(self, world: usize, cast: bool, offloaded: bool) -> Self {
         match world > 1 || cast || offloaded {
             true => self,

@@ -103,8 +103,7 @@ pub struct RunSummary {
     /// Where the ranks ran.
     pub accelerator: Accelerator,
     pub strategy: Strategy,
-    /// Whether each block's forward was recomputed in backward (per-block checkpointing, or
-    /// zero3 resharding after forward).
+    /// Whether each block's forward was recomputed in backward (per-block checkpointing).
     pub recomputed_blocks: bool,
     /// zero3: whether gathered units were dropped after forward (FSDP2's
     /// `reshard_after_forward`); absent where nothing is gathered (a rank alone computing
@@ -359,6 +358,7 @@ impl RunSummary {
                     value_name(self.strategy),
                     match (self.reshard_after_forward, self.strategy == Strategy::Zero3) {
                         (Some(false), _) => ", kept gathered from forward to backward",
+                        (Some(true), _) => ", resharded after forward, gathered again for backward",
                         (None, true) => ", alone: its shards are its whole parameters, one graph",
                         _ => "",
                     },
