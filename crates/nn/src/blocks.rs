@@ -30,7 +30,10 @@ pub trait BlockModel: Module {
     fn positions(&self, input: &Self::Input) -> usize;
     /// One block, run by its model (which may hold what every block shares, as an attention
     /// pattern); the model's own block list may be taken out meanwhile. It may read the
-    /// model's configuration but not its parameters: under ZeRO-3 those are shards then.
+    /// model's configuration but not its parameters: under ZeRO-3 those are shards then. A
+    /// block's linears go through [`crate::regather::linear`]: resharded ZeRO-3 drops the
+    /// weights that it read after the block's forward, and a graph through anything else keeps
+    /// its gathered weights to the end of the block's backward.
     fn block_forward(&self, block: &Self::Block, x: Tensor<3>, mask: &Mask) -> Tensor<3>;
     /// Mean loss of the last block's output against `target`.
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;

@@ -67,8 +67,8 @@ pub fn positions(t: usize, device: &Device) -> Tensor<2, Int> {
 }
 
 /// Whether `a` and `b` are the same hardware with the same autodiff and checkpointing
-/// (devices compare equal on hardware alone: a tensor built on the plain device that ZeRO-3
-/// runs forward on must not serve the autodiff device its recomputation runs on).
+/// (devices compare equal on hardware alone: a tensor built on the plain device a checkpointed
+/// block runs forward on must not serve the autodiff device its recomputation runs on).
 fn same_context(a: &Device, b: &Device) -> bool {
     a == b
         && a.is_autodiff() == b.is_autodiff()

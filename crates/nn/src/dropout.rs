@@ -20,9 +20,10 @@ thread_local! {
     static TRAINING_WITHOUT_AUTODIFF: Cell<bool> = const { Cell::new(false) };
 }
 
-/// Marks code that trains outside autodiff (ZeRO-3 runs blocks forward on the plain device
-/// and recomputes them under autodiff in backward): dropout drops there too, as it does in
-/// the recomputation. Ends when the guard drops.
+/// Marks code that trains outside autodiff (checkpointed blocks, and ZeRO-3's embeddings when
+/// resharded, run forward on the plain device and are recomputed under autodiff in
+/// backward): dropout drops there too, as it does in the recomputation. Ends when the guard
+/// drops.
 pub fn training_scope() -> TrainingScope {
     TrainingScope(TRAINING_WITHOUT_AUTODIFF.with(|t| t.replace(true)))
 }

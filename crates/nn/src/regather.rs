@@ -41,7 +41,12 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
         x.is_tracked(),
         "a regathered linear needs a tracked input: the engine runs each block on one"
     );
-    READ.with(|r| r.borrow_mut().push(layer.weight.id));
+    READ.with(|r| {
+        let mut read = r.borrow_mut();
+        if !read.contains(&layer.weight.id) {
+            read.push(layer.weight.id);
+        }
+    });
     let weight = layer.weight.val();
     // Without a bias of its own, a zero one, outside the graph: one op for both cases.
     let bias = match &layer.bias {
@@ -60,25 +65,41 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
 /// and returns what it returns with the ids of the weights read, which backward then needs
 /// from [`backward`].
 pub fn forward<T>(f: impl FnOnce() -> T) -> (T, Vec<ParamId>) {
-    let before = ON.with(|on| on.replace(true));
-    let out = f();
-    ON.with(|on| on.set(before));
+    struct On(bool);
+    impl Drop for On {
+        fn drop(&mut self) {
+            ON.with(|on| on.set(self.0));
+        }
+    }
+    READ.with(|r| r.borrow_mut().clear());
+    let out = {
+        let _on = On(ON.with(|on| on.replace(true)));
+        f()
+    };
     (out, READ.with(|r| std::mem::take(&mut *r.borrow_mut())))
 }
 
 /// Runs `f` (a backward through graphs built in [`forward`]) with `weights` (their full values,
-/// gathered again) staged for it, each dropped as soon as its op has read it, and returns what
-/// `f` returns with the weights' gradients, in the weights' order (`None` where backward did
-/// not reach one).
+/// gathered again) staged for it, dropped when it ends, and returns what `f` returns with the
+/// weights' gradients, in the weights' order (`None` where backward did not reach one).
 pub fn backward<T>(
     weights: Vec<(ParamId, Tensor<2>)>,
     f: impl FnOnce() -> T,
 ) -> (T, Vec<(ParamId, Option<Tensor<2>>)>) {
+    struct Staged;
+    impl Drop for Staged {
+        fn drop(&mut self) {
+            STAGED.with(|s| s.borrow_mut().clear());
+        }
+    }
     let ids: Vec<ParamId> = weights.iter().map(|(id, _)| *id).collect();
     let weights = weights.into_iter().map(|(id, w)| (id, w.inner()));
+    GRADS.with(|g| g.borrow_mut().clear());
     STAGED.with(|s| s.borrow_mut().extend(weights));
-    let out = f();
-    STAGED.with(|s| s.borrow_mut().clear());
+    let out = {
+        let _staged = Staged;
+        f()
+    };
     let grads = GRADS.with(|g| {
         let mut g = g.borrow_mut();
         ids.into_iter().map(|id| (id, g.remove(&id))).collect()
@@ -156,8 +177,9 @@ where
                 let (x, key) = ops.state;
                 let id = ParamId::from(key);
                 let grad = grads.consume::<B>(&ops.node);
+                // Read, not taken: a layer may run more than once in a block.
                 let weight = STAGED
-                    .with(|s| s.borrow_mut().remove(&id))
+                    .with(|s| s.borrow().get(&id).cloned())
                     .unwrap_or_else(|| panic!("weight {id} was not staged for its backward"));
                 let weight = primitive::<B>(weight);
                 let grad_weight = B::linear_weight_backward(x, grad.clone());
@@ -284,6 +306,24 @@ mod tests {
             .inner()
             .into_data()
             .assert_approx_eq::<f32>(&w_grad.inner().into_data(), Tolerance::default());
+    }
+
+    #[test]
+    fn a_layer_run_twice_in_a_block_gets_both_uses_gradients() {
+        let device = Device::default().autodiff();
+        let layer = LinearConfig::new(4, 4).init(&device);
+        let x = Tensor::<3>::random([2, 3, 4], Distribution::Default, &device);
+        let twice = |x: Tensor<3>| linear(&layer, linear(&layer, x));
+        let grads = twice(x.clone().require_grad()).sum().backward();
+        let want = layer.weight.val().grad(&grads).expect("w").inner();
+        let x = x.require_grad();
+        let (y, read) = forward(|| twice(x.clone()));
+        assert_eq!(read, vec![layer.weight.id]);
+        let staged = vec![(layer.weight.id, layer.weight.val().inner())];
+        let (_, weights) = backward(staged, || y.sum().backward());
+        let got = weights[0].1.clone().expect("w");
+        got.into_data()
+            .assert_approx_eq::<f32>(&want.into_data(), Tolerance::default());
     }
 
     #[test]

@@ -237,8 +237,8 @@ mod tests {
         assert!(diff < 1e-5, "differs by {diff}");
     }
 
-    /// Training draws random blocks from the dropout stream: a rewound stream (ZeRO-3's
-    /// recomputation) redraws the same ones, another position other ones.
+    /// Training draws random blocks from the dropout stream: a rewound stream (a checkpointed
+    /// block's recomputation) redraws the same ones, another position other ones.
     #[test]
     fn random_blocks_follow_the_dropout_stream() {
         let device = Device::default().autodiff();
