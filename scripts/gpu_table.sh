@@ -16,8 +16,9 @@
 #
 # vit: the article's ViT-L/16 at 224 px, batch 16, AdamW: PyTorch eager
 # (scripts/bench_vit_torch.py: 20 timed steps after 3 warm-up ones) and `vit_finetune
-# --weights none` (30 steps, the first reported apart) in bf16-true, bf16-true under zero3 on
-# one rank, and bf16-mixed. VIT_FINETUNE is a `cargo build
+# --weights none` (30 steps, the first reported apart) in bf16-true and bf16-mixed, then under
+# zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params` (VIT_ROWS=single:
+# the first two burnscale rows only). VIT_FINETUNE is a `cargo build
 # --release --features cuda --example vit_finetune` binary.
 #
 # article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is
@@ -84,7 +85,11 @@ nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,nohead
     -lms 250 >"$out/smi.csv" &
 smi=$!
 trap 'rm -f cubecl.toml; kill $smi 2>/dev/null' EXIT
-# Compiled kernels are kept across processes (autotune decisions too, unless AUTOTUNE is set).
+# Compiled kernels are kept across processes (autotune decisions too, unless AUTOTUNE is set),
+# in a cubecl environment (target/environment) of the binary's own: cubecl keys an autotune
+# decision without the compiler, and a cuda-nvrtc binary's choice (an asynchronous-barrier
+# matmul) made a later LLVM binary's first matmul panic on the same machine.
+export CUBECL_ENVIRONMENT=${CUBECL_ENVIRONMENT:-$(basename "$bin")}
 printf '[compilation]\ncache = true\n' >cubecl.toml
 if [ -n "${AUTOTUNE:-}" ]; then
     printf '[autotune]\nlevel = "%s"\ndisable_cache = true\n[autotune.logger]\nlevel = "full"\nfile = "%s"\n' \
@@ -130,8 +135,14 @@ if [ "$table" = vit ]; then
     torch_vit torch_bf16_true 120 --model vit-l-16 --precision bf16-true
     torch_vit torch_bf16_mixed 120 --model vit-l-16 --precision bf16-mixed
     phase vit_bf16_true 240 "${vit[@]}" --precision bf16-true
-    phase vit_bf16_true_zero3 120 "${vit[@]}" --precision bf16-true --strategy zero3
     phase vit_bf16_mixed 150 "${vit[@]}" --precision bf16-mixed
+    [ "${VIT_ROWS:-all}" = single ] && exit 0
+    # One rank alone in its weights' dtype runs as a replica; bf16-mixed and offloaded ranks
+    # copy their units, so they reshard after forward and gather again for backward.
+    phase vit_bf16_true_zero3 60 "${vit[@]}" --precision bf16-true --strategy zero3
+    phase vit_bf16_mixed_zero3 90 "${vit[@]}" --precision bf16-mixed --strategy zero3
+    phase vit_bf16_true_offload 90 "${vit[@]}" --precision bf16-true --strategy zero3 \
+        --offload params
     exit 0
 fi
 
