@@ -6,6 +6,7 @@
 #     scripts/gpu_table.sh vit VIT_FINETUNE OUT
 #     scripts/gpu_table.sh article ARTICLE_BENCH OUT [BENCH FLAGS...]
 #     scripts/gpu_table.sh profile BINARY OUT STEPS [BINARY FLAGS...]
+#     scripts/gpu_table.sh probe VIT_FINETUNE OUT
 #
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, the engine's ZeRO-3 variants
 # beside single, bf16-mixed, a second process of the same configuration for the first step
@@ -31,6 +32,10 @@
 # on (each kernel timed on the device); OUT gets the log as profile.log.gz, which
 # `scripts/kernel_times.py` splits into steps and sums by kernel family.
 #
+# probe: a tiny ViT for two steps in bf16-true, for its summary's `peak_flops`: the MFU probe's
+# bf16 GEMM rate (a chain of 8192^3 products), the binary's GEMMs measured with few kernels to
+# compile (a cuda-nvrtc binary compiled ViT-L/16's kernels for over 6 minutes).
+#
 # AUTOTUNE=minimal|balanced|extensive|full sets cubecl's autotune level (by default
 # balanced: a group's tuning stops at the first candidate within 0.8 of the roofline peak
 # that cubecl measures itself; full sets no such bound), tunes afresh in every process (no
@@ -50,8 +55,9 @@
 set -u
 if [ $# -lt 3 ] || { [ "$1" != article ] && [ "$1" != profile ] && [ $# -ne 3 ]; } \
     || { [ "$1" = profile ] && [ $# -lt 4 ]; } \
-    || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != article ] && [ "$1" != profile ]; }; then
-    echo "usage: $0 mingpt|vit BINARY OUT, $0 article BINARY OUT [BENCH FLAGS...]," \
+    || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != probe ] && [ "$1" != article ] \
+        && [ "$1" != profile ]; }; then
+    echo "usage: $0 mingpt|vit|probe BINARY OUT, $0 article BINARY OUT [BENCH FLAGS...]," \
         "or $0 profile BINARY OUT STEPS [BINARY FLAGS...]" >&2
     exit 2
 fi
@@ -126,6 +132,12 @@ if [ "$table" = profile ]; then
         "$out/profile.log" >>cubecl.toml
     capped profile 280 "$bin" --accelerator "$accelerator" "${@:5}" --max-steps "$4"
     gzip -f "$out/profile.log"
+    exit 0
+fi
+
+if [ "$table" = probe ]; then
+    phase probe 400 --weights none --model tiny --batch-size 4 --max-steps 2 --eval-interval 0 \
+        --precision bf16-true
     exit 0
 fi
 
