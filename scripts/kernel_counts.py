@@ -24,10 +24,16 @@ import subprocess
 import sys
 import tempfile
 
+# Each run keeps cubecl's caches (compiled kernels, autotune and throughput results) in its own
+# fresh directory: with one cache for both, the second run would skip the tuning the first did
+# and the difference would go negative.
 TOML = """[profiling.logger]
 level = "medium"
 file = "{log}"
 append = false
+
+[environment]
+path = "local"
 """
 
 
@@ -56,6 +62,12 @@ def family(line):
     return "MatmulEntry" if name.startswith("MatmulEntry") else name
 
 
+# cubecl's throughput probes (cubecl-std `throughput/runners`), which time the device for
+# autotuning's bounds: each repeats a kernel until its timing settles, so their count is
+# the clock's, not the step's.
+PROBES = re.compile(r"(LaunchOverhead|PrimeBuffer|\w+(Direct|Cmma|Read|Write)Throughput)")
+
+
 def launches(binary, args, steps_flag, steps):
     with tempfile.TemporaryDirectory() as run_dir:
         log = os.path.join(run_dir, "profile.log")
@@ -69,7 +81,8 @@ def launches(binary, args, steps_flag, steps):
             sys.exit(f"no profiling log from {binary}: was it built with cubecl-cpu or cuda "
                      "and run with that --accelerator?")
         with open(log, encoding="utf-8", errors="replace") as lines:
-            return collections.Counter(family(line) for line in lines if timed(line))
+            kernels = (family(line) for line in lines if timed(line))
+            return collections.Counter(k for k in kernels if not PROBES.fullmatch(k))
 
 
 def main():

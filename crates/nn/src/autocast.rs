@@ -8,9 +8,10 @@
 use std::cell::Cell;
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::nn::LayerNorm;
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
+
+use crate::LayerNorm;
 
 thread_local! {
     static ACTIVE: Cell<bool> = const { Cell::new(false) };
@@ -71,7 +72,7 @@ pub fn like<const D: usize, const E: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::nn::LayerNormConfig;
+    use crate::LayerNormConfig;
 
     #[test]
     fn widens_only_in_scope_and_returns_the_input_dtype() {

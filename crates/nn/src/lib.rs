@@ -8,6 +8,7 @@ pub mod config;
 pub mod device_cache;
 pub mod dropout;
 pub mod init;
+pub mod layer_norm;
 mod loss;
 pub mod regather;
 pub mod weights;
@@ -15,6 +16,7 @@ pub mod weights;
 pub use activation::gelu_tanh;
 pub use blocks::{BlockModel, Mask};
 pub use dropout::{Dropout, DropoutConfig};
+pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use loss::cross_entropy;
 
 use burn::prelude::*;

@@ -1,10 +1,12 @@
 use burn::module::{Param, ParamId, list_param_ids};
-use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig, Linear};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
 use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache, regather};
+use burnscale_nn::{
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, device_cache, regather,
+};
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
 

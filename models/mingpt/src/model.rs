@@ -1,10 +1,13 @@
 use burn::module::{ParamId, list_param_ids};
 use burn::nn::{Embedding, EmbeddingConfig};
-use burn::nn::{LayerNorm, LayerNormConfig, Linear, LinearConfig};
+use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
 use burnscale_nn::autocast::{layer_norm, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, device_cache, gelu_tanh, regather};
+use burnscale_nn::{
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, device_cache, gelu_tanh,
+    regather,
+};
 
 use crate::{GptConfig, GptError};
 

@@ -1,11 +1,13 @@
 use burn::module::{Param, ParamId, list_param_ids};
+use burn::nn::Linear;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
-use burn::nn::{LayerNorm, LayerNormConfig, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::gelu;
 use burnscale_nn::autocast::{self, softmax};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, regather};
+use burnscale_nn::{
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, regather,
+};
 
 use crate::{VitConfig, VitError};
 
