@@ -16,7 +16,8 @@ use burnscale_collective::{Communicator, DType};
 use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{self, Weight};
-use burnscale_train::{OptimizerKind, RunSummary, TrainArgs, TrainError, train_on};
+use burnscale_train::adam8bit::AdamW8bit;
+use burnscale_train::{MIN_8BIT_SIZE, OptimizerKind, RunSummary, TrainArgs, TrainError, train_on};
 
 use crate::reference::PlainConfig;
 use crate::tasks::NextToken;
@@ -334,8 +335,8 @@ pub struct Tolerance {
     /// below its storage resolution, and only the rounding is checked there (the loss, the
     /// gradient norm and the other tensors still see a wrong gradient).
     pub storage: f64,
-    /// Of a parameter under 8-bit AdamW, besides: one element's whole movement over the run,
-    /// `lr · steps`. A moment within rounding of a boundary between two codes may be stored
+    /// Of a parameter with 8-bit state (a matrix of at least `--min-8bit-size` elements: no
+    /// other can flip a code), besides: one element's whole movement over the run, `lr · steps`. A moment within rounding of a boundary between two codes may be stored
     /// as either; that element then moves by up to one code step of its moment (1.4% to 100%
     /// of it), at most the learning rate a step, for the rest of the run, in whichever run
     /// it happens. A tensor of a few hundred elements moving alike has an update of about
@@ -343,6 +344,8 @@ pub struct Tolerance {
     /// `h.1.attn.c_attn.weight`'s update at N = 3 once the layer norm's backward rounded
     /// differently, 7e-5 before). A wrong block or shard moves whole rows, far beyond it.
     pub element: f64,
+    /// The least size of a matrix with 8-bit state (`usize::MAX` under other optimizers).
+    pub eight_bit_from: usize,
 }
 
 impl Tolerance {
@@ -376,6 +379,10 @@ impl Tolerance {
                 args.lr * STEPS as f64
             } else {
                 0.0
+            },
+            eight_bit_from: match eight_bit {
+                true => args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE),
+                false => usize::MAX,
             },
         }
     }
@@ -420,8 +427,11 @@ fn parameter_differences(
             norm += (y as f64).powi(2);
         }
         let (error, update) = (error.sqrt(), update.sqrt());
-        let allowed =
-            tolerance.relative * update + tolerance.storage * norm.sqrt() + tolerance.element;
+        let element = match AdamW8bit::quantizes(&init.shape, tolerance.eight_bit_from) {
+            true => tolerance.element,
+            false => 0.0,
+        };
+        let allowed = tolerance.relative * update + tolerance.storage * norm.sqrt() + element;
         if allowed == 0.0 && error == 0.0 {
             continue; // every element was checked apart
         }

@@ -577,7 +577,6 @@ impl ModuleMapper for StepMapper<'_> {
     }
 }
 
-/// The paths of the parameters of `model` that are burn `Embedding` tables.
 /// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
 /// another optimizer): matrices of at least `--min-8bit-size` elements, but the embedding
 /// tables under `--embedding-state-32bit`.
@@ -633,6 +632,7 @@ pub(crate) fn state_bytes_of(
     }
 }
 
+/// The paths of the parameters of `model` that are burn `Embedding` tables.
 fn embedding_paths<M: Module>(model: &M) -> HashSet<String> {
     #[derive(Default)]
     struct Find {
