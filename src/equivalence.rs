@@ -4,7 +4,7 @@
 //! the same parameters at the end, within a [`Tolerance`]. The tests run it on threads;
 //! `examples/shard_check.rs` runs it under mpirun.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -16,8 +16,9 @@ use burnscale_collective::{Communicator, DType};
 use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{self, Weight};
-use burnscale_train::adam8bit::AdamW8bit;
-use burnscale_train::{MIN_8BIT_SIZE, OptimizerKind, RunSummary, TrainArgs, TrainError, train_on};
+use burnscale_train::{
+    OptimizerKind, RunSummary, TrainArgs, TrainError, eight_bit_paths, train_on,
+};
 
 use crate::reference::PlainConfig;
 use crate::tasks::NextToken;
@@ -176,7 +177,7 @@ pub fn check_with_dropout(
     burnscale_nn::dropout::seed(SEED);
     let (expected, plain) = plain.train(model(), &mut task(GLOBAL_BATCH)?, &device);
 
-    let tolerance = Tolerance::of(&args);
+    let tolerance = Tolerance::of(&args, &model());
     let mut differences = Vec::new();
     let mut worst = 0f64;
     let steps = summary
@@ -306,7 +307,7 @@ pub fn check_resume(
 /// optimizer (the checks run [`STEPS`] steps of minGPT-tiny, 96 tokens a step), as a
 /// multiple of the unit roundoff `u` of the coarsest dtype the step computes in (f32 2^-24,
 /// f16 2^-11, bf16 2^-8: the compute dtype, or the gradient-reduction dtype if coarser).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Tolerance {
     /// Of a loss or a gradient norm, and of a parameter's update over the run (L2 norm).
     ///
@@ -335,21 +336,22 @@ pub struct Tolerance {
     /// below its storage resolution, and only the rounding is checked there (the loss, the
     /// gradient norm and the other tensors still see a wrong gradient).
     pub storage: f64,
-    /// Of a parameter with 8-bit state (a matrix of at least `--min-8bit-size` elements: no
-    /// other can flip a code), besides: one element's whole movement over the run, `lr · steps`. A moment within rounding of a boundary between two codes may be stored
-    /// as either; that element then moves by up to one code step of its moment (1.4% to 100%
-    /// of it), at most the learning rate a step, for the rest of the run, in whichever run
-    /// it happens. A tensor of a few hundred elements moving alike has an update of about
+    /// Of a parameter with 8-bit state (in `eight_bit`: no other can flip a code), besides:
+    /// one element's whole movement over the run, `lr · steps`. A moment within rounding of a
+    /// boundary between two codes may be stored as either; that element then moves by up to
+    /// one code step of its moment (1.4% to 100% of it), at most the learning rate a step,
+    /// for the rest of the run, in whichever run it happens. A tensor of a few hundred elements moving alike has an update of about
     /// `lr · steps · sqrt(n)`, so one such element is several percent of it (seen: 6.8e-3 of
     /// `h.1.attn.c_attn.weight`'s update at N = 3 once the layer norm's backward rounded
     /// differently, 7e-5 before). A wrong block or shard moves whole rows, far beyond it.
     pub element: f64,
-    /// The least size of a matrix with 8-bit state (`usize::MAX` under other optimizers).
-    pub eight_bit_from: usize,
+    /// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
+    /// another optimizer).
+    pub eight_bit: HashSet<String>,
 }
 
 impl Tolerance {
-    pub fn of(args: &TrainArgs) -> Self {
+    pub fn of<M: Module>(args: &TrainArgs, model: &M) -> Self {
         let roundoff = |dtype: FloatDType| match dtype {
             FloatDType::F16 => 2f64.powi(-11),
             FloatDType::BF16 => 2f64.powi(-8),
@@ -375,15 +377,8 @@ impl Tolerance {
                 multiple * u
             },
             storage: 2.0 * roundoff(args.precision.param_dtype()) * STEPS as f64,
-            element: if eight_bit {
-                args.lr * STEPS as f64
-            } else {
-                0.0
-            },
-            eight_bit_from: match eight_bit {
-                true => args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE),
-                false => usize::MAX,
-            },
+            element: args.lr * STEPS as f64,
+            eight_bit: eight_bit_paths(model, args),
         }
     }
 }
@@ -427,7 +422,7 @@ fn parameter_differences(
             norm += (y as f64).powi(2);
         }
         let (error, update) = (error.sqrt(), update.sqrt());
-        let element = match AdamW8bit::quantizes(&init.shape, tolerance.eight_bit_from) {
+        let element = match tolerance.eight_bit.contains(path) {
             true => tolerance.element,
             false => 0.0,
         };

@@ -25,7 +25,7 @@ pub use cli::{
     value_name,
 };
 pub use error::TrainError;
-pub use optim::{LrSchedule, ParamOptimizer};
+pub use optim::{LrSchedule, ParamOptimizer, eight_bit_paths};
 pub use report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };

@@ -580,7 +580,7 @@ impl ModuleMapper for StepMapper<'_> {
 /// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
 /// another optimizer): matrices of at least `--min-8bit-size` elements, but the embedding
 /// tables under `--embedding-state-32bit`.
-pub(crate) fn eight_bit_paths<M: Module>(model: &M, args: &TrainArgs) -> HashSet<String> {
+pub fn eight_bit_paths<M: Module>(model: &M, args: &TrainArgs) -> HashSet<String> {
     if args.optimizer != OptimizerKind::Adam8bit {
         return HashSet::new();
     }
