@@ -1,29 +1,237 @@
-use burn::prelude::*;
-use burn::tensor::activation::sigmoid;
+//! Activations whose backward is one op, not the derivative of their decomposition.
+//!
+//! Burn's autodiff has no node for softmax nor for the tanh GELU: it differentiates the ops
+//! they are built from one by one, so a graph keeps their intermediates (softmax: the
+//! exponentials, a second tensor of the attention scores' size; the GELU: two more tensors of
+//! the MLP's width) and the backward runs as many kernels again. Here each is one op,
+//! [`ActivationOps`], whose forward is the backend's own (Flex's one-pass softmax; on Cube the
+//! same ops, fused) and whose backward keeps one tensor:
+//!
+//!     softmax:  keeps y = softmax(x);  dx = y * (dy - sum(dy * y))      (sum along its axis)
+//!     GELU:     keeps x;               dx = dy * (s + x * s * (1 - s) * z'(x))
+//!
+//! with `z(x) = 2·√(2/π)·(x + 0.044715·x³)`, `s = σ(z)`: GPT-2's GELU
+//! `0.5·x·(1 + tanh(z/2))` is `x·σ(z)`.
 
-/// GPT-2's GELU, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, computed as the identical
-/// `x·σ(2·√(2/π)·(x + 0.044715·x³))`: on Flex, `tanh` goes through libm per element and the
-/// cube through `powf`, which made Burn's `gelu_approximate` 2.7x slower (forward+backward).
+use burn::backend::Backend;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::ActivationOps as BurnActivationOps;
+use burn::backend::tensor::FloatTensor;
+use burn::prelude::*;
+
+/// `exp(x) / sum(exp(x))` along `dim`.
+pub fn softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
+    assert!(dim < D, "a softmax along axis {dim} of a {D}-d tensor");
+    Tensor::from_dispatch(<burn::backend::Dispatch as ActivationOps>::softmax(
+        x.into_dispatch(),
+        dim,
+    ))
+}
+
+/// GPT-2's GELU, `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`.
 pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
-    const TWO_SQRT_2_OVER_PI: f64 = 1.595_769_121_605_730_7;
-    let inner = (x.clone() * x.clone() * 0.044715 + 1.0) * x.clone() * TWO_SQRT_2_OVER_PI;
-    x * sigmoid(inner)
+    Tensor::from_dispatch(<burn::backend::Dispatch as ActivationOps>::gelu_tanh(
+        x.into_dispatch(),
+    ))
+}
+
+const TWO_SQRT_2_OVER_PI: f64 = 1.595_769_121_605_730_7;
+const CUBIC: f64 = 0.044715;
+
+/// `z(x) = 2·√(2/π)·(x + 0.044715·x³)`, computed as `(0.044715·x² + 1)·x·2√(2/π)`.
+fn gelu_z<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let square = B::float_mul(x.clone(), x.clone());
+    let factor = B::float_add_scalar(B::float_mul_scalar(square, CUBIC.into()), 1.0.into());
+    B::float_mul_scalar(B::float_mul(factor, x), TWO_SQRT_2_OVER_PI.into())
+}
+
+/// `x·σ(z(x))` on a backend's own tensors.
+fn gelu_tanh_of<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
+    let s = B::sigmoid(gelu_z::<B>(x.clone()));
+    B::float_mul(x, s)
+}
+
+backend_ops! {
+    /// The ops behind [`softmax`](super::softmax) and [`gelu_tanh`](super::gelu_tanh): on a
+    /// backend's own tensors, its ops; under autodiff, nodes that keep one tensor each and
+    /// differentiate in one step.
+    pub trait ActivationOps {
+        fn softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+            <Self as BurnActivationOps<Self>>::softmax(x, dim)
+        }
+
+        // `x·σ(z)` rather than Burn's `gelu_approximate`: on Flex its `tanh` goes through libm
+        // per element and the cube through `powf`, 2.7x slower.
+        fn gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
+            super::gelu_tanh_of::<Self>(x)
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> ActivationOps for Autodiff<B, C> {
+    fn softmax(x: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct SoftmaxBackward;
+
+        impl<B: Backend> Backward<B, 1> for SoftmaxBackward {
+            type State = (FloatTensor<B>, usize);
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let (y, dim) = ops.state;
+                let dy = grads.consume::<B>(&ops.node);
+                let [x_node] = ops.parents;
+                if let Some(node) = x_node {
+                    let dot = B::float_sum_dim(B::float_mul(dy.clone(), y.clone()), dim);
+                    grads.register::<B>(node.id, B::float_mul(B::float_sub(dy, dot), y));
+                }
+            }
+        }
+
+        let nodes = [x.node()];
+        let y = B::softmax(x.into_primitive(), dim);
+        match SoftmaxBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((y.clone(), dim), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn gelu_tanh(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct GeluTanhBackward;
+
+        impl<B: Backend> Backward<B, 1> for GeluTanhBackward {
+            type State = FloatTensor<B>;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 1>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let x = ops.state;
+                let dy = grads.consume::<B>(&ops.node);
+                let [x_node] = ops.parents;
+                if let Some(node) = x_node {
+                    let s = B::sigmoid(gelu_z::<B>(x.clone()));
+                    // z'(x) = 2√(2/π)·(1 + 3·0.044715·x²)
+                    let square = B::float_mul(x.clone(), x.clone());
+                    let dz = B::float_mul_scalar(
+                        B::float_add_scalar(
+                            B::float_mul_scalar(square, (3.0 * CUBIC).into()),
+                            1.0.into(),
+                        ),
+                        TWO_SQRT_2_OVER_PI.into(),
+                    );
+                    let one_minus_s = B::float_add_scalar(B::float_neg(s.clone()), 1.0.into());
+                    let slope =
+                        B::float_mul(B::float_mul(x, B::float_mul(s.clone(), one_minus_s)), dz);
+                    grads.register::<B>(node.id, B::float_mul(dy, B::float_add(s, slope)));
+                }
+            }
+        }
+
+        let nodes = [x.node()];
+        let x = x.into_primitive();
+        let y = gelu_tanh_of::<B>(x.clone());
+        match GeluTanhBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(x, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::tensor::activation::gelu_approximate;
+    use burn::tensor::{Distribution, Tolerance};
 
-    #[test]
-    fn matches_burns_tanh_gelu() {
-        let device = Device::default();
-        let x =
-            Tensor::<1>::from_floats([-6.0, -2.5, -1.0, -0.1, 0.0, 0.3, 1.0, 2.0, 7.0], &device);
-        let ours: Vec<f32> = gelu_tanh(x.clone()).into_data().try_into_vec().unwrap();
-        let burn: Vec<f32> = gelu_approximate(x).into_data().try_into_vec().unwrap();
-        for (a, b) in ours.iter().zip(&burn) {
-            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    /// `f`'s value at `x` and its input gradient under a random cotangent, each flat.
+    fn values_and_gradients<const D: usize>(
+        x: &Tensor<D>,
+        f: &dyn Fn(Tensor<D>) -> Tensor<D>,
+    ) -> [Tensor<1>; 2] {
+        let r = Tensor::<D>::random(x.shape(), Distribution::Default, &x.device());
+        let x = x.clone().require_grad();
+        let y = f(x.clone());
+        let grads = (y.clone() * r).sum().backward();
+        let dx = x.grad(&grads).expect("dx");
+        [y.inner().flatten(0, D - 1), dx.flatten(0, D - 1)]
+    }
+
+    fn assert_same<const D: usize>(
+        x: &Tensor<D>,
+        ours: &dyn Fn(Tensor<D>) -> Tensor<D>,
+        burns: &dyn Fn(Tensor<D>) -> Tensor<D>,
+        tolerance: Tolerance<f32>,
+        what: &str,
+    ) {
+        // One seed for both, so both see the same cotangent.
+        x.device().seed(7);
+        let got = values_and_gradients(x, ours);
+        x.device().seed(7);
+        let want = values_and_gradients(x, burns);
+        for (name, (got, want)) in ["y", "dx"].iter().zip(got.into_iter().zip(want)) {
+            let (got, want) = (got.into_data(), want.into_data());
+            assert_eq!(got.shape(), want.shape(), "{what}: {name}");
+            got.assert_approx_eq::<f32>(&want, tolerance);
         }
+    }
+
+    /// Against Burn's softmax (its decomposition under autodiff), along the last axis and a
+    /// middle one, with masked (`-inf`) scores as attention has.
+    #[test]
+    fn softmax_equals_burns_in_value_and_gradient() {
+        let device = Device::default().autodiff();
+        let x = Tensor::<4>::random([2, 3, 5, 7], Distribution::Normal(0.0, 3.0), &device);
+        // About 30% of the scores masked, never a row's first, so no row is all `-inf`.
+        let masked = Tensor::<4>::random([1, 1, 5, 7], Distribution::Default, &device)
+            .slice_assign(
+                [0..1, 0..1, 0..5, 0..1],
+                Tensor::zeros([1, 1, 5, 1], &device),
+            )
+            .greater_elem(0.7)
+            .expand([2, 3, 5, 7]);
+        let x = x.mask_fill(masked, f32::NEG_INFINITY);
+        for dim in [3, 1] {
+            assert_same(
+                &x,
+                &|x| softmax(x, dim),
+                &|x| burn::tensor::activation::softmax(x, dim),
+                Tolerance::rel_abs(1e-5, 1e-6),
+                &format!("softmax along {dim}"),
+            );
+        }
+    }
+
+    /// Against Burn's `gelu_approximate` (tanh; its decomposition under autodiff), over the
+    /// range where both branches of the curve count.
+    #[test]
+    fn gelu_tanh_equals_burns_in_value_and_gradient() {
+        let device = Device::default().autodiff();
+        let x = Tensor::<2>::random([16, 33], Distribution::Normal(0.0, 3.0), &device);
+        assert_same(
+            &x,
+            &gelu_tanh,
+            &gelu_approximate,
+            Tolerance::rel_abs(1e-5, 1e-6),
+            "gelu_tanh",
+        );
     }
 }

@@ -31,16 +31,17 @@ impl Drop for Scope {
     }
 }
 
-fn widens(dtype: DType) -> bool {
+/// Whether an op on `dtype` runs in f32 here (a 16-bit dtype inside a [`scope`]).
+pub(crate) fn widens(dtype: DType) -> bool {
     matches!(dtype, DType::F16 | DType::BF16) && ACTIVE.with(Cell::get)
 }
 
 pub fn softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
     let dtype = x.dtype();
     if !widens(dtype) {
-        return burn::tensor::activation::softmax(x, dim);
+        return crate::softmax(x, dim);
     }
-    burn::tensor::activation::softmax(x.cast(FloatDType::F32), dim).cast(FloatDType::from(dtype))
+    crate::softmax(x.cast(FloatDType::F32), dim).cast(FloatDType::from(dtype))
 }
 
 pub fn layer_norm<const D: usize>(norm: &LayerNorm, x: Tensor<D>) -> Tensor<D> {

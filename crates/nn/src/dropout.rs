@@ -187,13 +187,29 @@ impl Dropout {
     }
 
     pub fn forward<const D: usize>(&self, input: Tensor<D>) -> Tensor<D> {
-        if self.prob == 0.0 || !self.is_training(&input.device()) {
-            return input;
+        match self.draw::<D>(input.shape(), &input.device()) {
+            // A Bool mask: the backward keeps one byte per element, not a float.
+            Some((dropped, scale)) => input.mask_fill(dropped, 0.0) * scale,
+            None => input,
+        }
+    }
+
+    /// The elements of a tensor of `shape` on `device` that [`forward`](Self::forward) would
+    /// zero, and the factor it scales the rest by; `None` where it is the identity. Draws from
+    /// the stream as `forward` does, for ops that apply the mask themselves (attention).
+    pub fn draw<const D: usize>(
+        &self,
+        shape: Shape,
+        device: &Device,
+    ) -> Option<(Tensor<D, Bool>, f64)> {
+        if self.prob == 0.0 || !self.is_training(device) {
+            return None;
         }
         let keep = 1.0 - self.prob;
-        // A Bool mask: the backward keeps one byte per element, not a float.
-        let dropped = dropped::<D>(input.shape(), keep, next_call_key(), &input.device());
-        input.mask_fill(dropped, 0.0) * (1.0 / keep)
+        Some((
+            dropped::<D>(shape, keep, next_call_key(), device),
+            1.0 / keep,
+        ))
     }
 }
 

@@ -17,6 +17,7 @@ use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::ModuleOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Shape, TensorMetadata};
 use burn::module::{Module, Param};
@@ -93,26 +94,11 @@ fn apply<const D: usize>(
     ))
 }
 
-pub use extension::LayerNormOps;
-
-mod extension {
-    // burn-tch is deprecated in Burn 0.22, and kept to compare with (`--accelerator libtorch`).
-    #![allow(deprecated)]
-
-    use burn::backend::ops::ModuleOps;
-    use burn::backend::tensor::FloatTensor;
-    use burn::backend::{Backend, backend_extension};
-
+backend_ops! {
     /// The op behind [`LayerNorm`](super::LayerNorm): on a backend's own tensors its
     /// `layer_norm` (Flex's one pass, fused on Cube); under autodiff, a node that keeps the
     /// input and gamma and differentiates in one step.
-    #[backend_extension(
-        Flex,
-        Cube: cfg(feature = "cube"),
-        LibTorch: cfg(feature = "tch"),
-        Autodiff,
-    )]
-    pub trait LayerNormOps: Backend {
+    pub trait LayerNormOps {
         /// `x`: `[.., d]`; `gamma`, `beta`: `[d]`.
         fn layer_norm(
             x: FloatTensor<Self>,
@@ -123,12 +109,6 @@ mod extension {
             <Self as ModuleOps<Self>>::layer_norm(x, gamma, Some(beta), epsilon)
         }
     }
-
-    impl LayerNormOps for burn::backend::Flex {}
-    #[cfg(feature = "cube")]
-    impl LayerNormOps for burn::backend::Cube {}
-    #[cfg(feature = "tch")]
-    impl LayerNormOps for burn::backend::LibTorch {}
 }
 
 impl<B: Backend, C: CheckpointStrategy> LayerNormOps for Autodiff<B, C> {

@@ -1,7 +1,11 @@
 //! What the burnscale models share: layers where Burn's own are slow on the CPU backend, the
 //! block split that wrap policies use, and checkpoint reading and writing.
 
-mod activation;
+#[macro_use]
+mod extension;
+
+pub mod activation;
+pub mod attention;
 pub mod autocast;
 mod blocks;
 pub mod config;
@@ -13,7 +17,8 @@ mod loss;
 pub mod regather;
 pub mod weights;
 
-pub use activation::gelu_tanh;
+pub use activation::{ActivationOps, gelu_tanh, softmax};
+pub use attention::{AttentionOps, attention};
 pub use blocks::{BlockModel, Mask};
 pub use dropout::{Dropout, DropoutConfig};
 pub use layer_norm::{LayerNorm, LayerNormConfig};

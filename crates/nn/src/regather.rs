@@ -17,6 +17,7 @@ use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::ops::ModuleOps;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, DispatchKindConversion, DispatchTensor};
 use burn::module::ParamId;
@@ -107,27 +108,12 @@ pub fn backward<T>(
     (out, grads)
 }
 
-pub use extension::RegatherOps;
-
-mod extension {
-    // burn-tch is deprecated in Burn 0.22, and kept to compare with (`--accelerator libtorch`).
-    #![allow(deprecated)]
-
-    use burn::backend::ops::ModuleOps;
-    use burn::backend::tensor::FloatTensor;
-    use burn::backend::{Backend, backend_extension};
-
+backend_ops! {
     /// The op behind [`linear`](super::linear) inside [`forward`](super::forward): on a
     /// backend's own tensors its `linear`; under autodiff, a node that keeps `x` and `key` (the
     /// weight's `ParamId`) and in backward reads the weight staged by
     /// [`backward`](super::backward).
-    #[backend_extension(
-        Flex,
-        Cube: cfg(feature = "cube"),
-        LibTorch: cfg(feature = "tch"),
-        Autodiff,
-    )]
-    pub trait RegatherOps: Backend {
+    pub trait RegatherOps {
         /// `x @ weight + bias` (`[.., d_in]` x `[d_in, d_out]` + `[d_out]`).
         fn regathered_linear(
             x: FloatTensor<Self>,
@@ -139,12 +125,6 @@ mod extension {
             <Self as ModuleOps<Self>>::linear(x, weight, Some(bias))
         }
     }
-
-    impl RegatherOps for burn::backend::Flex {}
-    #[cfg(feature = "cube")]
-    impl RegatherOps for burn::backend::Cube {}
-    #[cfg(feature = "tch")]
-    impl RegatherOps for burn::backend::LibTorch {}
 }
 
 impl<B, C> RegatherOps for Autodiff<B, C>

@@ -2,10 +2,11 @@ use burn::module::{Param, ParamId, list_param_ids};
 use burn::nn::{Embedding, EmbeddingConfig, Initializer, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::relu;
-use burnscale_nn::autocast::{self, softmax};
+use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, device_cache, regather,
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, attention, device_cache,
+    regather,
 };
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
@@ -160,11 +161,7 @@ pub fn full_attention(
     mask: &Mask,
     dropout: &Dropout,
 ) -> Tensor<4> {
-    let mut scores = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
-    if let Some(bias) = mask {
-        scores = scores + bias.clone();
-    }
-    dropout.forward(softmax(scores, 3)).matmul(v) // [b, nh, t, hd]
+    attention(q, k, v, mask.clone(), dropout) // [b, nh, t, hd]
 }
 
 /// One post-LN encoder layer: the unit that sharding and checkpointing wrap.

@@ -2,11 +2,11 @@ use burn::module::{ParamId, list_param_ids};
 use burn::nn::{Embedding, EmbeddingConfig};
 use burn::nn::{Linear, LinearConfig};
 use burn::prelude::*;
-use burnscale_nn::autocast::{layer_norm, softmax};
+use burnscale_nn::autocast::{self, layer_norm};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, device_cache, gelu_tanh,
-    regather,
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, attention, device_cache,
+    gelu_tanh, regather,
 };
 
 use crate::{GptConfig, GptError};
@@ -46,15 +46,16 @@ impl CausalSelfAttention {
 
         // Scaling q rather than the scores touches t·hd elements per head instead of t².
         let q = q * (1.0 / (hd as f64).sqrt());
-        let att = q.matmul(k.swap_dims(2, 3)); // [b, nh, t, t]
         // Built once per device, as nanoGPT registers its `bias` buffer once.
-        let device = att.device();
-        let future = device_cache::for_length("causal mask", t, &[2, 3], &device, |n| {
-            Tensor::<2, Bool>::tril_mask([n, n], 0, &device).unsqueeze::<4>() // true where j > i
+        let device = q.device();
+        let future = device_cache::for_length("causal bias", t, &[2, 3], &device, |n| {
+            let above = Tensor::<2, Bool>::tril_mask([n, n], 0, &device); // true where j > i
+            Tensor::<2>::zeros([n, n], &device)
+                .mask_fill(above, f32::NEG_INFINITY)
+                .unsqueeze::<4>()
         });
-        let att = softmax(att.mask_fill(future, f32::NEG_INFINITY), 3);
-        let att = self.attn_dropout.forward(att);
-        let y = att.matmul(v); // [b, nh, t, hd]
+        let future = autocast::like(future, &q);
+        let y = attention(q, k, v, Some(future), &self.attn_dropout); // [b, nh, t, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, c]);
         self.resid_dropout
             .forward(regather::linear(&self.c_proj, y))

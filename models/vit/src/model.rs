@@ -3,10 +3,10 @@ use burn::nn::Linear;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::prelude::*;
 use burn::tensor::activation::gelu;
-use burnscale_nn::autocast::{self, softmax};
+use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, regather,
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, attention, regather,
 };
 
 use crate::{VitConfig, VitError};
@@ -81,8 +81,7 @@ impl Attention {
         let q = heads(regather::linear(&self.query, x.clone())) * (1.0 / (hd as f64).sqrt()); // [b, nh, t, hd]
         let k = heads(regather::linear(&self.key, x.clone()));
         let v = heads(regather::linear(&self.value, x));
-        let att = softmax(q.matmul(k.swap_dims(2, 3)), 3); // [b, nh, t, t]
-        let y = self.attn_dropout.forward(att).matmul(v); // [b, nh, t, hd]
+        let y = attention(q, k, v, None, &self.attn_dropout); // [b, nh, t, hd]
         let y = y.swap_dims(1, 2).reshape([b, t, d]);
         self.dropout.forward(regather::linear(&self.output, y))
     }

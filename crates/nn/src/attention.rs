@@ -1,0 +1,360 @@
+//! Scaled dot-product attention whose backward recomputes the attention probabilities.
+//!
+//! Written as ops, `softmax(q·kᵀ + bias)`, dropout and `·v`, the graph keeps the
+//! probabilities for the last product: a `[b, heads, t, t]` tensor every layer (the largest
+//! activation of a transformer at long contexts), where PyTorch's fused attention keeps none.
+//! [`attention`] is one op, [`AttentionOps::attention`], that keeps `q`, `k`, `v` (kept for
+//! the products anyway), the bias and the dropout mask, and in backward computes the
+//! probabilities `p` again (one more `q·kᵀ`), then, with `p'` the dropped-out probabilities
+//! and `o = p'·v`:
+//!
+//!     dv = p'ᵀ·do      dp = dropout(do·vᵀ)      ds = p * (dp - sum(dp * p))      dq = ds·k      dk = dsᵀ·q
+//!
+//! (`sum` along the keys). The bias is a constant (a mask): it gets no gradient.
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::{BoolTensor, FloatTensor};
+use burn::backend::{Backend, ExtensionType, TensorMetadata};
+use burn::prelude::*;
+use burn::tensor::FloatDType;
+
+use crate::{Dropout, autocast};
+
+/// `dropout(softmax(q·kᵀ + bias))·v` for `q`: `[b, heads, t_q, d]`, `k`: `[b, heads, t_k, d]`,
+/// `v`: `[b, heads, t_k, d_v]` (scaled as the caller wants: models scale `q`), and `bias`
+/// broadcast to `[b, heads, t_q, t_k]` (`-inf` where a key is masked). Under an autocast
+/// [`scope`](autocast::scope) the softmax runs in f32, as [`autocast::softmax`] does.
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    bias: Option<Tensor<4>>,
+    dropout: &Dropout,
+) -> Tensor<4> {
+    let [b, h, t_q, _] = q.dims();
+    let t_k = k.dims()[2];
+    let dropped = dropout.draw::<4>(Shape::new([b, h, t_q, t_k]), &q.device());
+    let masking = Masking::from_parts(
+        bias.map(Tensor::into_dispatch),
+        dropped.map(|(mask, scale)| (mask.into_dispatch(), scale)),
+    );
+    let widen = autocast::widens(q.dtype());
+    Tensor::from_dispatch(<burn::backend::Dispatch as AttentionOps>::attention(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        masking,
+        widen,
+    ))
+}
+
+/// What attention adds to the scores (a bias) and what dropout zeroes in the probabilities
+/// (and the factor it scales the rest by): the extension macro takes enums of tensors, not
+/// `Option`s.
+#[derive(ExtensionType)]
+pub enum Masking<B: Backend> {
+    None,
+    Bias(FloatTensor<B>),
+    Dropout(BoolTensor<B>, f64),
+    Both(FloatTensor<B>, BoolTensor<B>, f64),
+}
+
+type Dropped<B> = (BoolTensor<B>, f64);
+
+impl<B: Backend> Masking<B> {
+    fn from_parts(bias: Option<FloatTensor<B>>, dropped: Option<Dropped<B>>) -> Self {
+        match (bias, dropped) {
+            (None, None) => Self::None,
+            (Some(bias), None) => Self::Bias(bias),
+            (None, Some((mask, scale))) => Self::Dropout(mask, scale),
+            (Some(bias), Some((mask, scale))) => Self::Both(bias, mask, scale),
+        }
+    }
+
+    fn into_parts(self) -> (Option<FloatTensor<B>>, Option<Dropped<B>>) {
+        match self {
+            Self::None => (None, None),
+            Self::Bias(bias) => (Some(bias), None),
+            Self::Dropout(mask, scale) => (None, Some((mask, scale))),
+            Self::Both(bias, mask, scale) => (Some(bias), Some((mask, scale))),
+        }
+    }
+}
+
+/// `softmax(q·kᵀ + bias)` along the keys: in f32 when `widen`, else in `q`'s dtype.
+fn probabilities<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    bias: Option<&FloatTensor<B>>,
+    widen: bool,
+) -> FloatTensor<B> {
+    let mut scores = B::float_matmul(q, B::float_swap_dims(k, 2, 3));
+    if let Some(bias) = bias {
+        scores = B::float_add(scores, bias.clone());
+    }
+    if widen {
+        scores = B::float_cast(scores, FloatDType::F32);
+    }
+    B::softmax(scores, 3)
+}
+
+/// `t` in the dtype of `like`.
+fn cast_like<B: Backend>(t: FloatTensor<B>, like: &FloatTensor<B>) -> FloatTensor<B> {
+    let dtype = like.dtype();
+    match t.dtype() == dtype {
+        true => t,
+        false => B::float_cast(t, FloatDType::from(dtype)),
+    }
+}
+
+/// `t` with the `dropped` elements zeroed and the rest scaled; `t` without a mask.
+fn drop_out<B: Backend>(t: FloatTensor<B>, dropped: Option<&Dropped<B>>) -> FloatTensor<B> {
+    match dropped {
+        Some((mask, scale)) => B::float_mul_scalar(
+            B::float_mask_fill(t, mask.clone(), 0.0.into()),
+            (*scale).into(),
+        ),
+        None => t,
+    }
+}
+
+fn forward<B: Backend>(
+    q: FloatTensor<B>,
+    k: FloatTensor<B>,
+    v: FloatTensor<B>,
+    bias: Option<&FloatTensor<B>>,
+    dropped: Option<&Dropped<B>>,
+    widen: bool,
+) -> FloatTensor<B> {
+    let p = cast_like::<B>(probabilities::<B>(q, k, bias, widen), &v);
+    B::float_matmul(drop_out::<B>(p, dropped), v)
+}
+
+backend_ops! {
+    /// The op behind [`attention`](super::attention): on a backend's own tensors its ops;
+    /// under autodiff, a node that keeps its inputs, not the probabilities.
+    pub trait AttentionOps {
+        /// `widen`: the softmax runs in f32.
+        fn attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            #[extension_type] masking: Masking<Self>,
+            widen: bool,
+        ) -> FloatTensor<Self> {
+            let (bias, dropped) = masking.into_parts();
+            super::forward::<Self>(q, k, v, bias.as_ref(), dropped.as_ref(), widen)
+        }
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
+    fn attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        masking: Masking<Self>,
+        widen: bool,
+    ) -> FloatTensor<Self> {
+        #[derive(Debug)]
+        struct AttentionBackward;
+
+        /// `q`, `k`, `v`, the bias, the dropout mask and its scale, whether the softmax widens.
+        type State<B> = (
+            FloatTensor<B>,
+            FloatTensor<B>,
+            FloatTensor<B>,
+            Option<FloatTensor<B>>,
+            Option<Dropped<B>>,
+            bool,
+        );
+
+        impl<B: Backend> Backward<B, 3> for AttentionBackward {
+            type State = State<B>;
+
+            fn backward(
+                self,
+                ops: Ops<Self::State, 3>,
+                grads: &mut Gradients,
+                _checkpointer: &mut Checkpointer,
+            ) {
+                let (q, k, v, bias, dropped, widen) = ops.state;
+                let d_out = grads.consume::<B>(&ops.node);
+                let [q_node, k_node, v_node] = ops.parents;
+                // In f32 where the forward's softmax was.
+                let p = probabilities::<B>(q.clone(), k.clone(), bias.as_ref(), widen);
+                if let Some(node) = v_node {
+                    let kept = drop_out::<B>(cast_like::<B>(p.clone(), &v), dropped.as_ref());
+                    let dv = B::float_matmul(B::float_swap_dims(kept, 2, 3), d_out.clone());
+                    grads.register::<B>(node.id, dv);
+                }
+                if q_node.is_none() && k_node.is_none() {
+                    return;
+                }
+                let dp = B::float_matmul(d_out, B::float_swap_dims(v, 2, 3));
+                let dp = cast_like::<B>(drop_out::<B>(dp, dropped.as_ref()), &p);
+                let dot = B::float_sum_dim(B::float_mul(dp.clone(), p.clone()), 3);
+                let ds = cast_like::<B>(B::float_mul(B::float_sub(dp, dot), p), &q);
+                if let Some(node) = q_node {
+                    grads.register::<B>(node.id, B::float_matmul(ds.clone(), k));
+                }
+                if let Some(node) = k_node {
+                    grads.register::<B>(node.id, B::float_matmul(B::float_swap_dims(ds, 2, 3), q));
+                }
+            }
+        }
+
+        let nodes = [q.node(), k.node(), v.node()];
+        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        let (bias, dropped) = masking.into_parts();
+        let bias = bias.map(|b| b.into_primitive());
+        let out = forward::<B>(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            bias.as_ref(),
+            dropped.as_ref(),
+            widen,
+        );
+        match AttentionBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((q, k, v, bias, dropped, widen), out),
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DropoutConfig, dropout};
+    use burn::tensor::{DType, Distribution, Tolerance};
+
+    /// The same attention written as ops, as the models wrote it.
+    fn as_ops(
+        q: Tensor<4>,
+        k: Tensor<4>,
+        v: Tensor<4>,
+        bias: Option<Tensor<4>>,
+        dropout: &Dropout,
+    ) -> Tensor<4> {
+        let mut scores = q.matmul(k.swap_dims(2, 3));
+        if let Some(bias) = bias {
+            scores = scores + bias;
+        }
+        dropout.forward(autocast::softmax(scores, 3)).matmul(v)
+    }
+
+    /// The output and the gradients of `q`, `k` and `v` under a random cotangent, flat and in
+    /// f32, with this thread's dropout stream at `seed`.
+    fn run(
+        f: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>,
+        qkv: &[Tensor<4>; 3],
+        seed: u64,
+    ) -> Vec<Tensor<1>> {
+        dropout::seed(seed);
+        let [q, k, v] = qkv.clone().map(Tensor::require_grad);
+        let out = f(q.clone(), k.clone(), v.clone());
+        out.device().seed(seed);
+        let r = Tensor::<4>::random(out.shape(), Distribution::Default, &out.device());
+        let grads = (out.clone() * r.cast(FloatDType::from(out.dtype())))
+            .sum()
+            .backward();
+        let flat = |t: Tensor<4>| t.cast(FloatDType::F32).flatten::<1>(0, 3);
+        let mut all = vec![flat(out.inner())];
+        for t in [q, k, v] {
+            all.push(flat(t.grad(&grads).expect("a gradient")));
+        }
+        all
+    }
+
+    fn qkv(device: &Device, t_k: usize) -> [Tensor<4>; 3] {
+        let normal =
+            |shape: [usize; 4]| Tensor::random(shape, Distribution::Normal(0.0, 1.0), device);
+        [
+            normal([2, 3, 5, 4]),
+            normal([2, 3, t_k, 4]),
+            normal([2, 3, t_k, 6]),
+        ]
+    }
+
+    /// Without a bias, with a causal `-inf` mask and with a finite bias broadcast over heads,
+    /// with and without dropout: the output and every gradient equal the ops'.
+    #[test]
+    fn equals_the_ops_in_value_and_every_gradient() {
+        let device = Device::default().autodiff();
+        let inputs = qkv(&device, 5);
+        let causal = Tensor::<2>::zeros([5, 5], &device)
+            .mask_fill(
+                Tensor::<2, Bool>::tril_mask([5, 5], 0, &device),
+                f32::NEG_INFINITY,
+            )
+            .unsqueeze::<4>();
+        let padding = Tensor::<4>::random([2, 1, 1, 5], Distribution::Uniform(-3.0, 0.0), &device);
+        for p in [0.0, 0.3] {
+            let dropout = DropoutConfig::new(p).init();
+            for (what, bias) in [
+                ("none", None),
+                ("causal", Some(causal.clone())),
+                ("padding", Some(padding.clone())),
+            ] {
+                let want = run(
+                    &|q, k, v| as_ops(q, k, v, bias.clone(), &dropout),
+                    &inputs,
+                    5,
+                );
+                let got = run(
+                    &|q, k, v| attention(q, k, v, bias.clone(), &dropout),
+                    &inputs,
+                    5,
+                );
+                for (name, (got, want)) in ["out", "dq", "dk", "dv"]
+                    .iter()
+                    .zip(got.into_iter().zip(want))
+                {
+                    let (got, want) = (got.into_data(), want.into_data());
+                    assert_eq!(
+                        got.shape(),
+                        want.shape(),
+                        "{name}, bias {what}, dropout {p}"
+                    );
+                    got.assert_approx_eq::<f32>(&want, Tolerance::rel_abs(1e-5, 1e-6));
+                }
+            }
+        }
+    }
+
+    /// bf16 inputs under autocast: the softmax and its backward run in f32 on the f32
+    /// probabilities, the products in bf16, as the ops run them (so the two agree to far less
+    /// than one bf16 rounding); the result is bf16.
+    #[test]
+    fn widens_the_softmax_under_autocast() {
+        let device = Device::default().autodiff();
+        let inputs = qkv(&device, 7).map(|t| t.cast(FloatDType::BF16));
+        let dropout = DropoutConfig::new(0.0).init();
+        let _on = autocast::scope(true);
+        let want = run(&|q, k, v| as_ops(q, k, v, None, &dropout), &inputs, 1);
+        let got = run(&|q, k, v| attention(q, k, v, None, &dropout), &inputs, 1);
+        dropout::seed(1);
+        let out = attention(
+            inputs[0].clone(),
+            inputs[1].clone(),
+            inputs[2].clone(),
+            None,
+            &dropout,
+        );
+        assert_eq!(out.dtype(), DType::BF16);
+        for (got, want) in got.into_iter().zip(want) {
+            got.into_data().assert_approx_eq::<f32>(
+                &want.into_data(),
+                Tolerance::rel_abs(2f32.powi(-8), 2f32.powi(-8)),
+            );
+        }
+    }
+}
