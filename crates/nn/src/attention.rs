@@ -10,7 +10,7 @@
 //!
 //!     dv = p'ᵀ·do      dp = dropout(do·vᵀ)      ds = p * (dp - sum(dp * p))      dq = ds·k      dk = dsᵀ·q
 //!
-//! (`sum` along the keys). The bias is a constant (a mask): it gets no gradient.
+//! (`sum` along the keys); a tracked bias gets `ds`, summed over the axes it is broadcast along.
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
@@ -159,6 +159,7 @@ impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
         masking: Masking<Self>,
         widen: bool,
     ) -> FloatTensor<Self> {
+        /// Parents `q`, `k`, `v` and, where it is given, the bias.
         #[derive(Debug)]
         struct AttentionBackward;
 
@@ -172,18 +173,20 @@ impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
             bool,
         );
 
-        impl<B: Backend> Backward<B, 3> for AttentionBackward {
+        impl<B: Backend, const N: usize> Backward<B, N> for AttentionBackward {
             type State = State<B>;
 
             fn backward(
                 self,
-                ops: Ops<Self::State, 3>,
+                ops: Ops<Self::State, N>,
                 grads: &mut Gradients,
                 _checkpointer: &mut Checkpointer,
             ) {
                 let (q, k, v, bias, dropped, widen) = ops.state;
                 let d_out = grads.consume::<B>(&ops.node);
-                let [q_node, k_node, v_node] = ops.parents;
+                let mut parents = ops.parents.into_iter();
+                let mut parent = || parents.next().flatten();
+                let (q_node, k_node, v_node, bias_node) = (parent(), parent(), parent(), parent());
                 // In f32 where the forward's softmax was.
                 let p = probabilities::<B>(q.clone(), k.clone(), bias.as_ref(), widen);
                 if let Some(node) = v_node {
@@ -191,13 +194,18 @@ impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
                     let dv = B::float_matmul(B::float_swap_dims(kept, 2, 3), d_out.clone());
                     grads.register::<B>(node.id, dv);
                 }
-                if q_node.is_none() && k_node.is_none() {
+                if q_node.is_none() && k_node.is_none() && bias_node.is_none() {
                     return;
                 }
                 let dp = B::float_matmul(d_out, B::float_swap_dims(v, 2, 3));
                 let dp = cast_like::<B>(drop_out::<B>(dp, dropped.as_ref()), &p);
                 let dot = B::float_sum_dim(B::float_mul(dp.clone(), p.clone()), 3);
-                let ds = cast_like::<B>(B::float_mul(B::float_sub(dp, dot), p), &q);
+                let ds = B::float_mul(B::float_sub(dp, dot), p); // d(scores)
+                if let (Some(node), Some(bias)) = (bias_node, &bias) {
+                    let db = cast_like::<B>(sum_to::<B>(ds.clone(), &bias.shape()), bias);
+                    grads.register::<B>(node.id, db);
+                }
+                let ds = cast_like::<B>(ds, &q);
                 if let Some(node) = q_node {
                     grads.register::<B>(node.id, B::float_matmul(ds.clone(), k));
                 }
@@ -207,9 +215,10 @@ impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
             }
         }
 
-        let nodes = [q.node(), k.node(), v.node()];
-        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
         let (bias, dropped) = masking.into_parts();
+        let [q_node, k_node, v_node] = [q.node(), k.node(), v.node()];
+        let bias_node = bias.as_ref().map(|b| b.node());
+        let (q, k, v) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
         let bias = bias.map(|b| b.into_primitive());
         let out = forward::<B>(
             q.clone(),
@@ -219,15 +228,36 @@ impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
             dropped.as_ref(),
             widen,
         );
-        match AttentionBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish((q, k, v, bias, dropped, widen), out),
-            OpsKind::UnTracked(prep) => prep.finish(out),
+        let state = (q, k, v, bias, dropped, widen);
+        // The bias is a parent only where there is one: a mask gets no gradient, a learned
+        // bias (relative positions, ALiBi's slopes) does.
+        match bias_node {
+            Some(bias_node) => match AttentionBackward
+                .prepare::<C>([q_node, k_node, v_node, bias_node])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
+            None => match AttentionBackward
+                .prepare::<C>([q_node, k_node, v_node])
+                .compute_bound()
+                .stateful()
+            {
+                OpsKind::Tracked(prep) => prep.finish(state, out),
+                OpsKind::UnTracked(prep) => prep.finish(out),
+            },
         }
     }
+}
+
+/// `t` summed over the axes where `shape` is 1 (a broadcast operand's gradient).
+fn sum_to<B: Backend>(t: FloatTensor<B>, shape: &Shape) -> FloatTensor<B> {
+    (0..shape.num_dims()).fold(t, |t, d| match shape[d] == 1 && t.shape()[d] != 1 {
+        true => B::float_sum_dim(t, d),
+        false => t,
+    })
 }
 
 #[cfg(test)]
@@ -251,21 +281,19 @@ mod tests {
         dropout.forward(autocast::softmax(scores, 3)).matmul(v)
     }
 
-    /// The output and the gradients of `q`, `k` and `v` under a random cotangent, flat and in
+    /// The output and the gradients of `q`, `k` and `v` under the cotangent `r`, flat and in
     /// f32, with this thread's dropout stream at `seed`.
     fn run(
         f: &dyn Fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>,
         qkv: &[Tensor<4>; 3],
+        r: &Tensor<4>,
         seed: u64,
     ) -> Vec<Tensor<1>> {
         dropout::seed(seed);
         let [q, k, v] = qkv.clone().map(Tensor::require_grad);
         let out = f(q.clone(), k.clone(), v.clone());
-        out.device().seed(seed);
-        let r = Tensor::<4>::random(out.shape(), Distribution::Default, &out.device());
-        let grads = (out.clone() * r.cast(FloatDType::from(out.dtype())))
-            .sum()
-            .backward();
+        let r = r.clone().cast(FloatDType::from(out.dtype()));
+        let grads = (out.clone() * r).sum().backward();
         let flat = |t: Tensor<4>| t.cast(FloatDType::F32).flatten::<1>(0, 3);
         let mut all = vec![flat(out.inner())];
         for t in [q, k, v] {
@@ -274,14 +302,19 @@ mod tests {
         all
     }
 
-    fn qkv(device: &Device, t_k: usize) -> [Tensor<4>; 3] {
+    /// `q`, `k`, `v` (`t_q` = 5) and a cotangent for the output, drawn once: the device's
+    /// random stream is shared with tests running beside this one.
+    fn qkv(device: &Device, t_k: usize) -> ([Tensor<4>; 3], Tensor<4>) {
         let normal =
             |shape: [usize; 4]| Tensor::random(shape, Distribution::Normal(0.0, 1.0), device);
-        [
-            normal([2, 3, 5, 4]),
-            normal([2, 3, t_k, 4]),
-            normal([2, 3, t_k, 6]),
-        ]
+        (
+            [
+                normal([2, 3, 5, 4]),
+                normal([2, 3, t_k, 4]),
+                normal([2, 3, t_k, 6]),
+            ],
+            normal([2, 3, 5, 6]),
+        )
     }
 
     /// Without a bias, with a causal `-inf` mask and with a finite bias broadcast over heads,
@@ -289,7 +322,7 @@ mod tests {
     #[test]
     fn equals_the_ops_in_value_and_every_gradient() {
         let device = Device::default().autodiff();
-        let inputs = qkv(&device, 5);
+        let (inputs, r) = qkv(&device, 5);
         let causal = Tensor::<2>::zeros([5, 5], &device)
             .mask_fill(
                 Tensor::<2, Bool>::tril_mask([5, 5], 0, &device),
@@ -307,11 +340,13 @@ mod tests {
                 let want = run(
                     &|q, k, v| as_ops(q, k, v, bias.clone(), &dropout),
                     &inputs,
+                    &r,
                     5,
                 );
                 let got = run(
                     &|q, k, v| attention(q, k, v, bias.clone(), &dropout),
                     &inputs,
+                    &r,
                     5,
                 );
                 for (name, (got, want)) in ["out", "dq", "dk", "dv"]
@@ -336,11 +371,17 @@ mod tests {
     #[test]
     fn widens_the_softmax_under_autocast() {
         let device = Device::default().autodiff();
-        let inputs = qkv(&device, 7).map(|t| t.cast(FloatDType::BF16));
+        let (inputs, r) = qkv(&device, 7);
+        let inputs = inputs.map(|t| t.cast(FloatDType::BF16));
         let dropout = DropoutConfig::new(0.0).init();
         let _on = autocast::scope(true);
-        let want = run(&|q, k, v| as_ops(q, k, v, None, &dropout), &inputs, 1);
-        let got = run(&|q, k, v| attention(q, k, v, None, &dropout), &inputs, 1);
+        let want = run(&|q, k, v| as_ops(q, k, v, None, &dropout), &inputs, &r, 1);
+        let got = run(
+            &|q, k, v| attention(q, k, v, None, &dropout),
+            &inputs,
+            &r,
+            1,
+        );
         dropout::seed(1);
         let out = attention(
             inputs[0].clone(),
@@ -355,6 +396,29 @@ mod tests {
                 &want.into_data(),
                 Tolerance::rel_abs(2f32.powi(-8), 2f32.powi(-8)),
             );
+        }
+    }
+
+    /// A learned bias (per head, as relative positions are; per batch and key, broadcast)
+    /// gets the ops' gradient, `d(scores)` summed over the axes it is broadcast along.
+    #[test]
+    fn a_learned_bias_gets_the_ops_gradient() {
+        let device = Device::default().autodiff();
+        let (inputs, r) = qkv(&device, 5);
+        let dropout = DropoutConfig::new(0.3).init();
+        for shape in [[1, 3, 5, 5], [2, 1, 1, 5]] {
+            let bias = Tensor::<4>::random(shape, Distribution::Normal(0.0, 1.0), &device);
+            let grad = |f: &dyn Fn(Tensor<4>) -> Tensor<4>| {
+                dropout::seed(9);
+                let bias = bias.clone().require_grad();
+                let grads = (f(bias.clone()) * r.clone()).sum().backward();
+                bias.grad(&grads).expect("a bias gradient").into_data()
+            };
+            let [q, k, v] = inputs.clone();
+            let want = grad(&|b| as_ops(q.clone(), k.clone(), v.clone(), Some(b), &dropout));
+            let got = grad(&|b| attention(q.clone(), k.clone(), v.clone(), Some(b), &dropout));
+            assert_eq!(got.shape().to_vec(), shape.to_vec(), "bias {shape:?}");
+            got.assert_approx_eq::<f32>(&want, Tolerance::rel_abs(1e-5, 1e-6));
         }
     }
 }
