@@ -48,6 +48,16 @@ fn gelu_z<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     B::float_mul_scalar(B::float_mul(factor, x), TWO_SQRT_2_OVER_PI.into())
 }
 
+/// Softmax's backward along `dim`, from its output `y`: `y * (dy - sum(dy * y))`.
+pub(crate) fn softmax_backward<B: Backend>(
+    y: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    dim: usize,
+) -> FloatTensor<B> {
+    let dot = B::float_sum_dim(B::float_mul(dy.clone(), y.clone()), dim);
+    B::float_mul(B::float_sub(dy, dot), y)
+}
+
 /// `x·σ(z(x))` on a backend's own tensors.
 fn gelu_tanh_of<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     let s = B::sigmoid(gelu_z::<B>(x.clone()));
@@ -89,8 +99,7 @@ impl<B: Backend, C: CheckpointStrategy> ActivationOps for Autodiff<B, C> {
                 let dy = grads.consume::<B>(&ops.node);
                 let [x_node] = ops.parents;
                 if let Some(node) = x_node {
-                    let dot = B::float_sum_dim(B::float_mul(dy.clone(), y.clone()), dim);
-                    grads.register::<B>(node.id, B::float_mul(B::float_sub(dy, dot), y));
+                    grads.register::<B>(node.id, softmax_backward::<B>(y, dy, dim));
                 }
             }
         }

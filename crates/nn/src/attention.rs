@@ -21,6 +21,7 @@ use burn::backend::{Backend, ExtensionType, TensorMetadata};
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 
+use crate::activation::softmax_backward;
 use crate::{Dropout, autocast};
 
 /// `dropout(softmax(q·kᵀ + bias))·v` for `q`: `[b, heads, t_q, d]`, `k`: `[b, heads, t_k, d]`,
@@ -199,8 +200,7 @@ impl<B: Backend, C: CheckpointStrategy> AttentionOps for Autodiff<B, C> {
                 }
                 let dp = B::float_matmul(d_out, B::float_swap_dims(v, 2, 3));
                 let dp = cast_like::<B>(drop_out::<B>(dp, dropped.as_ref()), &p);
-                let dot = B::float_sum_dim(B::float_mul(dp.clone(), p.clone()), 3);
-                let ds = B::float_mul(B::float_sub(dp, dot), p); // d(scores)
+                let ds = softmax_backward::<B>(p, dp, 3); // d(scores)
                 if let (Some(node), Some(bias)) = (bias_node, &bias) {
                     let db = cast_like::<B>(sum_to::<B>(ds.clone(), &bias.shape()), bias);
                     grads.register::<B>(node.id, db);
