@@ -41,9 +41,9 @@ pub fn gelu_tanh<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 const TWO_SQRT_2_OVER_PI: f64 = 1.595_769_121_605_730_7;
 const CUBIC: f64 = 0.044715;
 
-/// `z(x) = 2·√(2/π)·(x + 0.044715·x³)`, computed as `(0.044715·x² + 1)·x·2√(2/π)`.
-fn gelu_z<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    let square = B::float_mul(x.clone(), x.clone());
+/// `z(x) = 2·√(2/π)·(x + 0.044715·x³)`, computed as `(0.044715·x² + 1)·x·2√(2/π)` from `x`
+/// and its `square` (which the backward needs too).
+fn gelu_z<B: Backend>(x: FloatTensor<B>, square: FloatTensor<B>) -> FloatTensor<B> {
     let factor = B::float_add_scalar(B::float_mul_scalar(square, CUBIC.into()), 1.0.into());
     B::float_mul_scalar(B::float_mul(factor, x), TWO_SQRT_2_OVER_PI.into())
 }
@@ -60,7 +60,8 @@ pub(crate) fn softmax_backward<B: Backend>(
 
 /// `x·σ(z(x))` on a backend's own tensors.
 fn gelu_tanh_of<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
-    let s = B::sigmoid(gelu_z::<B>(x.clone()));
+    let square = B::float_mul(x.clone(), x.clone());
+    let s = B::sigmoid(gelu_z::<B>(x.clone(), square));
     B::float_mul(x, s)
 }
 
@@ -133,9 +134,9 @@ impl<B: Backend, C: CheckpointStrategy> ActivationOps for Autodiff<B, C> {
                 let dy = grads.consume::<B>(&ops.node);
                 let [x_node] = ops.parents;
                 if let Some(node) = x_node {
-                    let s = B::sigmoid(gelu_z::<B>(x.clone()));
-                    // z'(x) = 2√(2/π)·(1 + 3·0.044715·x²)
                     let square = B::float_mul(x.clone(), x.clone());
+                    let s = B::sigmoid(gelu_z::<B>(x.clone(), square.clone()));
+                    // z'(x) = 2√(2/π)·(1 + 3·0.044715·x²)
                     let dz = B::float_mul_scalar(
                         B::float_add_scalar(
                             B::float_mul_scalar(square, (3.0 * CUBIC).into()),
