@@ -340,10 +340,11 @@ pub struct Tolerance {
     /// one element's whole movement over the run, `lr · steps`. A moment within rounding of a
     /// boundary between two codes may be stored as either; that element then moves by up to
     /// one code step of its moment (1.4% to 100% of it), at most the learning rate a step,
-    /// for the rest of the run, in whichever run it happens. A tensor of a few hundred elements moving alike has an update of about
-    /// `lr · steps · sqrt(n)`, so one such element is several percent of it (seen: 6.8e-3 of
-    /// `h.1.attn.c_attn.weight`'s update at N = 3 once the layer norm's backward rounded
-    /// differently, 7e-5 before). A wrong block or shard moves whole rows, far beyond it.
+    /// for the rest of the run, in whichever run it happens. A tensor of a few hundred
+    /// elements moving alike has an update of about `lr · steps · sqrt(n)`, so one such
+    /// element is several percent of it (seen: 6.8e-3 of `h.1.attn.c_attn.weight`'s update
+    /// at N = 3 once the layer norm's backward rounded differently, 7e-5 before). A wrong
+    /// block or shard moves whole rows, far beyond it.
     pub element: f64,
     /// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
     /// another optimizer).

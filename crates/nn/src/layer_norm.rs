@@ -275,27 +275,16 @@ mod tests {
         let device = Device::default().autodiff();
         device.seed(3);
         let d = 768;
-        let bf16 = |t: Tensor<2>| t.cast(FloatDType::BF16).cast(FloatDType::F32);
-        let x = bf16(Tensor::random(
-            [64, d],
-            Distribution::Normal(0.5, 3.0),
-            &device,
-        ));
-        let r = bf16(Tensor::random(
-            [64, d],
-            Distribution::Normal(0.0, 1.0),
-            &device,
-        ));
-        let gamma = bf16(Tensor::random(
-            [1, d],
-            Distribution::Uniform(0.5, 1.5),
-            &device,
-        ));
-        let beta = bf16(Tensor::random(
-            [1, d],
-            Distribution::Uniform(-0.5, 0.5),
-            &device,
-        ));
+        // bf16 values, so that the bf16 run starts from exactly the f32 run's inputs.
+        let draw = |shape: [usize; 2], distribution| {
+            Tensor::<2>::random(shape, distribution, &device)
+                .cast(FloatDType::BF16)
+                .cast(FloatDType::F32)
+        };
+        let x = draw([64, d], Distribution::Normal(0.5, 3.0));
+        let r = draw([64, d], Distribution::Normal(0.0, 1.0));
+        let gamma = draw([1, d], Distribution::Uniform(0.5, 1.5));
+        let beta = draw([1, d], Distribution::Uniform(-0.5, 0.5));
         let run = |dtype: FloatDType| {
             let norm = LayerNorm {
                 gamma: Param::from_tensor(gamma.clone().reshape([d]).cast(dtype)),
