@@ -19,7 +19,7 @@
 # (scripts/bench_vit_torch.py: 20 timed steps after 3 warm-up ones) and `vit_finetune
 # --weights none` (30 steps, the first reported apart) in bf16-true and bf16-mixed, then under
 # zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params` (VIT_ROWS=single:
-# the first two burnscale rows only). VIT_FINETUNE is a `cargo build
+# the first two burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3 rows only). VIT_FINETUNE is a `cargo build
 # --release --features cuda --example vit_finetune` binary.
 #
 # article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is
@@ -144,10 +144,12 @@ fi
 if [ "$table" = vit ]; then
     vit=(--weights none --model vit-l-16 --image-size 224 --batch-size 16 --max-steps 30
         --eval-interval 0)
-    torch_vit torch_bf16_true 120 --model vit-l-16 --precision bf16-true
-    torch_vit torch_bf16_mixed 120 --model vit-l-16 --precision bf16-mixed
-    phase vit_bf16_true 240 "${vit[@]}" --precision bf16-true
-    phase vit_bf16_mixed 150 "${vit[@]}" --precision bf16-mixed
+    if [ "${VIT_ROWS:-all}" != zero3 ]; then
+        torch_vit torch_bf16_true 120 --model vit-l-16 --precision bf16-true
+        torch_vit torch_bf16_mixed 120 --model vit-l-16 --precision bf16-mixed
+        phase vit_bf16_true 240 "${vit[@]}" --precision bf16-true
+        phase vit_bf16_mixed 150 "${vit[@]}" --precision bf16-mixed
+    fi
     [ "${VIT_ROWS:-all}" = single ] && exit 0
     # One rank alone in its weights' dtype runs as a replica; bf16-mixed and offloaded ranks
     # copy their units, so they reshard after forward and gather again for backward.
