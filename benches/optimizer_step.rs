@@ -1,7 +1,8 @@
 //! One optimizer step on one matrix, on Flex: burn-optim's AdamW, burnscale's fused AdamW (the
 //! one the runner uses; the same values in one pass), 8-bit AdamW, burn-optim's Adafactor and
 //! burnscale's (its phases as loops over host memory), side by side in one run, each as a
-//! ratio to burn-optim's AdamW. The matrix is BERT-large's
+//! ratio to burn-optim's AdamW; then both AdamWs on the same matrix in bf16 (bf16-true's
+//! parameters: burn-optim rounds each operation, the fused step each store). The matrix is BERT-large's
 //! MLP weight (1024 x 4096, 4.2M elements, f32); the steps after the first (the state exists)
 //! are timed, the median taken.
 //!
@@ -12,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use burn::optim::{AdafactorConfig, AdamWConfig, Optimizer};
 use burn::prelude::*;
-use burn::tensor::Distribution;
+use burn::tensor::{DType, Distribution};
 use burnscale::train::adafactor::Adafactor;
 use burnscale::train::adam8bit::AdamW8bit;
 use burnscale::train::fused_adamw::FusedAdamW;
@@ -51,7 +52,7 @@ fn median_step<O: Optimizer>(
             // The parameter moves in and the gradient is a copy of its own, as backward hands
             // the runner its gradients (an optimizer may update them in place).
             let moved = std::mem::replace(&mut param, Tensor::empty([0, 0], &device));
-            let own = Tensor::from_data(grad.to_data(), &device);
+            let own = Tensor::from_data(grad.to_data(), (&device, grad.dtype()));
             let start = Instant::now();
             (param, state) = optim.step(1e-3, moved, own, state.take());
             // Flex computes eagerly; reading one element keeps the timing honest on any backend.
@@ -70,15 +71,15 @@ fn main() -> Result<()> {
     let shape = [cli.rows, cli.cols];
     let param = Tensor::<2>::random(shape, Distribution::Normal(0.0, 0.02), &device);
     let grad = Tensor::<2>::random(shape, Distribution::Normal(0.0, 1e-3), &device);
-    let adamw = median_step(
-        &AdamWConfig::new()
-            .with_epsilon(1e-8)
-            .with_weight_decay(0.01)
-            .build(),
-        &param,
-        &grad,
-        cli.steps,
+    let (param_bf16, grad_bf16) = (
+        param.clone().cast(DType::BF16),
+        grad.clone().cast(DType::BF16),
     );
+    let burn_adamw = AdamWConfig::new()
+        .with_epsilon(1e-8)
+        .with_weight_decay(0.01)
+        .build();
+    let adamw = median_step(&burn_adamw, &param, &grad, cli.steps);
     let adam8bit = AdamW8bit {
         beta_1: 0.9,
         beta_2: 0.999,
@@ -112,9 +113,17 @@ fn main() -> Result<()> {
             "adafactor",
             median_step(&adafactor, &param, &grad, cli.steps),
         ),
+        (
+            "adamw bf16 (burn-optim)",
+            median_step(&burn_adamw, &param_bf16, &grad_bf16, cli.steps),
+        ),
+        (
+            "adamw bf16 (fused)",
+            median_step(&fused, &param_bf16, &grad_bf16, cli.steps),
+        ),
     ];
     println!(
-        "one step on a {} x {} f32 matrix, median of {} steps",
+        "one step on a {} x {} matrix (f32 unless named), median of {} steps",
         cli.rows, cli.cols, cli.steps
     );
     for (name, time) in rows {

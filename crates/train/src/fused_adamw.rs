@@ -1,19 +1,68 @@
 //! AdamW in one pass over host memory, as DeepSpeed's CPU Adam steps offloaded parameters.
 //! burn-optim's AdamW computes a step as a dozen tensor operations, each a pass over the
 //! parameter on one thread of Flex; here each element is updated once, chunks in parallel,
-//! with the same f32 operations in the same order, so the result is burn-optim's bit for bit
+//! with the same operations in the same order, each rounded to the parameter's dtype as Flex
+//! rounds it (f32, or bf16 and f16 for bf16-true and 16-true: computed in f32, the result
+//! and every scalar operand rounded to 16 bits), so the result is burn-optim's bit for bit
 //! (the equivalence tests train against burn-optim's). The state is burn-optim's
-//! [`AdamWState`], so checkpoints and `--offload-dir` files do not change. Tensors elsewhere (a
-//! GPU) or in other dtypes take burn-optim's path.
+//! [`AdamWState`], in the parameter's dtype, so checkpoints and `--offload-dir` files do not
+//! change. Tensors elsewhere (a GPU) or in other dtypes take burn-optim's path.
 
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::prelude::*;
-use burn::tensor::{DType, TensorData};
+use burn::tensor::{DType, Element, TensorData};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 /// Elements a task updates: large enough that a task's overhead is amortised, small enough
 /// that a layer's parameter spreads over the cores.
 pub(crate) const CHUNK: usize = 1 << 15;
+
+/// An element type the fused step reads and writes in host memory, computed in f32.
+trait HostFloat: Element + Send + Sync {
+    fn widen(self) -> f32;
+    fn narrow(x: f32) -> Self;
+    /// `x` rounded to this type, as an f32: what a Flex op of this dtype gives.
+    fn round(x: f32) -> f32 {
+        Self::narrow(x).widen()
+    }
+}
+
+impl HostFloat for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+    fn narrow(x: f32) -> Self {
+        x
+    }
+}
+
+impl HostFloat for bf16 {
+    // bf16 is f32's upper half: widening is a shift, rounding to nearest (ties to even) an
+    // add and a shift, as half's conversions compute them, without branches so that the
+    // loops vectorise.
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    fn narrow(x: f32) -> Self {
+        bf16::from_bits((Self::round(x).to_bits() >> 16) as u16)
+    }
+    fn round(x: f32) -> f32 {
+        let bits = x.to_bits();
+        let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+        let nan = (bits & 0xffff_0000) | 0x0040_0000;
+        f32::from_bits(if x.is_nan() { nan } else { rounded })
+    }
+}
+
+impl HostFloat for f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+    fn narrow(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
 
 #[derive(Clone)]
 pub struct FusedAdamW {
@@ -21,7 +70,7 @@ pub struct FusedAdamW {
     beta_2: f32,
     epsilon: f32,
     weight_decay: f32,
-    /// burn-optim's, for what is not f32 in host memory.
+    /// burn-optim's, for what is not f32, bf16 or f16 in host memory.
     elsewhere: AdamW,
 }
 
@@ -44,48 +93,98 @@ impl FusedAdamW {
 
     /// Step `time` (from 1) of `p` with `g`, the moments `m` and `v` updated in place (zeros,
     /// unread, at step 1).
-    fn update(
+    fn update<T: HostFloat>(
         &self,
         lr: LearningRate,
-        p: &mut [f32],
-        g: &[f32],
-        m: &mut [f32],
-        v: &mut [f32],
+        p: &mut [T],
+        g: &[T],
+        m: &mut [T],
+        v: &mut [T],
         time: usize,
     ) {
-        let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
-        let (f1, f2) = (1.0 - b1, 1.0 - b2);
-        let (c1, c2) = (1f32 - b1.powi(time as i32), 1f32 - b2.powi(time as i32));
-        let decay_rate = lr * self.weight_decay as f64;
-        let keep = (decay_rate != 0.0).then_some((1.0 - decay_rate) as f32);
-        let lr = lr as f32;
+        // burn-optim's operations in its order, each result rounded to `T` (`r`), as are the
+        // scalars (Flex rounds a scalar operand to the tensor's dtype): the identity in f32.
+        let r = T::round;
+        let (b1, b2) = (self.beta_1, self.beta_2);
+        let (f1, f2) = (r(1.0 - b1), r(1.0 - b2));
+        let (c1, c2) = (
+            r(1f32 - b1.powi(time as i32)),
+            r(1f32 - b2.powi(time as i32)),
+        );
+        let (b1, b2, eps) = (r(b1), r(b2), r(self.epsilon));
+        // Without decay `p * 1 - u` is `p - u` exactly: one formula for both.
+        let keep = r((1.0 - lr * self.weight_decay as f64) as f32);
+        let lr = r(lr as f32);
         let first = time == 1;
         p.par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK))
             .zip(m.par_chunks_mut(CHUNK))
             .zip(v.par_chunks_mut(CHUNK))
             .for_each(|(((p, g), m), v)| {
-                // burn-optim's operations, each rounded to f32 as its tensor op rounds; in
-                // loops of their own per chunk, which the compiler vectorises.
+                // In loops of their own per chunk, which the compiler vectorises.
                 let n = p.len();
                 let (g, m, v) = (&g[..n], &mut m[..n], &mut v[..n]);
                 if first {
                     for i in 0..n {
-                        m[i] = g[i] * f1;
-                        v[i] = (g[i] * g[i]) * f2;
+                        let g = g[i].widen();
+                        m[i] = T::narrow(g * f1);
+                        v[i] = T::narrow(r(g * g) * f2);
                     }
                 } else {
                     for i in 0..n {
-                        m[i] = m[i] * b1 + g[i] * f1;
-                        v[i] = v[i] * b2 + (g[i] * g[i]) * f2;
+                        let g = g[i].widen();
+                        m[i] = T::narrow(r(m[i].widen() * b1) + r(g * f1));
+                        v[i] = T::narrow(r(v[i].widen() * b2) + r(r(g * g) * f2));
                     }
                 }
-                let delta = |i: usize| (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
-                match keep {
-                    Some(keep) => (0..n).for_each(|i| p[i] = p[i] * keep - delta(i) * lr),
-                    None => (0..n).for_each(|i| p[i] -= delta(i) * lr),
+                for i in 0..n {
+                    let (mi, vi) = (m[i].widen(), v[i].widen());
+                    let delta = r(r(mi / c1) / r(r(r(vi / c2).sqrt()) + eps));
+                    p[i] = T::narrow(r(p[i].widen() * keep) - r(delta * lr));
                 }
             });
+    }
+
+    /// [`Optimizer::step`] on host tensors of `T`, the state (if any) of the same type and shape.
+    fn step_in_host<T: HostFloat, const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamWState<D>>,
+    ) -> (Tensor<D>, Option<AdamWState<D>>) {
+        let (device, shape, dtype) = (tensor.device(), tensor.shape(), tensor.dtype());
+        // Flex hands over the buffer of a tensor nothing else shares (and copies a shared one),
+        // so the update is in place.
+        let mut p = tensor.into_data();
+        let g = grad.into_data();
+        let (time, mut m, mut v) = match state {
+            Some(s) => (
+                s.momentum.time + 1,
+                s.momentum.moment_1.into_data(),
+                s.momentum.moment_2.into_data(),
+            ),
+            None => {
+                let zeros = || TensorData::zeros::<T, _>(shape.clone());
+                (1, zeros(), zeros())
+            }
+        };
+        self.update::<T>(
+            lr,
+            host_slice_mut(&mut p),
+            host_slice(&g),
+            host_slice_mut(&mut m),
+            host_slice_mut(&mut v),
+            time,
+        );
+        let tensor = |data| Tensor::<D>::from_data(data, (&device, dtype));
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1: tensor(m),
+            moment_2: tensor(v),
+            max_moment_2: None,
+        };
+        (tensor(p), Some(AdamWState::new(momentum)))
     }
 }
 
@@ -100,16 +199,26 @@ pub(crate) fn f32_in_host_memory<const D: usize>(tensor: &Tensor<D>) -> bool {
     tensor.dtype() == DType::F32 && in_host_memory(&tensor.device())
 }
 
+/// The values of a host tensor's data of element type `E` (its dtype, checked before).
+fn host_slice<E: Element>(data: &TensorData) -> &[E] {
+    data.as_slice::<E>()
+        .expect("host tensors read as their dtype")
+}
+
+/// [`host_slice`], to update in place.
+fn host_slice_mut<E: Element>(data: &mut TensorData) -> &mut [E] {
+    data.as_mut_slice::<E>()
+        .expect("host tensors read as their dtype")
+}
+
 /// The values of an f32 tensor's data, read from host memory ([`f32_in_host_memory`]).
 pub(crate) fn f32s(data: &TensorData) -> &[f32] {
-    data.as_slice::<f32>()
-        .expect("f32 host tensors read as f32")
+    host_slice(data)
 }
 
 /// [`f32s`], to update in place.
 pub(crate) fn f32s_mut(data: &mut TensorData) -> &mut [f32] {
-    data.as_mut_slice::<f32>()
-        .expect("f32 host tensors read as f32")
+    host_slice_mut(data)
 }
 
 impl Optimizer for FusedAdamW {
@@ -124,49 +233,23 @@ impl Optimizer for FusedAdamW {
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         // Anything else (another device or dtype, shapes that disagree, which burn-optim
         // reports) takes burn-optim's path.
-        let fits = |t: &Tensor<D>| f32_in_host_memory(t) && t.shape() == tensor.shape();
-        let fused = f32_in_host_memory(&tensor)
-            && fits(&grad)
+        let dtype = tensor.dtype();
+        let fits = |t: &Tensor<D>| {
+            in_host_memory(&t.device()) && t.dtype() == dtype && t.shape() == tensor.shape()
+        };
+        let fused = fits(&grad)
+            && in_host_memory(&tensor.device())
             && state.as_ref().is_none_or(|s| {
                 fits(&s.momentum.moment_1)
                     && fits(&s.momentum.moment_2)
                     && s.momentum.max_moment_2.is_none()
             });
-        if !fused {
-            return self.elsewhere.step(lr, tensor, grad, state);
+        match dtype {
+            DType::F32 if fused => self.step_in_host::<f32, D>(lr, tensor, grad, state),
+            DType::BF16 if fused => self.step_in_host::<bf16, D>(lr, tensor, grad, state),
+            DType::F16 if fused => self.step_in_host::<f16, D>(lr, tensor, grad, state),
+            _ => self.elsewhere.step(lr, tensor, grad, state),
         }
-        let (device, shape) = (tensor.device(), tensor.shape());
-        // Flex hands over the buffer of a tensor nothing else shares (and copies a shared one),
-        // so the update is in place.
-        let mut p = tensor.into_data();
-        let g = grad.into_data();
-        let (time, mut m, mut v) = match state {
-            Some(s) => (
-                s.momentum.time + 1,
-                s.momentum.moment_1.into_data(),
-                s.momentum.moment_2.into_data(),
-            ),
-            None => {
-                let zeros = || TensorData::zeros::<f32, _>(shape.clone());
-                (1, zeros(), zeros())
-            }
-        };
-        self.update(
-            lr,
-            f32s_mut(&mut p),
-            f32s(&g),
-            f32s_mut(&mut m),
-            f32s_mut(&mut v),
-            time,
-        );
-        let tensor = |data| Tensor::<D>::from_data(data, (&device, DType::F32));
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1: tensor(m),
-            moment_2: tensor(v),
-            max_moment_2: None,
-        };
-        (tensor(p), Some(AdamWState::new(momentum)))
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {
@@ -179,44 +262,56 @@ mod tests {
     use super::*;
     use burn::tensor::Distribution;
 
-    /// Three steps with and without weight decay, on a parameter whose size is not a multiple
-    /// of the chunk: every value and moment equals burn-optim's, bit for bit.
+    /// Whether `x` and `y` hold the same values bit for bit (any NaN equal to any NaN: f16's
+    /// epsilon, 1e-8, rounds to 0, so a zero second moment divides by zero there).
+    fn same_bits(x: &Tensor<2>, y: &Tensor<2>) -> bool {
+        assert_eq!(x.dtype(), y.dtype());
+        let wide = |t: &Tensor<2>| t.clone().cast(DType::F32).into_data();
+        let (x, y) = (wide(x), wide(y));
+        let (x, y) = (f32s(&x), f32s(&y));
+        x.len() == y.len()
+            && x.iter()
+                .zip(y)
+                .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
+    }
+
+    /// Three steps in f32, bf16 and f16, with and without weight decay, on a parameter whose
+    /// size is not a multiple of the chunk: every value and moment equals burn-optim's, bit
+    /// for bit.
     #[test]
     fn steps_as_burn_optim_bit_for_bit() {
         let device = Device::flex();
-        for weight_decay in [0.0, 0.1] {
-            let fused = FusedAdamW::new(0.9, 0.95, 1e-8, weight_decay);
-            let plain = fused.elsewhere.clone();
-            let shape = [3, CHUNK / 2 + 7];
-            let mut a = Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
-            let mut b = a.clone();
-            let (mut sa, mut sb) = (None, None);
-            for step in 1..=3 {
-                let grad = Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device);
-                let lr = 1e-3 * step as f64;
-                (a, sa) = fused.step(lr, a, grad.clone(), sa);
-                (b, sb) = plain.step(lr, b, grad, sb);
-                let (ma, mb) = (
-                    &sa.as_ref().unwrap().momentum,
-                    &sb.as_ref().unwrap().momentum,
-                );
-                assert_eq!(ma.time, mb.time);
-                for (x, y, what) in [
-                    (&a, &b, "parameter"),
-                    (&ma.moment_1, &mb.moment_1, "first moment"),
-                    (&ma.moment_2, &mb.moment_2, "second moment"),
-                ] {
-                    let (x, y) = (x.to_data(), y.to_data());
-                    let same = x
-                        .as_slice::<f32>()
-                        .unwrap()
-                        .iter()
-                        .zip(y.as_slice::<f32>().unwrap())
-                        .all(|(x, y)| x.to_bits() == y.to_bits());
-                    assert!(
-                        same,
-                        "{what} differs at step {step} (weight decay {weight_decay})"
+        let normal = |shape: [usize; 2], dtype| {
+            Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device).cast(dtype)
+        };
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            for weight_decay in [0.0, 0.1] {
+                let fused = FusedAdamW::new(0.9, 0.95, 1e-8, weight_decay);
+                let plain = fused.elsewhere.clone();
+                let shape = [3, CHUNK / 2 + 7];
+                let mut a = normal(shape, dtype);
+                let mut b = a.clone();
+                let (mut sa, mut sb) = (None, None);
+                for step in 1..=3 {
+                    let grad = normal(shape, dtype);
+                    let lr = 1e-3 * step as f64;
+                    (a, sa) = fused.step(lr, a, grad.clone(), sa);
+                    (b, sb) = plain.step(lr, b, grad, sb);
+                    let (ma, mb) = (
+                        &sa.as_ref().unwrap().momentum,
+                        &sb.as_ref().unwrap().momentum,
                     );
+                    assert_eq!(ma.time, mb.time);
+                    for (x, y, what) in [
+                        (&a, &b, "parameter"),
+                        (&ma.moment_1, &mb.moment_1, "first moment"),
+                        (&ma.moment_2, &mb.moment_2, "second moment"),
+                    ] {
+                        assert!(
+                            same_bits(x, y),
+                            "{dtype:?} {what} differs at step {step} (weight decay {weight_decay})"
+                        );
+                    }
                 }
             }
         }
