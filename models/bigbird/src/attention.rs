@@ -16,8 +16,8 @@
 //! 0, as HF's inference does.
 
 use burn::prelude::*;
-use burnscale_nn::autocast::{like, softmax};
-use burnscale_nn::{Dropout, Mask, dropout};
+use burnscale_nn::autocast::like;
+use burnscale_nn::{Dropout, DropoutConfig, Mask, attention, dropout};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand::seq::index::sample;
@@ -74,9 +74,14 @@ pub fn block_sparse(
         ],
         2,
     );
-    let scores =
-        global_q.matmul(k.clone().swap_dims(2, 3)) + keys_bias.clone().reshape([b, 1, 1, tp]);
-    let global = softmax(scores, 3).matmul(v.clone()); // [b, h, 2·block, hd]
+    let no_dropout = DropoutConfig::new(0.0).init();
+    let global = attention(
+        global_q,
+        k.clone(),
+        v.clone(),
+        Some(keys_bias.clone().reshape([b, 1, 1, tp])),
+        &no_dropout,
+    ); // [b, h, 2·block, hd]
 
     // The other query blocks: their gathered key blocks.
     let training = dropout.is_training(&device);
@@ -118,13 +123,16 @@ pub fn block_sparse(
             &q,
         )
         .reshape([1, 1, rows, 1, width]);
-    let middle_q = q
-        .narrow(2, block, rows * block)
-        .reshape([b, h, rows, block, hd]);
-    let scores = middle_q.matmul(kg.swap_dims(3, 4)) + bias; // [b, h, rows, block, width]
-    let middle = softmax(scores, 4)
-        .matmul(vg)
-        .reshape([b, h, rows * block, hd]);
+    // Each (head, row) is one attention of a query block over its gathered keys.
+    let middle = attention(
+        q.narrow(2, block, rows * block)
+            .reshape([b, h * rows, block, hd]),
+        kg.reshape([b, h * rows, width, hd]),
+        vg.reshape([b, h * rows, width, hd]),
+        Some(bias.reshape([b, h * rows, 1, width])),
+        &no_dropout,
+    )
+    .reshape([b, h, rows * block, hd]);
 
     let out = Tensor::cat(
         vec![
@@ -194,7 +202,6 @@ fn key_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burnscale_nn::DropoutConfig;
 
     /// Block-sparse attention equals full attention under the mask its pattern implies, with
     /// a key block listed twice weighted twice (here: eval, random blocks all block 0).
@@ -232,7 +239,7 @@ mod tests {
         let bias =
             Tensor::<1>::from_data(TensorData::new(bias, [t * t]), &device).reshape([1, 1, t, t]);
         let scores = q.matmul(k.swap_dims(2, 3)) + bias;
-        let dense = softmax(scores, 3).matmul(v);
+        let dense = burn::tensor::activation::softmax(scores, 3).matmul(v);
         let diff = (sparse - dense).abs().max().into_scalar::<f32>();
         assert!(diff < 1e-5, "differs by {diff}");
     }
