@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Several parts (gpu_table.sh tables, or any command) in one device call, each ended by a
+# deadline so that the call returns inside its time and keeps what the finished parts wrote:
+#
+#     BUDGET=560 bash scripts/gpu_session.sh \
+#         'vit VIT_ROWS=single bash scripts/gpu_table.sh vit .gpu/bins/vit_finetune $OUT/vit' \
+#         'mingpt@100 bash scripts/gpu_table.sh mingpt .gpu/bins/mingpt_throughput $OUT/mingpt' \
+#         'vit3@15 VIT_ROWS=zero3 bash scripts/gpu_table.sh vit .gpu/bins/vit_finetune $OUT/vit3'
+#
+# Each argument is NAME[@RESERVE] and a command (environment assignments first, `$OUT` as the
+# device tool sets it): the part runs until BUDGET - RESERVE seconds after the call began
+# (BUDGET default 560, RESERVE default 0), its output in $OUT/NAME.out. At its deadline the
+# part's whole session is killed: gpu_table.sh's `timeout`s put their commands in process
+# groups of their own, which a group kill misses. .gpu/bins.tar.xz (scripts/gpu_pack.sh) is
+# unpacked first into .gpu/bins/. At the end: each part's phases and summaries, and the
+# kernel cache (./target, where cubecl keeps it) as $OUT/cubecl_cache.tgz for a later call.
+set -u
+export OUT
+start=$(date +%s)
+elapsed() { echo $(($(date +%s) - start)); }
+if [ -e .gpu/bins.tar.xz ]; then
+    python3 -c "import lzma, tarfile; tarfile.open(fileobj=lzma.open('.gpu/bins.tar.xz')).extractall('.gpu')"
+    chmod +x .gpu/bins/*
+    echo "unpacked $(ls .gpu/bins | tr '\n' ' ')after $(elapsed) s"
+fi
+names=()
+for part in "$@"; do
+    head=${part%% *}
+    name=${head%@*}
+    reserve=0
+    [ "$head" != "$name" ] && reserve=${head#*@}
+    cap=$((${BUDGET:-560} - reserve - $(elapsed)))
+    [ "$cap" -gt 0 ] || { echo "part $name: no time left"; continue; }
+    echo "part $name: up to $cap s, from $(elapsed) s"
+    setsid bash -c "exec env ${part#* }" >"$OUT/$name.out" 2>&1 &
+    pid=$!
+    (sleep "$cap" && pkill -TERM -s "$pid" && sleep 3 && pkill -KILL -s "$pid") 2>/dev/null &
+    watch=$!
+    wait "$pid"
+    kill "$watch" 2>/dev/null
+    # What a killed gpu_table.sh leaves: its cubecl.toml, nvidia-smi, a PyTorch side.
+    rm -f cubecl.toml
+    pkill -f "nvidia-smi --query"
+    pkill -f "scripts/bench_"
+    echo "part $name: ended at $(elapsed) s"
+    names+=("$name")
+done
+for name in "${names[@]}"; do
+    echo "### $name"
+    grep -a "^== \|first step\|rc=\|^|" "$OUT/$name/log.txt" 2>/dev/null | cut -c1-240
+    tail -n 5 "$OUT/$name.out"
+done
+[ -d target ] && tar czf "$OUT/cubecl_cache.tgz" target
+ls -l "$OUT"
