@@ -2,7 +2,7 @@
 //! one the runner uses; the same values in one pass), 8-bit AdamW, burn-optim's Adafactor and
 //! burnscale's (its phases as loops over host memory), side by side in one run, each as a
 //! ratio to burn-optim's AdamW; then both AdamWs on the same matrix in bf16 (bf16-true's
-//! parameters: burn-optim rounds each operation, the fused step each store). The matrix is BERT-large's
+//! parameters; the same values, each operation rounded to bf16). The matrix is BERT-large's
 //! MLP weight (1024 x 4096, 4.2M elements, f32); the steps after the first (the state exists)
 //! are timed, the median taken.
 //!

@@ -18,9 +18,10 @@
 # vit: the article's ViT-L/16 at 224 px, batch 16, AdamW: PyTorch eager
 # (scripts/bench_vit_torch.py: 20 timed steps after 3 warm-up ones) and `vit_finetune
 # --weights none` (30 steps, the first reported apart) in bf16-true and bf16-mixed, then under
-# zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params` (VIT_ROWS=single:
-# the first two burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3 rows only). VIT_FINETUNE is a `cargo build
-# --release --features cuda --example vit_finetune` binary.
+# zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params`
+# (VIT_ROWS=single: the first two burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3 rows
+# only). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
+# binary.
 #
 # article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is
 # a `cargo bench --no-run --features cuda --bench hf_bert_large` (or `--bench fabric_vit`)

@@ -264,6 +264,7 @@ fn sum_to<B: Backend>(t: FloatTensor<B>, shape: &Shape) -> FloatTensor<B> {
 mod tests {
     use super::*;
     use crate::{DropoutConfig, dropout};
+    use burn::tensor::activation::softmax;
     use burn::tensor::{DType, Distribution, Tolerance};
 
     /// The same attention written as Burn's ops (its softmax, differentiated by its autodiff;
@@ -280,17 +281,9 @@ mod tests {
             scores = scores + bias;
         }
         let dtype = scores.dtype();
-        let widen = autocast::widens(dtype);
-        let scores = if widen {
-            scores.cast(FloatDType::F32)
-        } else {
-            scores
-        };
-        let p = burn::tensor::activation::softmax(scores, 3);
-        let p = if widen {
-            p.cast(FloatDType::from(dtype))
-        } else {
-            p
+        let p = match autocast::widens(dtype) {
+            true => softmax(scores.cast(FloatDType::F32), 3).cast(FloatDType::from(dtype)),
+            false => softmax(scores, 3),
         };
         dropout.forward(p).matmul(v)
     }
