@@ -7,17 +7,20 @@
 #     scripts/gpu_table.sh article ARTICLE_BENCH OUT [BENCH FLAGS...]
 #     scripts/gpu_table.sh profile BINARY OUT STEPS [BINARY FLAGS...]
 #     scripts/gpu_table.sh probe VIT_FINETUNE OUT
+#     scripts/gpu_table.sh test TEST_BINARY OUT [FILTER...]
 #
-# mingpt: minGPT beside PyTorch eager and the plain Burn loop, the engine's ZeRO-3 variants
-# beside single, bf16-mixed, a second process of the same configuration for the first step
+# mingpt: minGPT beside PyTorch eager and the plain Burn loop, cuBLAS's products
+# (`--matmul cublas`) and the engine's ZeRO-3 variants beside single, bf16-mixed, a second process of the same configuration for the first step
 # with a warm kernel cache, the 303M row, and CUDA's stream-ordered allocator under cubecl's
 # pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
 # cold kernel cache: about 6 minutes, the machine's start aside). BENCH is a `cargo bench
-# --no-run --features cuda --bench mingpt_throughput` binary.
+# --no-run --features cuda --bench mingpt_throughput` binary. MINGPT_ROWS=matmul: the 57M rows
+# (f32, bf16-mixed) with cubecl's and cuBLAS's products, and the 303M row, nothing else.
 #
 # vit: the article's ViT-L/16 at 224 px, batch 16, AdamW: PyTorch eager
 # (scripts/bench_vit_torch.py: 20 timed steps after 3 warm-up ones) and `vit_finetune
-# --weights none` (30 steps, the first reported apart) in bf16-true and bf16-mixed, then under
+# --weights none` (30 steps, the first reported apart) in bf16-true (and again with
+# `--matmul cublas`: cuBLAS's products instead of cubecl's) and bf16-mixed, then under
 # zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params`
 # (VIT_ROWS=single: the first two burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3 rows
 # only). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
@@ -37,6 +40,9 @@
 # bf16 GEMM rate (a chain of 8192^3 products), the binary's GEMMs measured with few kernels to
 # compile (a cuda-nvrtc binary compiled ViT-L/16's kernels for over 6 minutes).
 #
+# test: a `cargo test --no-run --features cuda` binary (its tests that need a GPU run there:
+# `burnscale_nn`'s `gemm` for cuBLAS's products) with this script's environment.
+#
 # AUTOTUNE=minimal|balanced|extensive|full sets cubecl's autotune level (by default
 # balanced: a group's tuning stops at the first candidate within 0.8 of the roofline peak
 # that cubecl measures itself; full sets no such bound), tunes afresh in every process (no
@@ -54,12 +60,13 @@
 # every 250 ms: the device's own memory figure) and one summary JSON per burnscale phase.
 # Each phase has its own time cap, so one that runs long or fails does not cost the rest.
 set -u
-if [ $# -lt 3 ] || { [ "$1" != article ] && [ "$1" != profile ] && [ $# -ne 3 ]; } \
+if [ $# -lt 3 ] || { [ "$1" != article ] && [ "$1" != profile ] && [ "$1" != test ] \
+        && [ $# -ne 3 ]; } \
     || { [ "$1" = profile ] && [ $# -lt 4 ]; } \
     || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != probe ] && [ "$1" != article ] \
-        && [ "$1" != profile ]; }; then
+        && [ "$1" != profile ] && [ "$1" != test ]; }; then
     echo "usage: $0 mingpt|vit|probe BINARY OUT, $0 article BINARY OUT [BENCH FLAGS...]," \
-        "or $0 profile BINARY OUT STEPS [BINARY FLAGS...]" >&2
+        "$0 profile BINARY OUT STEPS [BINARY FLAGS...] or $0 test BINARY OUT [FILTER...]" >&2
     exit 2
 fi
 table=$1
@@ -76,7 +83,13 @@ export CUDA_PATH=${CUDA_PATH:-${libdevice%/nvvm/libdevice/libdevice.10.bc}}
 nccl=$(find /opt /usr/lib /usr/local -name 'libnccl.so.2*' 2>/dev/null | head -n1)
 mkdir -p /tmp/gpu_table_lib
 ln -sf "$nccl" /tmp/gpu_table_lib/libnccl.so
-export LD_LIBRARY_PATH=/tmp/gpu_table_lib:/usr/local/cuda/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}
+# The linear layers' cuBLAS (crates/nn/src/cublas.rs): the toolkit's, else PyTorch's wheel's;
+# its directory holds the cublasLt it loads.
+cublas=$(find /usr/local/cuda/targets/x86_64-linux/lib /usr/local /usr/lib -name 'libcublas.so.1*' \
+    2>/dev/null | head -n1)
+[ -n "$cublas" ] || cublas=$(python3 -c 'import glob, nvidia, os; print(sorted(glob.glob(os.path.join(os.path.dirname(nvidia.__path__[0]), "nvidia", "**", "libcublas.so.*"), recursive=True))[0])' 2>/dev/null)
+ln -sf "$cublas" /tmp/gpu_table_lib/libcublas.so
+export LD_LIBRARY_PATH=/tmp/gpu_table_lib:/usr/local/cuda/targets/x86_64-linux/lib:$(dirname "${cublas:-/}"):${LD_LIBRARY_PATH:-}
 accelerator=${ACCELERATOR:-cuda}
 if [ "$accelerator" = libtorch ]; then
     torch_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))')
@@ -85,7 +98,7 @@ fi
 # cubecl reads cubecl.toml from the working directory up; this script writes its own.
 [ -e cubecl.toml ] && { echo "cubecl.toml exists here: move it away first" >&2; exit 2; }
 {
-    echo "CUDA_PATH=$CUDA_PATH nccl=$nccl accelerator=$accelerator"
+    echo "CUDA_PATH=$CUDA_PATH nccl=$nccl cublas=$cublas accelerator=$accelerator"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 } | tee -a "$log"
 nvidia-smi --query-gpu=timestamp,memory.used,utilization.gpu --format=csv,noheader,nounits \
@@ -136,6 +149,11 @@ if [ "$table" = profile ]; then
     exit 0
 fi
 
+if [ "$table" = test ]; then
+    capped test 300 "$bin" "${@:4}" --nocapture
+    exit 0
+fi
+
 if [ "$table" = probe ]; then
     phase probe 400 --weights none --model tiny --batch-size 4 --max-steps 2 --eval-interval 0 \
         --precision bf16-true
@@ -149,6 +167,7 @@ if [ "$table" = vit ]; then
         torch_vit torch_bf16_true 120 --model vit-l-16 --precision bf16-true
         torch_vit torch_bf16_mixed 120 --model vit-l-16 --precision bf16-mixed
         phase vit_bf16_true 240 "${vit[@]}" --precision bf16-true
+        phase vit_bf16_true_cublas 120 "${vit[@]}" --precision bf16-true --matmul cublas
         phase vit_bf16_mixed 150 "${vit[@]}" --precision bf16-mixed
     fi
     [ "${VIT_ROWS:-all}" = single ] && exit 0
@@ -162,11 +181,22 @@ if [ "$table" = vit ]; then
 fi
 
 m57=(--n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --batch-size 16)
+if [ "${MINGPT_ROWS:-all}" = matmul ]; then
+    # cubecl's products (the default) beside cuBLAS's, each precision in one process.
+    phase m57_f32 120 "${m57[@]}" --steps 20 --warmup 3 --also "--matmul cublas"
+    phase m57_bf16 120 "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
+        --also "--matmul cublas"
+    phase m303_f32 110 --n-layer 24 --n-head 16 --n-embd 1024 --block-size 512 \
+        --batch-size 8 --steps 6 --warmup 2
+    exit 0
+fi
 phase m57_f32 170 "${m57[@]}" --steps 20 --warmup 3 \
+    --also "--matmul cublas" \
     --also "--strategy zero3" \
     --also "--strategy zero3 --reshard-after-forward false" \
     --also "--strategy zero3 --offload params"
 phase m57_bf16 200 "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
+    --also "--matmul cublas" \
     --also "--strategy zero3 --reshard-after-forward false"
 phase m57_f32_warm 45 "${m57[@]}" --steps 10 --warmup 2 --no-plain --no-torch
 phase m303_f32 110 --n-layer 24 --n-head 16 --n-embd 1024 --block-size 512 --batch-size 8 \

@@ -3,10 +3,24 @@
 /// Declares `pub trait $name: Backend { .. }` as a Burn backend extension on the backends
 /// burnscale runs on (Flex; Cube with the `cube` feature; LibTorch with `tch`; Autodiff, whose
 /// impl each op writes by hand with its backward), with the trait's default bodies as the
-/// plain backends' impls. The trait is declared in a module of its own (`extension`), which
-/// sees the caller's imports.
+/// plain backends' impls; `lazy` before the trait leaves cubecl's to the caller, behind one
+/// Fusion op. The trait is declared in a module of its own (`extension`), which sees the
+/// caller's imports.
 macro_rules! backend_ops {
     ($(#[$meta:meta])* pub trait $name:ident { $($body:tt)* }) => {
+        backend_ops!(@declare [Cube: cfg(feature = "cube")] $(#[$meta])* pub trait $name { $($body)* });
+        #[cfg(feature = "cube")]
+        impl $name for burn::backend::Cube {}
+    };
+    // Under Fusion each call becomes one opaque op (each method says its output with
+    // `#[fusion(..)]`), run by cubecl's own backend, whose impl the caller writes.
+    (lazy $(#[$meta:meta])* pub trait $name:ident { $($body:tt)* }) => {
+        backend_ops!(
+            @declare [Cube: cfg(feature = "cube"), Fusion: cfg(feature = "cube")]
+            $(#[$meta])* pub trait $name { $($body)* }
+        );
+    };
+    (@declare [$($cube:tt)*] $(#[$meta:meta])* pub trait $name:ident { $($body:tt)* }) => {
         pub use extension::$name;
 
         mod extension {
@@ -19,7 +33,7 @@ macro_rules! backend_ops {
             $(#[$meta])*
             #[burn::backend::backend_extension(
                 Flex,
-                Cube: cfg(feature = "cube"),
+                $($cube)*,
                 LibTorch: cfg(feature = "tch"),
                 Autodiff,
             )]
@@ -28,8 +42,6 @@ macro_rules! backend_ops {
             }
 
             impl $name for burn::backend::Flex {}
-            #[cfg(feature = "cube")]
-            impl $name for burn::backend::Cube {}
             #[cfg(feature = "tch")]
             impl $name for burn::backend::LibTorch {}
         }

@@ -9,8 +9,11 @@ pub mod attention;
 pub mod autocast;
 mod blocks;
 pub mod config;
+#[cfg(feature = "cublas")]
+mod cublas;
 pub mod device_cache;
 pub mod dropout;
+pub mod gemm;
 pub mod init;
 pub mod layer_norm;
 mod loss;
@@ -21,6 +24,7 @@ pub use activation::{ActivationOps, gelu_tanh, softmax};
 pub use attention::{AttentionOps, attention};
 pub use blocks::{BlockModel, Mask};
 pub use dropout::{Dropout, DropoutConfig};
+pub use gemm::{GemmOps, gemm};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use loss::cross_entropy;
 

@@ -4,8 +4,9 @@
 //!
 //! Burn's own matmul keeps both operands for backward, so a graph through `Linear::forward`
 //! holds every gathered weight until backward. Models call [`linear`] instead; outside
-//! [`forward`] it is `Linear::forward` unchanged. Inside, the product is one op
-//! ([`RegatherOps::regathered_linear`]) whose backward keeps the input and the weight's id,
+//! [`forward`] it is [`gemm::linear`](crate::gemm::linear) (`Linear::forward`, or cuBLAS's
+//! product on a CUDA device). Inside, the product is one op, Burn's on every device
+//! ([`RegatherOps::regathered_linear`]), whose backward keeps the input and the weight's id,
 //! not the weight: the engine hands the block's weights gathered again to [`backward`], which
 //! stages them for that op and returns their gradients (the op delivers them there, not to
 //! Burn's `Gradients`, since the forward's weight tensors are gone by then).
@@ -24,6 +25,8 @@ use burn::module::ParamId;
 use burn::nn::Linear;
 use burn::prelude::*;
 
+use crate::gemm::{GemmOps, linear_forward, linear_weight_backward, linear_x_backward};
+
 thread_local! {
     static ON: Cell<bool> = const { Cell::new(false) };
     static READ: RefCell<Vec<ParamId>> = const { RefCell::new(Vec::new()) };
@@ -31,12 +34,22 @@ thread_local! {
     static GRADS: RefCell<HashMap<ParamId, Tensor<2>>> = RefCell::new(HashMap::new());
 }
 
-/// `layer` applied to `x` (`[.., d_in]` -> `[.., d_out]`): Burn's `Linear::forward`, or inside
-/// [`forward`] the same through [`RegatherOps::regathered_linear`].
+/// `layer` applied to `x` (`[.., d_in]` -> `[.., d_out]`): [`gemm::linear`](crate::gemm::linear)
+/// (`Linear::forward`, or cuBLAS's product where asked), or inside [`forward`] the same
+/// through [`RegatherOps::regathered_linear`].
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
-    if !ON.with(Cell::get) {
-        return layer.forward(x);
+    match ON.with(Cell::get) {
+        true => {
+            let gemm = crate::gemm::takes(&x, &layer.weight.val());
+            regathered_linear(layer, x, gemm)
+        }
+        false => crate::gemm::linear(layer, x),
     }
+}
+
+/// [`linear`] inside [`forward`], its products through [`GemmOps`] where `gemm`, else the
+/// backend's linear ops.
+fn regathered_linear<const D: usize>(layer: &Linear, x: Tensor<D>, gemm: bool) -> Tensor<D> {
     // An untracked input would leave the op untracked and its weight without a gradient.
     assert!(
         x.is_tracked(),
@@ -59,6 +72,7 @@ pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
         weight.into_dispatch(),
         bias.into_dispatch(),
         layer.weight.id.val(),
+        gemm,
     ))
 }
 
@@ -114,14 +128,17 @@ backend_ops! {
     /// weight's `ParamId`) and in backward reads the weight staged by
     /// [`backward`](super::backward).
     pub trait RegatherOps {
-        /// `x @ weight + bias` (`[.., d_in]` x `[d_in, d_out]` + `[d_out]`).
+        /// `x @ weight + bias` (`[.., d_in]` x `[d_in, d_out]` + `[d_out]`); under autodiff
+        /// (the op's only use: its input is tracked) forward and backward products through
+        /// [`GemmOps`] where `gemm`, else the backend's linear ops.
         fn regathered_linear(
             x: FloatTensor<Self>,
             weight: FloatTensor<Self>,
             bias: FloatTensor<Self>,
             key: u64,
+            gemm: bool,
         ) -> FloatTensor<Self> {
-            let _ = key;
+            let _ = (key, gemm);
             <Self as ModuleOps<Self>>::linear(x, weight, Some(bias))
         }
     }
@@ -129,7 +146,7 @@ backend_ops! {
 
 impl<B, C> RegatherOps for Autodiff<B, C>
 where
-    B: Backend,
+    B: GemmOps,
     C: CheckpointStrategy,
     DispatchTensor: DispatchKindConversion<B>,
 {
@@ -138,15 +155,16 @@ where
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         key: u64,
+        gemm: bool,
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
         struct RegatheredLinear;
 
-        impl<B: Backend> Backward<B, 2> for RegatheredLinear
+        impl<B: GemmOps> Backward<B, 2> for RegatheredLinear
         where
             DispatchTensor: DispatchKindConversion<B>,
         {
-            type State = (FloatTensor<B>, u64);
+            type State = (FloatTensor<B>, u64, bool);
 
             fn backward(
                 self,
@@ -154,7 +172,7 @@ where
                 grads: &mut Gradients,
                 _checkpointer: &mut Checkpointer,
             ) {
-                let (x, key) = ops.state;
+                let (x, key, gemm) = ops.state;
                 let id = ParamId::from(key);
                 let grad = grads.consume::<B>(&ops.node);
                 // Read, not taken: a layer may run more than once in a block.
@@ -162,7 +180,10 @@ where
                     .with(|s| s.borrow().get(&id).cloned())
                     .unwrap_or_else(|| panic!("weight {id} was not staged for its backward"));
                 let weight = primitive::<B>(weight);
-                let grad_weight = B::linear_weight_backward(x, grad.clone());
+                let grad_weight = match gemm {
+                    true => linear_weight_backward::<B>(x, grad.clone()),
+                    false => B::linear_weight_backward(x, grad.clone()),
+                };
                 GRADS.with(|g| {
                     let mut g = g.borrow_mut();
                     let sum = match g.remove(&id) {
@@ -176,24 +197,28 @@ where
                     grads.register::<B>(node.id, B::linear_bias_backward(grad.clone()));
                 }
                 if let Some(node) = x_node {
-                    grads.register::<B>(node.id, B::linear_x_backward(weight, grad));
+                    let dx = match gemm {
+                        true => linear_x_backward::<B>(weight, grad),
+                        false => B::linear_x_backward(weight, grad),
+                    };
+                    grads.register::<B>(node.id, dx);
                 }
             }
         }
 
         let nodes = [x.node(), bias.node()];
         let x = x.into_primitive();
-        let y = B::linear(
-            x.clone(),
-            weight.into_primitive(),
-            Some(bias.into_primitive()),
-        );
+        let (weight, bias) = (weight.into_primitive(), Some(bias.into_primitive()));
+        let y = match gemm {
+            true => linear_forward::<B>(x.clone(), weight, bias),
+            false => B::linear(x.clone(), weight, bias),
+        };
         match RegatheredLinear
             .prepare::<C>(nodes)
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((x, key), y),
+            OpsKind::Tracked(prep) => prep.finish((x, key, gemm), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -233,10 +258,17 @@ mod tests {
         ]
     }
 
-    /// The same through the regathered op, `staged` handed to backward as the weight.
-    fn regathered(layer: &Linear, x: Tensor<3>, r: Tensor<3>, staged: Tensor<2>) -> [Tensor<1>; 3] {
+    /// The same through the regathered op, `staged` handed to backward as the weight, its
+    /// products through [`GemmOps`] where `gemm` (cuBLAS's path, here on the CPU).
+    fn regathered(
+        layer: &Linear,
+        x: Tensor<3>,
+        r: Tensor<3>,
+        staged: Tensor<2>,
+        gemm: bool,
+    ) -> [Tensor<1>; 3] {
         let x = x.require_grad();
-        let (y, read) = forward(|| linear(layer, x.clone()));
+        let (y, read) = forward(|| regathered_linear(layer, x.clone(), gemm));
         assert_eq!(read, vec![layer.weight.id]);
         let (grads, weights) =
             backward(vec![(layer.weight.id, staged)], || (y * r).sum().backward());
@@ -258,16 +290,19 @@ mod tests {
     fn equals_burns_linear_in_value_and_every_gradient() {
         let (layer, x, r) = setup();
         let plain = layer.forward(x.clone()).inner();
-        let (y, _) = forward(|| linear(&layer, x.clone().require_grad()));
-        y.inner()
-            .into_data()
-            .assert_approx_eq::<f32>(&plain.into_data(), Tolerance::default());
         let expected = reference(&layer, x.clone(), r.clone());
         let staged = layer.weight.val().inner();
-        for (got, want) in regathered(&layer, x, r, staged).into_iter().zip(expected) {
-            got.inner()
+        for gemm in [false, true] {
+            let (y, _) = forward(|| regathered_linear(&layer, x.clone().require_grad(), gemm));
+            y.inner()
                 .into_data()
-                .assert_approx_eq::<f32>(&want.inner().into_data(), Tolerance::default());
+                .assert_approx_eq::<f32>(&plain.clone().into_data(), Tolerance::default());
+            let got = regathered(&layer, x.clone(), r.clone(), staged.clone(), gemm);
+            for (got, want) in got.into_iter().zip(expected.clone()) {
+                got.inner()
+                    .into_data()
+                    .assert_approx_eq::<f32>(&want.inner().into_data(), Tolerance::default());
+            }
         }
     }
 
@@ -276,16 +311,18 @@ mod tests {
         let (layer, x, r) = setup();
         let [x_grad, w_grad, _] = reference(&layer, x.clone(), r.clone());
         let doubled = layer.weight.val().inner() * 2.0;
-        let [got_x, got_w, _] = regathered(&layer, x, r, doubled);
-        // dL/dx = g @ w^T doubles with w; dL/dw = x^T @ g does not depend on it.
-        got_x
-            .inner()
-            .into_data()
-            .assert_approx_eq::<f32>(&(x_grad.inner() * 2.0).into_data(), Tolerance::default());
-        got_w
-            .inner()
-            .into_data()
-            .assert_approx_eq::<f32>(&w_grad.inner().into_data(), Tolerance::default());
+        for gemm in [false, true] {
+            let [got_x, got_w, _] = regathered(&layer, x.clone(), r.clone(), doubled.clone(), gemm);
+            // dL/dx = g @ w^T doubles with w; dL/dw = x^T @ g does not depend on it.
+            got_x.inner().into_data().assert_approx_eq::<f32>(
+                &(x_grad.clone().inner() * 2.0).into_data(),
+                Tolerance::default(),
+            );
+            got_w
+                .inner()
+                .into_data()
+                .assert_approx_eq::<f32>(&w_grad.clone().inner().into_data(), Tolerance::default());
+        }
     }
 
     #[test]

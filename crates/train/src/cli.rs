@@ -42,6 +42,16 @@ impl Strategy {
     }
 }
 
+/// Whose kernels compute the models' linear layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Matmul {
+    /// The backend's own matmul (cubecl's on a GPU).
+    Backend,
+    /// cuBLAS's GEMM, on cubecl's stream (`cuda` only; burnscale_nn::gemm).
+    Cublas,
+}
+
 /// The dtype gradients are reduced in over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -95,6 +105,11 @@ pub struct TrainArgs {
     /// GPU, else cpu.
     #[arg(long, value_enum)]
     pub accelerator: Option<Accelerator>,
+    /// Whose kernels compute the models' linear layers: backend (its own matmul), or cublas
+    /// (cuBLAS's GEMM; --accelerator cuda only; not yet the default: it has not yet run on a
+    /// GPU).
+    #[arg(long, value_enum, default_value = "backend")]
+    pub matmul: Matmul,
     /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp), or auto: the fastest
     /// strategy, checkpointing and offload (and, only when nothing else fits, bf16) that the
     /// memory planner says fits --memory-budget.
@@ -320,6 +335,14 @@ impl TrainArgs {
                 accelerator.name()
             ));
         }
+        if self.matmul == Matmul::Cublas
+            && (accelerator != Accelerator::Cuda || !burnscale_nn::gemm::HAS_CUBLAS)
+        {
+            return invalid(format!(
+                "--matmul cublas runs cuBLAS on a GPU: it needs --accelerator cuda in a `cuda` build (--accelerator is {})",
+                accelerator.name()
+            ));
+        }
         accelerator.check(self.devices)?;
         if self.adafactor_relative_step && self.optimizer != OptimizerKind::Adafactor {
             return invalid(format!(
@@ -472,6 +495,15 @@ mod tests {
             let err = refused(flags);
             assert!(err.contains("adam8bit"), "{err}");
         }
+    }
+
+    #[test]
+    fn cublas_needs_a_cuda_run() {
+        let err = refused(&["--accelerator", "cpu", "--matmul", "cublas"]);
+        assert!(
+            err.contains("--matmul cublas") && err.contains("cpu"),
+            "{err}"
+        );
     }
 
     #[test]

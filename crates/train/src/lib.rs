@@ -21,8 +21,8 @@ pub mod speed;
 
 pub use burnscale_precision::Precision;
 pub use cli::{
-    ADAM_BETA1, MIN_8BIT_SIZE, Offload, OptimizerKind, ReduceDtype, Schedule, Strategy, TrainArgs,
-    value_name,
+    ADAM_BETA1, MIN_8BIT_SIZE, Matmul, Offload, OptimizerKind, ReduceDtype, Schedule, Strategy,
+    TrainArgs, value_name,
 };
 pub use error::TrainError;
 pub use optim::{LrSchedule, ParamOptimizer, eight_bit_paths};

@@ -9,7 +9,7 @@ use burnscale_shard::Sharding;
 
 use crate::accelerator::Accelerator;
 use crate::auto::AutoChoice;
-use crate::cli::{OptimizerKind, Strategy, TrainArgs, value_name};
+use crate::cli::{Matmul, OptimizerKind, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
 use crate::plan::{self, MemoryPlan};
 use crate::runner::StepMetrics;
@@ -111,6 +111,8 @@ pub struct RunSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reshard_after_forward: Option<bool>,
     pub precision: Precision,
+    /// Whose kernels computed the linear layers (`--matmul`).
+    pub matmul: Matmul,
     pub world_size: usize,
     pub optimizer: OptimizerKind,
     pub steps: usize,
@@ -242,6 +244,7 @@ impl RunSummary {
                 .filter(|s| s.parameters)
                 .map(|s| s.reshard_after_forward),
             precision: args.precision,
+            matmul: args.matmul,
             world_size,
             optimizer: args.optimizer,
             steps: history.last().map_or(0, |m| m.step),

@@ -11,8 +11,9 @@ use burn::tensor::{Distribution, FloatDType};
 use crate::accelerator::Accelerator;
 
 /// Measured GEMM rate of `device` in `dtype` (a bf16 run is held to bf16 matmuls, where a
-/// GPU's tensor cores are) in FLOP/s, measured once per device, dtype and process (ranks that
-/// are threads share the figure instead of measuring while competing for the cores). MFU
+/// GPU's tensor cores are) in FLOP/s, measured once per device, dtype, matmul kernels
+/// (cuBLAS's or the backend's) and process (ranks that are threads share the figure instead
+/// of measuring while competing for the cores). MFU
 /// divides the model's 6·P·tokens/s by this. `None` when the probe could not time its work
 /// (see [`measure`]).
 pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
@@ -22,7 +23,10 @@ pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> O
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     *measured
         .get_or_insert_with(HashMap::new)
-        .entry(format!("{device:?} {dtype:?}"))
+        .entry(format!(
+            "{device:?} {dtype:?} cublas {}",
+            burnscale_nn::gemm::on_cublas(device)
+        ))
         .or_insert_with(|| measure(device, dtype, on))
 }
 
@@ -49,11 +53,16 @@ fn measure(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
     let scale = 1.0 / (side as f64).sqrt();
     let w = Tensor::<2>::random([side, side], Distribution::Normal(0.0, scale), device).cast(dtype);
     let x = Tensor::<2>::random([side, side], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+    // The products the models' linear layers run: cuBLAS's, where they do.
+    let cublas = burnscale_nn::gemm::on_cublas(device);
     let run = |products: usize| {
         let start = Instant::now();
         let mut y = x.clone();
         for _ in 0..products {
-            y = y.matmul(w.clone());
+            y = match cublas {
+                true => burnscale_nn::gemm(y, w.clone(), false, false),
+                false => y.matmul(w.clone()),
+            };
         }
         let synced = device.sync().ok();
         let elapsed = start.elapsed().as_secs_f64();
