@@ -12,8 +12,9 @@ use std::sync::Arc;
 
 use burn::backend::Shape;
 use burn::tensor::DType;
+use burn::tensor::StreamId;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::__private::Runtime;
 use cubecl::cuda::CudaRuntime;
@@ -90,7 +91,7 @@ pub(crate) fn gemm(
         other => panic!("a cuBLAS product of {other:?} tensors: f32, bf16 and f16 only"),
     };
     assert_eq!(a.dtype, b.dtype, "a product's operands in one dtype");
-    let (a, b) = (into_contiguous(a), into_contiguous(b));
+    let (a, b) = (operand(a), operand(b));
     let ([a_rows, a_cols], [b_rows, b_cols]) = (matrix(&a), matrix(&b));
     let (m, k) = if trans_a {
         (a_cols, a_rows)
@@ -106,12 +107,12 @@ pub(crate) fn gemm(
         k, k_b,
         "a product of {a_rows}x{a_cols} and {b_rows}x{b_cols} matrices"
     );
-    let c = empty_device_contiguous_dtype(
-        a.client.clone(),
-        a.device.clone(),
-        Shape::new([m, n]),
-        a.dtype,
-    );
+    let shape = Shape::new([m, n]);
+    if k == 0 {
+        // cuBLAS wants leading dimensions of at least 1; a sum of no products is zero.
+        return zeros_client(a.client.clone(), a.device.clone(), shape, a.dtype);
+    }
+    let c = empty_device_contiguous_dtype(a.client.clone(), a.device.clone(), shape, a.dtype);
     if m == 0 || n == 0 {
         return c;
     }
@@ -165,6 +166,18 @@ pub(crate) fn gemm(
         );
     });
     c
+}
+
+/// `t` laid out in packed rows, in a buffer of the calling thread's stream. cubecl lets the
+/// stream that made a buffer reuse it once this stream's command that last read it is done;
+/// cuBLAS's read is enqueued after the command that handed the buffer out, so a buffer of
+/// another stream (a tensor made on another thread) is copied here first.
+fn operand(t: CubeTensor) -> CubeTensor {
+    let t = into_contiguous(t);
+    match t.handle.stream == StreamId::current() {
+        true => t,
+        false => t.copy(),
+    }
 }
 
 fn matrix(t: &CubeTensor) -> [usize; 2] {

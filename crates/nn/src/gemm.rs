@@ -110,7 +110,9 @@ pub fn on_cublas(device: &Device) -> bool {
     }
 }
 
-/// `op(a) @ op(b)`, `op` transposing where asked: `[m, k]` x `[k, n]` -> `[m, n]`.
+/// `op(a) @ op(b)`, `op` transposing where asked: `[m, k]` x `[k, n]` -> `[m, n]`; cuBLAS's
+/// on a CUDA device in a `cublas` build (whatever [`use_cublas`] says: that switch is
+/// [`linear`]'s), Burn's matmul elsewhere.
 pub fn gemm(a: Tensor<2>, b: Tensor<2>, trans_a: bool, trans_b: bool) -> Tensor<2> {
     Tensor::from_dispatch(<burn::backend::Dispatch as GemmOps>::gemm(
         a.into_dispatch(),
