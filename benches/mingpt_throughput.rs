@@ -32,7 +32,7 @@ use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::reference::PlainConfig;
 use burnscale::tasks::NextToken;
 use burnscale::train::memory::{self, CountingAllocator};
-use burnscale::train::{Matmul, RunSummary, TrainArgs, train};
+use burnscale::train::{RunSummary, TrainArgs, train};
 use clap::Parser;
 use rand::{Rng, SeedableRng};
 use serde_json::{Value, json};
@@ -281,7 +281,7 @@ fn run() -> Result<()> {
     }
     // The plain loop's linear layers run the first run's kernels (`--matmul`), whatever an
     // `--also` run chose since.
-    burnscale::nn::gemm::use_cublas(ours.matmul == Matmul::Cublas);
+    ours.matmul.select();
     let plain = match cli.no_plain {
         true => Err(anyhow::anyhow!("skipped (--no-plain)")),
         false => plain_run(&cli, &config),

@@ -12,8 +12,9 @@
 # (BUDGET default 560, RESERVE default 0), its output in $OUT/NAME.out. At its deadline the
 # part's whole session is killed: gpu_table.sh's `timeout`s put their commands in process
 # groups of their own, which a group kill misses. .gpu/bins.tar.xz (scripts/gpu_pack.sh) is
-# unpacked first into .gpu/bins/, and .gpu/cubecl_cache.tgz (an earlier call's) into ./target. At the end: each part's phases and summaries, and the
-# kernel cache (./target, where cubecl keeps it) as $OUT/cubecl_cache.tgz for a later call.
+# unpacked first into .gpu/bins/, and .gpu/cubecl_cache.tgz (an earlier call's) into
+# ./target. At the end: each part's phases and summaries, and the kernel cache (./target,
+# where cubecl keeps it) as $OUT/cubecl_cache.tgz for a later call.
 set -u
 export OUT
 start=$(date +%s)

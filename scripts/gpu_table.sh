@@ -10,8 +10,8 @@
 #     scripts/gpu_table.sh test TEST_BINARY OUT [FILTER...]
 #
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, cuBLAS's products
-# (`--matmul cublas`) and the engine's ZeRO-3 variants beside single, bf16-mixed, a second process of the same configuration for the first step
-# with a warm kernel cache, the 303M row, and CUDA's stream-ordered allocator under cubecl's
+# (`--matmul cublas`) and the engine's ZeRO-3 variants beside single, bf16-mixed, a second
+# process of the same configuration for the first step with a warm kernel cache, the 303M row, and CUDA's stream-ordered allocator under cubecl's
 # pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
 # cold kernel cache: about 6 minutes, the machine's start aside). BENCH is a `cargo bench
 # --no-run --features cuda --bench mingpt_throughput` binary. MINGPT_ROWS=matmul: the 57M rows
@@ -22,8 +22,8 @@
 # --weights none` (30 steps, the first reported apart) in bf16-true (and again with
 # `--matmul cublas`: cuBLAS's products instead of cubecl's) and bf16-mixed, then under
 # zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params`
-# (VIT_ROWS=single: the first two burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3 rows
-# only). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
+# (VIT_ROWS=single: the first three burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3
+# rows only). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
 # binary.
 #
 # article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is

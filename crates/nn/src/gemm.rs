@@ -234,6 +234,21 @@ mod tests {
     use super::*;
     use burn::tensor::{Distribution, Tolerance};
 
+    /// Every (trans_a, trans_b) pair.
+    const TRANSPOSES: [(bool, bool); 4] =
+        [(false, false), (true, false), (false, true), (true, true)];
+
+    /// The stored shapes of `op(a)`'s `[m, k]` and `op(b)`'s `[k, n]` operands.
+    fn operand_dims(
+        (m, k, n): (usize, usize, usize),
+        (trans_a, trans_b): (bool, bool),
+    ) -> [[usize; 2]; 2] {
+        [
+            if trans_a { [k, m] } else { [m, k] },
+            if trans_b { [n, k] } else { [k, n] },
+        ]
+    }
+
     /// Every transpose pair: the value and both gradients of `(op(a) op(b) * r).sum()` equal
     /// Burn's `matmul` of the transposed operands under Burn's own autodiff.
     #[test]
@@ -241,9 +256,8 @@ mod tests {
         let device = Device::flex().autodiff();
         let (m, k, n) = (3, 5, 4);
         let r = Tensor::<2>::random([m, n], Distribution::Default, &device);
-        for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
-            let a_dims = if trans_a { [k, m] } else { [m, k] };
-            let b_dims = if trans_b { [n, k] } else { [k, n] };
+        for (trans_a, trans_b) in TRANSPOSES {
+            let [a_dims, b_dims] = operand_dims((m, k, n), (trans_a, trans_b));
             let a = Tensor::<2>::random(a_dims, Distribution::Normal(0.0, 1.0), &device);
             let b = Tensor::<2>::random(b_dims, Distribution::Normal(0.0, 1.0), &device);
             let run = |f: &dyn Fn(Tensor<2>, Tensor<2>) -> Tensor<2>| {
@@ -300,7 +314,7 @@ mod tests {
     /// cuBLAS on GPU 0 (a `cuda` build on a machine with one; skipped, saying so, without):
     /// for every transpose pair and f32, bf16 and f16, the value and both gradients of
     /// `(op(a) op(b) * r).sum()` equal Burn's f32 matmul on the CPU of the same (16-bit
-    /// rounded) operands. Run with `cargo test --release --features cuda -p burnscale-nn`.
+    /// rounded) operands. Run with `cargo test --release --workspace --features cuda --lib gemm`.
     #[cfg(feature = "cublas")]
     #[test]
     fn cublas_equals_burns_matmul_on_the_cpu() {
@@ -320,9 +334,8 @@ mod tests {
                 FloatDType::BF16 => Tolerance::rel_abs(2f32.powi(-7), 2f32.powi(-7)),
                 _ => Tolerance::rel_abs(2f32.powi(-9), 2f32.powi(-9)),
             };
-            for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
-                let a_dims = if trans_a { [k, m] } else { [m, k] };
-                let b_dims = if trans_b { [n, k] } else { [k, n] };
+            for (trans_a, trans_b) in TRANSPOSES {
+                let [a_dims, b_dims] = operand_dims((m, k, n), (trans_a, trans_b));
                 // Operands and weights rounded to the dtype first, so both sides see the same.
                 let data = |dims: [usize; 2]| {
                     Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &cpu)

@@ -5,8 +5,9 @@
 //! Burn's own matmul keeps both operands for backward, so a graph through `Linear::forward`
 //! holds every gathered weight until backward. Models call [`linear`] instead; outside
 //! [`forward`] it is [`gemm::linear`](crate::gemm::linear) (`Linear::forward`, or cuBLAS's
-//! product on a CUDA device). Inside, the product is one op, Burn's on every device
-//! ([`RegatherOps::regathered_linear`]), whose backward keeps the input and the weight's id,
+//! product where asked). Inside, the product is one op ([`RegatherOps::regathered_linear`],
+//! its products cuBLAS's where [`gemm::linear`](crate::gemm::linear)'s would be), whose
+//! backward keeps the input and the weight's id,
 //! not the weight: the engine hands the block's weights gathered again to [`backward`], which
 //! stages them for that op and returns their gradients (the op delivers them there, not to
 //! Burn's `Gradients`, since the forward's weight tensors are gone by then).

@@ -52,6 +52,13 @@ pub enum Matmul {
     Cublas,
 }
 
+impl Matmul {
+    /// Makes this process's linear layers run these kernels (a process-wide switch).
+    pub fn select(self) {
+        burnscale_nn::gemm::use_cublas(self == Matmul::Cublas);
+    }
+}
+
 /// The dtype gradients are reduced in over the ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]

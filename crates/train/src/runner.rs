@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::accelerator::Accelerator;
 use crate::auto::{self, AutoChoice, Resolved};
 use crate::checkpoint::{self, Checkpoint};
-use crate::cli::{Matmul, Offload, Strategy};
+use crate::cli::{Offload, Strategy};
 use crate::fault;
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
@@ -552,7 +552,7 @@ fn save<M: BlockModel>(
 /// matmul kernels as `--matmul` says.
 fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.validate()?;
-    burnscale_nn::gemm::use_cublas(args.matmul == Matmul::Cublas);
+    args.matmul.select();
     // On the CPU the ranks run on the device given; it must be the CPU's (Burn's devices
     // compare equal on hardware alone, whatever their autodiff).
     if args.runs_on() == Accelerator::Cpu && *device != Device::flex() {

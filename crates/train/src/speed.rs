@@ -13,21 +13,19 @@ use crate::accelerator::Accelerator;
 /// Measured GEMM rate of `device` in `dtype` (a bf16 run is held to bf16 matmuls, where a
 /// GPU's tensor cores are) in FLOP/s, measured once per device, dtype, matmul kernels
 /// (cuBLAS's or the backend's) and process (ranks that are threads share the figure instead
-/// of measuring while competing for the cores). MFU
-/// divides the model's 6·P·tokens/s by this. `None` when the probe could not time its work
+/// of measuring while competing for the cores). MFU divides the model's 6·P·tokens/s by this. `None` when the probe could not time its work
 /// (see [`measure`]).
 pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
     static MEASURED: Mutex<Option<HashMap<String, Option<f64>>>> = Mutex::new(None);
     let mut measured = MEASURED
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
+    // The products the models' linear layers run: cuBLAS's, where they do.
+    let cublas = burnscale_nn::gemm::on_cublas(device);
     *measured
         .get_or_insert_with(HashMap::new)
-        .entry(format!(
-            "{device:?} {dtype:?} cublas {}",
-            burnscale_nn::gemm::on_cublas(device)
-        ))
-        .or_insert_with(|| measure(device, dtype, on))
+        .entry(format!("{device:?} {dtype:?} cublas {cublas}"))
+        .or_insert_with(|| measure(device, dtype, on, cublas))
 }
 
 /// Chains of square products, each feeding the next, timed to a device sync with the last
@@ -44,7 +42,7 @@ pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> O
 /// a bf16 run's MFU at 130%): there the products are 8192³, and the rate is the marginal one of
 /// a chain of eight over a chain of one, which leaves the launch and the sync out. A chain of
 /// eight that does not take at least four times a chain of one was not timed, and gives none.
-fn measure(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
+fn measure(device: &Device, dtype: FloatDType, on: Accelerator, cublas: bool) -> Option<f64> {
     let (side, chained) = match on.on_gpu() {
         true => (8192, 8),
         false => (1024, 1),
@@ -53,8 +51,6 @@ fn measure(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
     let scale = 1.0 / (side as f64).sqrt();
     let w = Tensor::<2>::random([side, side], Distribution::Normal(0.0, scale), device).cast(dtype);
     let x = Tensor::<2>::random([side, side], Distribution::Normal(0.0, 1.0), device).cast(dtype);
-    // The products the models' linear layers run: cuBLAS's, where they do.
-    let cublas = burnscale_nn::gemm::on_cublas(device);
     let run = |products: usize| {
         let start = Instant::now();
         let mut y = x.clone();
@@ -103,7 +99,7 @@ mod tests {
         for on in accelerators {
             // As the runner asks for it (`Device::default()` would be a GPU in a cuda build).
             let device = on.device(&Device::flex(), 0);
-            let rate = measure(&device, FloatDType::F32, on).expect("a CPU probe is timed");
+            let rate = measure(&device, FloatDType::F32, on, false).expect("a CPU probe is timed");
             assert!(
                 rate > 0.0 && rate <= bound,
                 "{on:?}: {:.1} GFLOP/s on {cores} cores (at most {:.1})",
