@@ -1,14 +1,21 @@
 //! cuBLAS's GEMM on cubecl's CUDA buffers, for [`GemmOps`](crate::gemm::GemmOps) on a CUDA
 //! device. cuBLAS is opened at run time (cudarc's dynamic loading, as cubecl-cuda opens the
-//! driver); each product is enqueued on the stream of cubecl's command that handed out the
-//! buffers (the one change of vendor/cubecl-cuda, PATCH.md), so it runs in order with
-//! cubecl's kernels and no host synchronization: a buffer freed after it is reused on that
-//! stream only after it.
+//! driver). Each product is a task on cubecl's device thread, queued behind the kernels
+//! launched before it and not waited for, as a kernel launch is: there it resolves the buffers
+//! on the stream of the caller (the one change of vendor/cubecl-cuda, PATCH.md hands that
+//! stream out) and enqueues cuBLAS's GEMM on it, in order with cubecl's kernels and without a
+//! host synchronization. A buffer freed after it is reused on that stream only after it.
+//!
+//! Why a task and not `ComputeClient::get_resource` on the calling thread: each such call
+//! waits for the device thread to drain everything queued before it (cubecl batches launches
+//! 32 to a buffer and a blocking call flushes a part-filled one). On an H200 three of them a
+//! product made ViT-L/16's bf16 step 1.48x slower than with cubecl's own matmul (218 against
+//! 147 ms), though cuBLAS's bf16 GEMMs run at 4.3x cubecl's rate (README, Measured on a GPU).
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use burn::backend::Shape;
 use burn::tensor::DType;
@@ -18,6 +25,9 @@ use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::__private::Runtime;
 use cubecl::cuda::CudaRuntime;
+use cubecl::server::{BufferBinding, ServerStorage};
+use cubecl_common::device::Device as _;
+use cubecl_common::device_handle::DeviceHandle;
 use cudarc::cublas::sys::{
     self, cublasComputeType_t, cublasHandle_t, cublasOperation_t, cublasStatus_t, cudaDataType,
 };
@@ -25,8 +35,8 @@ use cudarc::driver::CudaContext;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
-/// One cuBLAS handle per CUDA device a thread runs products on, with the device's primary
-/// context (cubecl's), which cuBLAS's launches need current on the calling thread.
+/// One cuBLAS handle per CUDA device, on that device's cubecl thread (the one that runs the
+/// products), with the device's primary context (cubecl's) current.
 struct Handle {
     context: Arc<CudaContext>,
     handle: cublasHandle_t,
@@ -41,42 +51,139 @@ impl Drop for Handle {
 
 thread_local! {
     static HANDLES: RefCell<HashMap<usize, Handle>> = RefCell::new(HashMap::new());
+    /// The calling thread's way onto each device's cubecl thread.
+    static DEVICES: RefCell<HashMap<usize, DeviceHandle<CudaServer>>> =
+        RefCell::new(HashMap::new());
 }
 
-fn check(status: cublasStatus_t, call: &str) {
-    assert!(
-        status == cublasStatus_t::CUBLAS_STATUS_SUCCESS,
-        "cuBLAS {call} failed: {status:?}"
-    );
+/// The first product that failed on a device thread, where a panic is only logged: the next
+/// product on any thread panics with it, so a failed product cannot pass silently.
+static FAILED: Mutex<Option<String>> = Mutex::new(None);
+
+fn check(status: cublasStatus_t, call: &str) -> Result<(), String> {
+    match status {
+        cublasStatus_t::CUBLAS_STATUS_SUCCESS => Ok(()),
+        _ => Err(format!("cuBLAS {call} failed: {status:?}")),
+    }
 }
 
 /// Runs `f` with this thread's cuBLAS handle for CUDA device `index`, its context current.
-fn with_handle<T>(index: usize, f: impl FnOnce(cublasHandle_t) -> T) -> T {
+fn with_handle<T>(
+    index: usize,
+    f: impl FnOnce(cublasHandle_t) -> Result<T, String>,
+) -> Result<T, String> {
     HANDLES.with(|handles| {
         let mut handles = handles.borrow_mut();
         let entry = match handles.entry(index) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::hash_map::Entry::Vacant(entry) => {
                 let context = CudaContext::new(index)
-                    .unwrap_or_else(|e| panic!("CUDA device {index} for cuBLAS: {e:?}"));
+                    .map_err(|e| format!("CUDA device {index} for cuBLAS: {e:?}"))?;
                 context
                     .bind_to_thread()
-                    .unwrap_or_else(|e| panic!("CUDA device {index}'s context: {e:?}"));
+                    .map_err(|e| format!("CUDA device {index}'s context: {e:?}"))?;
                 let mut handle = std::ptr::null_mut();
-                check(unsafe { sys::cublasCreate_v2(&mut handle) }, "cublasCreate");
+                check(unsafe { sys::cublasCreate_v2(&mut handle) }, "cublasCreate")?;
+                // cuBLAS's default lets a split-k product sum its partial results in the
+                // output's dtype (bf16: 8 bits); this keeps every sum in f32, so a 16-bit
+                // product is rounded once, at the end. (DISALLOW_... is the flag alone, on
+                // CUBLAS_DEFAULT_MATH = 0: cudarc types the mode as an enum, not as bits.)
+                check(
+                    unsafe {
+                        sys::cublasSetMathMode(
+                            handle,
+                            sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+                        )
+                    },
+                    "cublasSetMathMode",
+                )?;
                 entry.insert(Handle { context, handle })
             }
         };
         entry
             .context
             .bind_to_thread()
-            .unwrap_or_else(|e| panic!("CUDA device {index}'s context: {e:?}"));
+            .map_err(|e| format!("CUDA device {index}'s context: {e:?}"))?;
         f(entry.handle)
     })
 }
 
+/// One product as cuBLAS reads it: column-major, so row-major `C = op(A) op(B)` is
+/// `C^T = op(B)^T op(A)^T`, each row-major operand read as its transpose with its row length
+/// as leading dimension.
+struct Product {
+    data_type: cudaDataType,
+    trans_a: bool,
+    trans_b: bool,
+    m: i32,
+    n: i32,
+    k: i32,
+    a_cols: i32,
+    b_cols: i32,
+}
+
+impl Product {
+    /// Enqueues the product of `a` and `b` into `c` on the stream of `stream_id`'s commands;
+    /// runs on the device's cubecl thread.
+    fn enqueue(
+        &self,
+        server: &mut CudaServer,
+        index: usize,
+        stream_id: StreamId,
+        [a, b, c]: [BufferBinding; 3],
+    ) -> Result<(), String> {
+        let mut resource = |binding| {
+            server
+                .get_resource(binding, stream_id)
+                .map_err(|e| format!("a cubecl buffer for cuBLAS: {e:?}"))
+        };
+        let (ra, rb, rc) = (resource(a)?, resource(b)?, resource(c)?);
+        let stream = rc.resource().stream;
+        if stream.is_null() {
+            return Err("cubecl-cuda without burnscale's stream patch".into());
+        }
+        let op = |transpose| match transpose {
+            true => cublasOperation_t::CUBLAS_OP_T,
+            false => cublasOperation_t::CUBLAS_OP_N,
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        with_handle(index, |handle| unsafe {
+            check(
+                sys::cublasSetStream_v2(handle, stream as sys::cudaStream_t),
+                "cublasSetStream",
+            )?;
+            check(
+                sys::cublasGemmEx(
+                    handle,
+                    op(self.trans_b),
+                    op(self.trans_a),
+                    self.n,
+                    self.m,
+                    self.k,
+                    (&alpha as *const f32).cast::<c_void>(),
+                    rb.resource().ptr as *const c_void,
+                    self.data_type,
+                    self.b_cols,
+                    ra.resource().ptr as *const c_void,
+                    self.data_type,
+                    self.a_cols,
+                    (&beta as *const f32).cast::<c_void>(),
+                    rc.resource().ptr as *mut c_void,
+                    self.data_type,
+                    self.n,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                ),
+                "cublasGemmEx",
+            )
+        })
+    }
+}
+
 /// `op(a) @ op(b)` by cuBLAS on CUDA device `index`, in the operands' dtype (f32, bf16 or
-/// f16), accumulated in f32 as PyTorch's default (f32 products do not use TF32).
+/// f16), accumulated in f32 (f32 products do not use TF32, as PyTorch's default; 16-bit ones
+/// never sum partial results in 16 bits, which PyTorch's default allows). Returns at once,
+/// the product queued on the device thread.
 pub(crate) fn gemm(
     index: usize,
     a: CubeTensor,
@@ -84,6 +191,9 @@ pub(crate) fn gemm(
     trans_a: bool,
     trans_b: bool,
 ) -> CubeTensor {
+    if let Some(failure) = FAILED.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+        panic!("an earlier cuBLAS product failed, so its output was never written: {failure}");
+    }
     let data_type = match a.dtype {
         DType::F32 => cudaDataType::CUDA_R_32F,
         DType::BF16 => cudaDataType::CUDA_R_16BF,
@@ -117,53 +227,32 @@ pub(crate) fn gemm(
         return c;
     }
     let int = |x: usize| i32::try_from(x).expect("a matrix side within cuBLAS's 32-bit ints");
-    let resource = |t: &CubeTensor| {
-        t.client
-            .get_resource::<CudaServer>(t.handle.clone())
-            .unwrap_or_else(|e| panic!("a cubecl buffer for cuBLAS: {e:?}"))
+    let product = Product {
+        data_type,
+        trans_a,
+        trans_b,
+        m: int(m),
+        n: int(n),
+        k: int(k),
+        a_cols: int(a_cols),
+        b_cols: int(b_cols),
     };
-    let (ra, rb, rc) = (resource(&a), resource(&b), resource(&c));
-    let stream = rc.resource().stream;
-    assert!(
-        !stream.is_null(),
-        "cubecl-cuda without burnscale's stream patch"
-    );
-    let op = |transpose| match transpose {
-        true => cublasOperation_t::CUBLAS_OP_T,
-        false => cublasOperation_t::CUBLAS_OP_N,
-    };
-    let (alpha, beta) = (1f32, 0f32);
-    with_handle(index, |handle| unsafe {
-        check(
-            sys::cublasSetStream_v2(handle, stream as sys::cudaStream_t),
-            "cublasSetStream",
-        );
-        // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS reads
-        // each row-major operand as its transpose, with its row length as leading dimension.
-        check(
-            sys::cublasGemmEx(
-                handle,
-                op(trans_b),
-                op(trans_a),
-                int(n),
-                int(m),
-                int(k),
-                (&alpha as *const f32).cast::<c_void>(),
-                rb.resource().ptr as *const c_void,
-                data_type,
-                int(b_cols),
-                ra.resource().ptr as *const c_void,
-                data_type,
-                int(a_cols),
-                (&beta as *const f32).cast::<c_void>(),
-                rc.resource().ptr as *mut c_void,
-                data_type,
-                int(n),
-                cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            ),
-            "cublasGemmEx",
-        );
+    let bindings = [&a, &b, &c].map(|t| t.handle.clone().binding());
+    let stream_id = StreamId::current();
+    let device = DEVICES.with(|devices| {
+        devices
+            .borrow_mut()
+            .entry(index)
+            .or_insert_with(|| DeviceHandle::new(cubecl::cuda::CudaDevice { index }.to_id()))
+            .clone()
+    });
+    device.submit(move |server: &mut CudaServer| {
+        if let Err(failure) = product.enqueue(server, index, stream_id, bindings) {
+            FAILED
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(failure);
+        }
     });
     c
 }

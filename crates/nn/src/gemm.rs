@@ -22,7 +22,7 @@ use burn::prelude::*;
 static CUBLAS: AtomicBool = AtomicBool::new(false);
 
 /// Whether [`linear`] on a CUDA device runs cuBLAS (`--matmul cublas`) or cubecl's matmul (the
-/// default until cuBLAS's has been measured on a GPU). Process-wide.
+/// default until a step is measured faster with cuBLAS's). Process-wide.
 pub fn use_cublas(on: bool) {
     CUBLAS.store(on, Ordering::Relaxed);
 }
@@ -326,6 +326,7 @@ mod tests {
         let (cpu, gpu) = (Device::flex().autodiff(), Device::cuda(0).autodiff());
         // Sides off cuBLAS's tile sizes, k long enough for its split reductions.
         let (m, k, n) = (37, 300, 21);
+        let mut failures = Vec::new();
         for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
             // Each 16-bit value rounds once (2^-8, 2^-11); the f32 sums of k terms
             // differ by order only.
@@ -366,10 +367,20 @@ mod tests {
                     ]
                 };
                 let (got, want) = (run(&gpu, dtype), run(&cpu, FloatDType::F32));
-                for (got, want) in got.iter().zip(&want) {
-                    got.assert_approx_eq::<f32>(want, tolerance);
+                for ((got, want), name) in got.iter().zip(&want).zip(["value", "da", "db"]) {
+                    // Every case checked, each failure named, before the test fails.
+                    let check = std::panic::AssertUnwindSafe(|| {
+                        got.assert_approx_eq::<f32>(want, tolerance)
+                    });
+                    if let Err(e) = std::panic::catch_unwind(check) {
+                        let message = e.downcast_ref::<String>().map_or("", String::as_str);
+                        failures.push(format!(
+                            "{dtype:?} trans_a={trans_a} trans_b={trans_b} {name}: {message}"
+                        ));
+                    }
                 }
             }
         }
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }
