@@ -15,15 +15,16 @@
 # pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
 # cold kernel cache: about 6 minutes, the machine's start aside). BENCH is a `cargo bench
 # --no-run --features cuda --bench mingpt_throughput` binary. MINGPT_ROWS=matmul: the 57M rows
-# (f32, bf16-mixed) with cubecl's and cuBLAS's products, and the 303M row, nothing else.
+# (f32, bf16-mixed) with cubecl's and cuBLAS's products, and the 303M row, nothing else;
+# MINGPT_ROWS=bf16: the 57M bf16-mixed row alone, cubecl's products and cuBLAS's.
 #
 # vit: the article's ViT-L/16 at 224 px, batch 16, AdamW: PyTorch eager
 # (scripts/bench_vit_torch.py: 20 timed steps after 3 warm-up ones) and `vit_finetune
 # --weights none` (30 steps, the first reported apart) in bf16-true (and again with
-# `--matmul cublas`: cuBLAS's products instead of cubecl's) and bf16-mixed, then under
-# zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params`
-# (VIT_ROWS=single: the first three burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3
-# rows only). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
+# `--matmul cublas`: cuBLAS's products instead of cubecl's) and bf16-mixed (likewise), then
+# under zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params`
+# (VIT_ROWS=single: the first four burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3
+# rows only, each given VIT_FLAGS as well, e.g. VIT_FLAGS="--matmul cublas"). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
 # binary.
 #
 # article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is
@@ -169,10 +170,12 @@ if [ "$table" = vit ]; then
         phase vit_bf16_true 240 "${vit[@]}" --precision bf16-true
         phase vit_bf16_true_cublas 120 "${vit[@]}" --precision bf16-true --matmul cublas
         phase vit_bf16_mixed 150 "${vit[@]}" --precision bf16-mixed
+        phase vit_bf16_mixed_cublas 120 "${vit[@]}" --precision bf16-mixed --matmul cublas
     fi
     [ "${VIT_ROWS:-all}" = single ] && exit 0
     # One rank alone in its weights' dtype runs as a replica; bf16-mixed and offloaded ranks
     # copy their units, so they reshard after forward and gather again for backward.
+    vit+=(${VIT_FLAGS:-})
     phase vit_bf16_true_zero3 60 "${vit[@]}" --precision bf16-true --strategy zero3
     phase vit_bf16_mixed_zero3 90 "${vit[@]}" --precision bf16-mixed --strategy zero3
     phase vit_bf16_true_offload 90 "${vit[@]}" --precision bf16-true --strategy zero3 \
@@ -181,6 +184,11 @@ if [ "$table" = vit ]; then
 fi
 
 m57=(--n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --batch-size 16)
+if [ "${MINGPT_ROWS:-all}" = bf16 ]; then
+    phase m57_bf16 200 "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
+        --also "--matmul cublas"
+    exit 0
+fi
 if [ "${MINGPT_ROWS:-all}" = matmul ]; then
     # cubecl's products (the default) beside cuBLAS's, each precision in one process.
     phase m57_f32 120 "${m57[@]}" --steps 20 --warmup 3 --also "--matmul cublas"

@@ -113,8 +113,8 @@ pub struct TrainArgs {
     #[arg(long, value_enum)]
     pub accelerator: Option<Accelerator>,
     /// Whose kernels compute the models' linear layers: backend (its own matmul), or cublas
-    /// (cuBLAS's GEMM; --accelerator cuda only; not yet the default: it has not yet run on a
-    /// GPU).
+    /// (cuBLAS's GEMM; --accelerator cuda only; not the default: its products are checked on
+    /// a GPU, but no step has yet been faster with them).
     #[arg(long, value_enum, default_value = "backend")]
     pub matmul: Matmul,
     /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp), or auto: the fastest
