@@ -35,8 +35,9 @@ use cudarc::driver::CudaContext;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
-/// One cuBLAS handle per CUDA device, on that device's cubecl thread (the one that runs the
-/// products), with the device's primary context (cubecl's) current.
+/// One cuBLAS handle per CUDA device and stream, on that device's cubecl thread (the one that
+/// runs the products), with the device's primary context (cubecl's) current. A handle per
+/// stream, as PyTorch keeps: a handle's default workspace serves one stream at a time.
 struct Handle {
     context: Arc<CudaContext>,
     handle: cublasHandle_t,
@@ -50,10 +51,7 @@ impl Drop for Handle {
 }
 
 thread_local! {
-    static HANDLES: RefCell<HashMap<usize, Handle>> = RefCell::new(HashMap::new());
-    /// The calling thread's way onto each device's cubecl thread.
-    static DEVICES: RefCell<HashMap<usize, DeviceHandle<CudaServer>>> =
-        RefCell::new(HashMap::new());
+    static HANDLES: RefCell<HashMap<(usize, usize), Handle>> = RefCell::new(HashMap::new());
 }
 
 /// The first product that failed on a device thread, where a panic is only logged: the next
@@ -67,14 +65,16 @@ fn check(status: cublasStatus_t, call: &str) -> Result<(), String> {
     }
 }
 
-/// Runs `f` with this thread's cuBLAS handle for CUDA device `index`, its context current.
+/// Runs `f` with this thread's cuBLAS handle for CUDA device `index` and `stream`, its
+/// context current.
 fn with_handle<T>(
     index: usize,
+    stream: sys::cudaStream_t,
     f: impl FnOnce(cublasHandle_t) -> Result<T, String>,
 ) -> Result<T, String> {
     HANDLES.with(|handles| {
         let mut handles = handles.borrow_mut();
-        let entry = match handles.entry(index) {
+        let entry = match handles.entry((index, stream as usize)) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::hash_map::Entry::Vacant(entry) => {
                 let context = CudaContext::new(index)
@@ -84,6 +84,10 @@ fn with_handle<T>(
                     .map_err(|e| format!("CUDA device {index}'s context: {e:?}"))?;
                 let mut handle = std::ptr::null_mut();
                 check(unsafe { sys::cublasCreate_v2(&mut handle) }, "cublasCreate")?;
+                check(
+                    unsafe { sys::cublasSetStream_v2(handle, stream) },
+                    "cublasSetStream",
+                )?;
                 // cuBLAS's default lets a split-k product sum its partial results in the
                 // output's dtype (bf16: 8 bits); this keeps every sum in f32, so a 16-bit
                 // product is rounded once, at the end. (DISALLOW_... is the flag alone, on
@@ -147,11 +151,7 @@ impl Product {
             false => cublasOperation_t::CUBLAS_OP_N,
         };
         let (alpha, beta) = (1f32, 0f32);
-        with_handle(index, |handle| unsafe {
-            check(
-                sys::cublasSetStream_v2(handle, stream as sys::cudaStream_t),
-                "cublasSetStream",
-            )?;
+        with_handle(index, stream as sys::cudaStream_t, |handle| unsafe {
             check(
                 sys::cublasGemmEx(
                     handle,
@@ -239,15 +239,23 @@ pub(crate) fn gemm(
     };
     let bindings = [&a, &b, &c].map(|t| t.handle.clone().binding());
     let stream_id = StreamId::current();
-    let device = DEVICES.with(|devices| {
-        devices
-            .borrow_mut()
-            .entry(index)
-            .or_insert_with(|| DeviceHandle::new(cubecl::cuda::CudaDevice { index }.to_id()))
-            .clone()
-    });
+    // The handle cubecl's client reaches the device thread by (one per device and server
+    // type): a lookup, not kept, so that it never holds a device cubecl has shut down.
+    let device = DeviceHandle::<CudaServer>::new(cubecl::cuda::CudaDevice { index }.to_id());
     device.submit(move |server: &mut CudaServer| {
-        if let Err(failure) = product.enqueue(server, index, stream_id, bindings) {
+        // The device thread only logs a panic: it is recorded for the next product instead.
+        let enqueued = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            product.enqueue(server, index, stream_id, bindings)
+        }))
+        .unwrap_or_else(|panic| {
+            let message = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("no message");
+            Err(format!("the cuBLAS task panicked: {message}"))
+        });
+        if let Err(failure) = enqueued {
             FAILED
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -260,17 +268,19 @@ pub(crate) fn gemm(
 /// `t` laid out in packed rows, in a buffer of the calling thread's stream. cubecl lets the
 /// stream that made a buffer reuse it once this stream's command that last read it is done;
 /// cuBLAS's read is enqueued after the command that handed the buffer out, so a buffer of
-/// another stream (a tensor made on another thread) is copied here first.
+/// another stream (a tensor made on another thread) is copied here first, and packed again:
+/// a copy's rows may be padded (cubecl's pitched layout), and cuBLAS reads packed rows.
 fn operand(t: CubeTensor) -> CubeTensor {
     let t = into_contiguous(t);
     match t.handle.stream == StreamId::current() {
         true => t,
-        false => t.copy(),
+        false => into_contiguous(t.copy()),
     }
 }
 
 fn matrix(t: &CubeTensor) -> [usize; 2] {
     let shape = t.meta.shape();
     assert_eq!(shape.num_dims(), 2, "a cuBLAS operand of shape {shape:?}");
+    assert!(t.is_contiguous(), "a cuBLAS operand in packed rows");
     [shape[0], shape[1]]
 }
