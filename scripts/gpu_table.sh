@@ -11,8 +11,8 @@
 #
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, cuBLAS's products
 # (`--matmul cublas`) and the engine's ZeRO-3 variants beside single, bf16-mixed, a second
-# process of the same configuration for the first step with a warm kernel cache, the 303M row, and CUDA's stream-ordered allocator under cubecl's
-# pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
+# process of the same configuration for the first step with a warm kernel cache, the 303M
+# row, and CUDA's stream-ordered allocator under cubecl's pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
 # cold kernel cache: about 6 minutes, the machine's start aside). BENCH is a `cargo bench
 # --no-run --features cuda --bench mingpt_throughput` binary. MINGPT_ROWS=matmul: the 57M rows
 # (f32, bf16-mixed) with cubecl's and cuBLAS's products, and the 303M row, nothing else;
@@ -24,8 +24,8 @@
 # `--matmul cublas`: cuBLAS's products instead of cubecl's) and bf16-mixed (likewise), then
 # under zero3 on one rank: bf16-true, bf16-mixed and bf16-true with `--offload params`
 # (VIT_ROWS=single: the first four burnscale rows only; VIT_ROWS=zero3: the three ZeRO-3
-# rows only, each given VIT_FLAGS as well, e.g. VIT_FLAGS="--matmul cublas"). VIT_FINETUNE is a `cargo build --release --features cuda --example vit_finetune`
-# binary.
+# rows only, each given VIT_FLAGS as well, e.g. VIT_FLAGS="--matmul cublas"). VIT_FINETUNE
+# is a `cargo build --release --features cuda --example vit_finetune` binary.
 #
 # article: one article's tables on the GPU at the article's size (issue 17): ARTICLE_BENCH is
 # a `cargo bench --no-run --features cuda --bench hf_bert_large` (or `--bench fabric_vit`)
@@ -184,16 +184,18 @@ if [ "$table" = vit ]; then
 fi
 
 m57=(--n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --batch-size 16)
-if [ "${MINGPT_ROWS:-all}" = bf16 ]; then
-    phase m57_bf16 200 "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
+m57_bf16_matmul() { # CAP: the 57M bf16-mixed row, cubecl's products beside cuBLAS's
+    phase m57_bf16 "$1" "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
         --also "--matmul cublas"
+}
+if [ "${MINGPT_ROWS:-all}" = bf16 ]; then
+    m57_bf16_matmul 200
     exit 0
 fi
 if [ "${MINGPT_ROWS:-all}" = matmul ]; then
     # cubecl's products (the default) beside cuBLAS's, each precision in one process.
     phase m57_f32 120 "${m57[@]}" --steps 20 --warmup 3 --also "--matmul cublas"
-    phase m57_bf16 120 "${m57[@]}" --steps 20 --warmup 3 --precision bf16-mixed --no-plain \
-        --also "--matmul cublas"
+    m57_bf16_matmul 120
     phase m303_f32 110 --n-layer 24 --n-head 16 --n-embd 1024 --block-size 512 \
         --batch-size 8 --steps 6 --warmup 2
     exit 0

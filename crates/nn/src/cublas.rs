@@ -65,6 +65,39 @@ fn check(status: cublasStatus_t, call: &str) -> Result<(), String> {
     }
 }
 
+impl Handle {
+    /// A handle on CUDA device `index` enqueuing on `stream`, the device's context bound to
+    /// this thread; dropped (destroyed) if a setting fails.
+    fn new(index: usize, stream: sys::cudaStream_t) -> Result<Self, String> {
+        let context = CudaContext::new(index)
+            .map_err(|e| format!("CUDA device {index} for cuBLAS: {e:?}"))?;
+        context
+            .bind_to_thread()
+            .map_err(|e| format!("CUDA device {index}'s context: {e:?}"))?;
+        let mut handle = std::ptr::null_mut();
+        check(unsafe { sys::cublasCreate_v2(&mut handle) }, "cublasCreate")?;
+        let handle = Handle { context, handle };
+        check(
+            unsafe { sys::cublasSetStream_v2(handle.handle, stream) },
+            "cublasSetStream",
+        )?;
+        // cuBLAS's default lets a split-k product sum its partial results in the output's
+        // dtype (bf16: 8 bits); this keeps every sum in f32, so a 16-bit product is rounded
+        // once, at the end. (DISALLOW_... is the flag alone, on CUBLAS_DEFAULT_MATH = 0:
+        // cudarc types the mode as an enum, not as bits.)
+        check(
+            unsafe {
+                sys::cublasSetMathMode(
+                    handle.handle,
+                    sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
+                )
+            },
+            "cublasSetMathMode",
+        )?;
+        Ok(handle)
+    }
+}
+
 /// Runs `f` with this thread's cuBLAS handle for CUDA device `index` and `stream`, its
 /// context current.
 fn with_handle<T>(
@@ -77,31 +110,7 @@ fn with_handle<T>(
         let entry = match handles.entry((index, stream as usize)) {
             std::collections::hash_map::Entry::Occupied(entry) => entry.into_mut(),
             std::collections::hash_map::Entry::Vacant(entry) => {
-                let context = CudaContext::new(index)
-                    .map_err(|e| format!("CUDA device {index} for cuBLAS: {e:?}"))?;
-                context
-                    .bind_to_thread()
-                    .map_err(|e| format!("CUDA device {index}'s context: {e:?}"))?;
-                let mut handle = std::ptr::null_mut();
-                check(unsafe { sys::cublasCreate_v2(&mut handle) }, "cublasCreate")?;
-                check(
-                    unsafe { sys::cublasSetStream_v2(handle, stream) },
-                    "cublasSetStream",
-                )?;
-                // cuBLAS's default lets a split-k product sum its partial results in the
-                // output's dtype (bf16: 8 bits); this keeps every sum in f32, so a 16-bit
-                // product is rounded once, at the end. (DISALLOW_... is the flag alone, on
-                // CUBLAS_DEFAULT_MATH = 0: cudarc types the mode as an enum, not as bits.)
-                check(
-                    unsafe {
-                        sys::cublasSetMathMode(
-                            handle,
-                            sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION,
-                        )
-                    },
-                    "cublasSetMathMode",
-                )?;
-                entry.insert(Handle { context, handle })
+                entry.insert(Handle::new(index, stream)?)
             }
         };
         entry
