@@ -6,7 +6,8 @@
 //! and every scalar operand rounded to 16 bits), so the result is burn-optim's bit for bit
 //! (the equivalence tests train against burn-optim's). The state is burn-optim's
 //! [`AdamWState`], in the parameter's dtype, so checkpoints and `--offload-dir` files do not
-//! change. Tensors elsewhere (a GPU) or in other dtypes take burn-optim's path.
+//! change. On cubecl's devices (a GPU) the step is one kernel ([`crate::adamw_kernel`]);
+//! elsewhere (LibTorch), or in other dtypes, burn-optim's path.
 
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::prelude::*;
@@ -186,6 +187,34 @@ impl FusedAdamW {
         };
         (tensor(p), Some(AdamWState::new(momentum)))
     }
+
+    /// [`Optimizer::step`] by one kernel on a cubecl device ([`crate::adamw_kernel`]).
+    #[cfg(feature = "cube")]
+    fn step_on_device<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        state: Option<AdamWState<D>>,
+    ) -> (Tensor<D>, Option<AdamWState<D>>) {
+        use crate::adamw_kernel::{Hyper, step};
+        let (time, moments) = match state {
+            Some(s) => (
+                s.momentum.time + 1,
+                Some((s.momentum.moment_1, s.momentum.moment_2)),
+            ),
+            None => (1, None),
+        };
+        let betas = (self.beta_1, self.beta_2, self.epsilon, self.weight_decay);
+        let (tensor, moment_1, moment_2) = step(tensor, grad, moments, Hyper::new(betas, lr, time));
+        let momentum = AdaptiveMomentumState {
+            time,
+            moment_1,
+            moment_2,
+            max_moment_2: None,
+        };
+        (tensor, Some(AdamWState::new(momentum)))
+    }
 }
 
 /// Whether `device` is host memory (Flex), where the host-memory steps run (this one, 8-bit
@@ -233,22 +262,28 @@ impl Optimizer for FusedAdamW {
     ) -> (Tensor<D>, Option<Self::State<D>>) {
         // Anything else (another device or dtype, shapes that disagree, which burn-optim
         // reports) takes burn-optim's path.
-        let dtype = tensor.dtype();
+        let (device, dtype) = (tensor.device().without_autodiff(), tensor.dtype());
         let fits = |t: &Tensor<D>| {
-            in_host_memory(&t.device()) && t.dtype() == dtype && t.shape() == tensor.shape()
+            t.device().without_autodiff() == device
+                && t.dtype() == dtype
+                && t.shape() == tensor.shape()
         };
-        let fused = fits(&grad)
-            && in_host_memory(&tensor.device())
+        let fused = matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+            && fits(&grad)
             && state.as_ref().is_none_or(|s| {
                 fits(&s.momentum.moment_1)
                     && fits(&s.momentum.moment_2)
                     && s.momentum.max_moment_2.is_none()
             });
+        #[cfg(feature = "cube")]
+        if fused && crate::adamw_kernel::runs_on(&device) {
+            return self.step_on_device(lr, tensor, grad, state);
+        }
         match dtype {
-            DType::F32 if fused => self.step_in_host::<f32, D>(lr, tensor, grad, state),
-            DType::BF16 if fused => self.step_in_host::<bf16, D>(lr, tensor, grad, state),
-            DType::F16 if fused => self.step_in_host::<f16, D>(lr, tensor, grad, state),
-            _ => self.elsewhere.step(lr, tensor, grad, state),
+            _ if !fused || !in_host_memory(&device) => self.elsewhere.step(lr, tensor, grad, state),
+            DType::F32 => self.step_in_host::<f32, D>(lr, tensor, grad, state),
+            DType::BF16 => self.step_in_host::<bf16, D>(lr, tensor, grad, state),
+            _ => self.step_in_host::<f16, D>(lr, tensor, grad, state),
         }
     }
 

@@ -4,6 +4,8 @@
 pub mod accelerator;
 pub mod adafactor;
 pub mod adam8bit;
+#[cfg(feature = "cube")]
+pub mod adamw_kernel;
 pub mod auto;
 pub mod checkpoint;
 mod cli;
