@@ -179,13 +179,7 @@ impl FusedAdamW {
             time,
         );
         let tensor = |data| Tensor::<D>::from_data(data, (&device, dtype));
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1: tensor(m),
-            moment_2: tensor(v),
-            max_moment_2: None,
-        };
-        (tensor(p), Some(AdamWState::new(momentum)))
+        (tensor(p), Some(adamw_state(time, tensor(m), tensor(v))))
     }
 
     /// [`Optimizer::step`] by one kernel on a cubecl device ([`crate::adamw_kernel`]).
@@ -207,14 +201,22 @@ impl FusedAdamW {
         };
         let betas = (self.beta_1, self.beta_2, self.epsilon, self.weight_decay);
         let (tensor, moment_1, moment_2) = step(tensor, grad, moments, Hyper::new(betas, lr, time));
-        let momentum = AdaptiveMomentumState {
-            time,
-            moment_1,
-            moment_2,
-            max_moment_2: None,
-        };
-        (tensor, Some(AdamWState::new(momentum)))
+        (tensor, Some(adamw_state(time, moment_1, moment_2)))
     }
+}
+
+/// burn-optim's AdamW state after step `time`.
+fn adamw_state<const D: usize>(
+    time: usize,
+    moment_1: Tensor<D>,
+    moment_2: Tensor<D>,
+) -> AdamWState<D> {
+    AdamWState::new(AdaptiveMomentumState {
+        time,
+        moment_1,
+        moment_2,
+        max_moment_2: None,
+    })
 }
 
 /// Whether `device` is host memory (Flex), where the host-memory steps run (this one, 8-bit
