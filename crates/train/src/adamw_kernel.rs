@@ -6,12 +6,11 @@
 //! own choosing: on an H100 its steps of ViT-L/16's 303M bf16 parameters took 14.5 ms of
 //! device time, about ten times what that traffic costs (README, Measured on a GPU).
 
-use burn::backend::TensorMetadata;
 use burn::backend::tensor::FloatTensor;
 use burn::prelude::*;
 use burn_cubecl::CubeBackend;
+use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::CubeDim;
-use burn_cubecl::cubecl::{calculate_cube_count_elemwise, tensor_vector_size_parallel};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
@@ -79,26 +78,27 @@ impl AdamWKernelOps for CubeBackend {
         hyper: Hyper,
         first: bool,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
-        // Updated in place: a buffer something else still reads is copied first.
+        // Updated in place, as one run of `num_elems` elements: a buffer something else still
+        // reads is copied first, and packed again (on CUDA a copy's rows may be padded,
+        // cubecl's pitched layout), as is a strided or padded one.
         let owned = |t: CubeTensor| match (t.is_contiguous(), t.can_mut()) {
             (true, true) => t,
-            (true, false) => t.copy(),
+            (true, false) => into_contiguous(t.copy()),
             (false, _) => into_contiguous(t),
         };
         let (param, moment_1, moment_2) = (owned(param), owned(moment_1), owned(moment_2));
-        let grad = match grad.is_contiguous() {
-            true => grad,
-            false => into_contiguous(grad),
-        };
+        let grad = into_contiguous(grad);
+        for t in [&param, &grad, &moment_1, &moment_2] {
+            assert!(t.is_contiguous(), "AdamW's kernel reads packed buffers");
+        }
         let client = param.client.clone();
         let num_elems = param.meta.num_elements();
-        let shape = param.shape();
-        let vector_size = tensor_vector_size_parallel(
-            client.io_optimized_vector_sizes(param.dtype.size()),
-            &shape,
-            param.meta.strides(),
-            shape.num_dims() - 1,
-        );
+        // Packed, the four are one flat run each: vectors of the widest size dividing it.
+        let vector_size = client
+            .io_optimized_vector_sizes(param.dtype.size())
+            .filter(|size| num_elems % size == 0)
+            .max()
+            .unwrap_or(1);
         let vectors = num_elems / vector_size;
         let cube_dim = CubeDim::new(&client, vectors);
         let cube_count = calculate_cube_count_elemwise(&client, vectors, cube_dim);
@@ -260,7 +260,9 @@ mod tests {
     }
 
     /// On every cubecl device of the build, three steps in f32, bf16 and f16, with and without
-    /// weight decay, of a parameter whose size is no multiple of a vector: each step's
+    /// weight decay, of a parameter whose size is no multiple of a vector (one element a unit)
+    /// and of one that is (vectors of up to 16 bytes; on CUDA a copy of either pads its rows):
+    /// each step's
     /// parameter and moments equal burn-optim's AdamW on Flex, in f32, from the kernel's
     /// previous values, to the rounding of their dtype (the kernel computes in f32 and rounds
     /// once). The parameter is held elsewhere at step 2, so that step updates a copy.
@@ -286,7 +288,7 @@ mod tests {
                     FloatDType::BF16 => Tolerance::rel_abs(2f32.powi(-8), 2f32.powi(-14)),
                     _ => Tolerance::rel_abs(2f32.powi(-10), 2f32.powi(-16)),
                 };
-                for weight_decay in [0.0, 0.1] {
+                for (dims, weight_decay) in [([3, 37], 0.0), ([3, 37], 0.1), ([4, 64], 0.1)] {
                     let plain = AdamWConfig::new()
                         .with_beta_1(b1)
                         .with_beta_2(b2)
@@ -294,9 +296,8 @@ mod tests {
                         .with_weight_decay(weight_decay)
                         .build();
                     let normal = |std: f64| {
-                        let data =
-                            Tensor::<2>::random([3, 37], Distribution::Normal(0.0, std), &host)
-                                .into_data();
+                        let data = Tensor::<2>::random(dims, Distribution::Normal(0.0, std), &host)
+                            .into_data();
                         Tensor::<2>::from_data(data, &device).cast(dtype)
                     };
                     let mut param = normal(1.0);
@@ -333,7 +334,7 @@ mod tests {
                             }));
                             assert!(
                                 ok.is_ok(),
-                                "{device:?} {dtype:?}: {what} at step {time} (weight decay {weight_decay})"
+                                "{device:?} {dtype:?} {dims:?}: {what} at step {time} (weight decay {weight_decay})"
                             );
                         }
                         param = p;
