@@ -14,45 +14,8 @@ use burn_cubecl::cubecl::prelude::CubeDim;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::tensor::CubeTensor;
 
-use kernel::{HyperArgsLaunch, adamw_kernel};
-
-/// AdamW's scalars for one step, from burn-optim's hyper-parameters; see [`Hyper::new`].
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Hyper {
-    beta_1: f32,
-    beta_2: f32,
-    /// `1 - beta_1`, `1 - beta_2`.
-    factor_1: f32,
-    factor_2: f32,
-    /// The bias corrections `1 - beta^time`.
-    correction_1: f32,
-    correction_2: f32,
-    epsilon: f32,
-    /// `1 - lr * weight_decay`: decoupled decay.
-    keep: f32,
-    lr: f32,
-}
-
-impl Hyper {
-    /// Step `time` (from 1) at learning rate `lr`.
-    pub fn new(
-        (beta_1, beta_2, epsilon, weight_decay): (f32, f32, f32, f32),
-        lr: f64,
-        time: usize,
-    ) -> Self {
-        Self {
-            beta_1,
-            beta_2,
-            factor_1: 1.0 - beta_1,
-            factor_2: 1.0 - beta_2,
-            correction_1: 1.0 - beta_1.powi(time as i32),
-            correction_2: 1.0 - beta_2.powi(time as i32),
-            epsilon,
-            keep: (1.0 - lr * weight_decay as f64) as f32,
-            lr: lr as f32,
-        }
-    }
-}
+pub use kernel::Hyper;
+use kernel::{HyperLaunch, adamw_kernel};
 
 #[burn::backend::backend_extension(Cube, Fusion)]
 pub trait AdamWKernelOps: burn::backend::Backend {
@@ -108,8 +71,8 @@ impl AdamWKernelOps for CubeBackend {
             .max()
             .unwrap_or_default();
         let dtype = burn::backend::cubecl::dtype_to_storage_type(param.dtype);
-        // SAFETY: four contiguous buffers of `num_elems` elements of `dtype` (checked by the
-        // caller, `step`), each vector index below `vectors` in bounds.
+        // SAFETY: four packed buffers (asserted above) of `num_elems` elements of `dtype` (one
+        // dtype and shape: checked by `FusedAdamW::step`), each vector index below `vectors`.
         unsafe {
             adamw_kernel::launch_unchecked(
                 &client,
@@ -122,7 +85,7 @@ impl AdamWKernelOps for CubeBackend {
                 moment_1.clone().into_buffer_arg(),
                 moment_2.clone().into_buffer_arg(),
                 vectors as u32,
-                HyperArgsLaunch::new(
+                HyperLaunch::new(
                     hyper.beta_1,
                     hyper.beta_2,
                     hyper.factor_1,
@@ -147,15 +110,19 @@ mod kernel {
     use burn_cubecl::cubecl;
     use burn_cubecl::cubecl::prelude::*;
 
-    #[derive(CubeLaunch, CubeType)]
-    pub struct HyperArgs {
+    /// AdamW's scalars for one step, from burn-optim's hyper-parameters; see [`Hyper::new`].
+    #[derive(CubeLaunch, CubeType, Clone, Copy, Debug, PartialEq)]
+    pub struct Hyper {
         pub beta_1: f32,
         pub beta_2: f32,
+        /// `1 - beta_1`, `1 - beta_2`.
         pub factor_1: f32,
         pub factor_2: f32,
+        /// The bias corrections `1 - beta^time`.
         pub correction_1: f32,
         pub correction_2: f32,
         pub epsilon: f32,
+        /// `1 - lr * weight_decay`: decoupled decay.
         pub keep: f32,
         pub lr: f32,
     }
@@ -169,7 +136,7 @@ mod kernel {
         moment_1: &mut [Vector<P, N>],
         moment_2: &mut [Vector<P, N>],
         vectors: u32,
-        hyper: &HyperArgs,
+        hyper: &Hyper,
         #[comptime] first: bool,
         #[define(P)] _dtype: ElemType,
     ) {
@@ -194,6 +161,27 @@ mod kernel {
         param[i] = Vector::cast_from(p);
         moment_1[i] = Vector::cast_from(m);
         moment_2[i] = Vector::cast_from(v);
+    }
+}
+
+impl Hyper {
+    /// Step `time` (from 1) at learning rate `lr`.
+    pub fn new(
+        (beta_1, beta_2, epsilon, weight_decay): (f32, f32, f32, f32),
+        lr: f64,
+        time: usize,
+    ) -> Self {
+        Self {
+            beta_1,
+            beta_2,
+            factor_1: 1.0 - beta_1,
+            factor_2: 1.0 - beta_2,
+            correction_1: 1.0 - beta_1.powi(time as i32),
+            correction_2: 1.0 - beta_2.powi(time as i32),
+            epsilon,
+            keep: (1.0 - lr * weight_decay as f64) as f32,
+            lr: lr as f32,
+        }
     }
 }
 
@@ -235,7 +223,8 @@ pub fn step<const D: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use burn::optim::{AdamWConfig, AdamWState, AdaptiveMomentumState, Optimizer};
+    use crate::fused_adamw::adamw_state;
+    use burn::optim::{AdamWConfig, Optimizer};
     use burn::tensor::{Distribution, FloatDType, Tolerance};
 
     /// The cubecl devices of this build: cubecl's CPU runtime, GPU 0 where there is one.
@@ -261,8 +250,7 @@ mod tests {
 
     /// On every cubecl device of the build, three steps in f32, bf16 and f16, with and without
     /// weight decay, of a parameter whose size is no multiple of a vector (one element a unit)
-    /// and of one that is (vectors of up to 16 bytes; on CUDA a copy of either pads its rows):
-    /// each step's
+    /// and of one that is (vectors; on CUDA a copy of either pads its rows): each step's
     /// parameter and moments equal burn-optim's AdamW on Flex, in f32, from the kernel's
     /// previous values, to the rounding of their dtype (the kernel computes in f32 and rounds
     /// once). The parameter is held elsewhere at step 2, so that step updates a copy.
@@ -306,14 +294,9 @@ mod tests {
                         let grad = normal(0.5);
                         let lr = 1e-2 * time as f64;
                         let before = (wide(&param), wide(&grad));
-                        let state = moments.as_ref().map(|(m, v)| {
-                            AdamWState::new(AdaptiveMomentumState {
-                                time: time - 1,
-                                moment_1: wide(m),
-                                moment_2: wide(v),
-                                max_moment_2: None,
-                            })
-                        });
+                        let state = moments
+                            .as_ref()
+                            .map(|(m, v)| adamw_state(time - 1, wide(m), wide(v)));
                         let held = (time == 2).then(|| param.clone());
                         let hyper = Hyper::new((b1, b2, eps, weight_decay), lr, time);
                         let (p, m, v) = step(param, grad, moments, hyper);

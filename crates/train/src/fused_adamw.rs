@@ -206,7 +206,7 @@ impl FusedAdamW {
 }
 
 /// burn-optim's AdamW state after step `time`.
-fn adamw_state<const D: usize>(
+pub(crate) fn adamw_state<const D: usize>(
     time: usize,
     moment_1: Tensor<D>,
     moment_2: Tensor<D>,
