@@ -12,8 +12,9 @@
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, cuBLAS's products
 # (`--matmul cublas`) and the engine's ZeRO-3 variants beside single, bf16-mixed, a second
 # process of the same configuration for the first step with a warm kernel cache, the 303M
-# row, and CUDA's stream-ordered allocator under cubecl's pools beside the default (on an H200 the phases took 133, over 140, 4, 72 and 4 s with a
-# cold kernel cache: about 6 minutes, the machine's start aside). BENCH is a `cargo bench
+# row, and CUDA's stream-ordered allocator under cubecl's pools beside the default (on an
+# H200 the phases took 133, over 140, 4, 72 and 4 s with a cold kernel cache: about 6
+# minutes, the machine's start aside). BENCH is a `cargo bench
 # --no-run --features cuda --bench mingpt_throughput` binary. MINGPT_ROWS=matmul: the 57M rows
 # (f32, bf16-mixed) with cubecl's and cuBLAS's products, and the 303M row, nothing else;
 # MINGPT_ROWS=bf16: the 57M bf16-mixed row alone, cubecl's products and cuBLAS's.
