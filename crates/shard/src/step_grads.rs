@@ -21,12 +21,26 @@ impl StepGrads {
 
     /// The gradient of `id`, multiplied, left in place (for statistics read before a step).
     pub fn get<const D: usize>(&self, id: ParamId) -> Option<Tensor<D>> {
-        self.grads.get(id).map(|grad| self.multiplied(grad))
+        self.grads
+            .get(id)
+            .map(|grad| Self::multiply(grad, self.factor.as_ref()))
     }
 
     /// The gradient of `id`, multiplied, taken out.
     pub fn remove<const D: usize>(&mut self, id: ParamId) -> Option<Tensor<D>> {
-        self.grads.remove(id).map(|grad| self.multiplied(grad))
+        self.grads
+            .remove(id)
+            .map(|grad| Self::multiply(grad, self.factor.as_ref()))
+    }
+
+    /// The gradient of `id` taken out, not yet multiplied, and the factor (`None`: 1) it is
+    /// still to be multiplied by, for an optimizer that multiplies as it reads it.
+    pub fn remove_with_factor<const D: usize>(
+        &mut self,
+        id: ParamId,
+    ) -> Option<(Tensor<D>, Option<Tensor<1>>)> {
+        let grad = self.grads.remove(id)?;
+        Some((grad, self.factor.clone()))
     }
 
     /// Every gradient of `module`'s parameters multiplied, for an optimizer that takes
@@ -51,11 +65,11 @@ impl StepGrads {
         multiply.out
     }
 
-    /// `grad` times the factor, rounded to the gradient's dtype as a scalar factor would be
-    /// (so a clipped bf16 norm may exceed its maximum by a rounding of the factor, as in
-    /// PyTorch).
-    fn multiplied<const D: usize>(&self, grad: Tensor<D>) -> Tensor<D> {
-        match &self.factor {
+    /// `grad` times `factor` (`[1]`, f32, on its device; `None`: 1), rounded to the gradient's
+    /// dtype as a scalar factor would be (so a clipped bf16 norm may exceed its maximum by a
+    /// rounding of the factor, as in PyTorch).
+    pub fn multiply<const D: usize>(grad: Tensor<D>, factor: Option<&Tensor<1>>) -> Tensor<D> {
+        match factor {
             Some(factor) => {
                 let factor = factor.clone().cast(grad.dtype()).reshape([1; D]);
                 grad * factor

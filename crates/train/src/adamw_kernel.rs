@@ -4,10 +4,15 @@
 //! place, with every operation in f32 and one rounding to the parameter's dtype at the end.
 //! burn-optim's AdamW is a dozen tensor operations that burn-fusion groups into kernels of its
 //! own choosing: on an H100 its steps of ViT-L/16's 303M bf16 parameters took 14.5 ms of
-//! device time, about ten times what that traffic costs (README, Measured on a GPU).
+//! device time, about ten times what that traffic costs (README, Measured on a GPU). The
+//! factor a gradient is still to be multiplied by (unscaling, clipping: `StepGrads`) is read
+//! by the kernel too, as PyTorch's fused AdamW takes a `grad_scale`, so that no pass of its own
+//! multiplies every gradient first.
 
 use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, ExtensionType};
 use burn::prelude::*;
+use burn::tensor::DType;
 use burn_cubecl::CubeBackend;
 use burn_cubecl::cubecl::calculate_cube_count_elemwise;
 use burn_cubecl::cubecl::prelude::CubeDim;
@@ -17,14 +22,25 @@ use burn_cubecl::tensor::CubeTensor;
 pub use kernel::Hyper;
 use kernel::{HyperLaunch, adamw_kernel};
 
+/// What a gradient is still to be multiplied by: the extension macro takes enums of tensors,
+/// not `Option`s.
+#[derive(ExtensionType)]
+#[extension_type(fusion)]
+pub enum Factor<B: Backend> {
+    One,
+    /// `[1]`, f32, on the gradient's device.
+    By(FloatTensor<B>),
+}
+
 #[burn::backend::backend_extension(Cube, Fusion)]
-pub trait AdamWKernelOps: burn::backend::Backend {
-    /// The parameter and its moments after step `first ? 1 : t` with `grad`; all four of one
-    /// float dtype and shape. At the first step the moments given are not read.
-    #[fusion(meta = |param, _grad, moment_1, moment_2, _hyper, _first| (param.clone(), moment_1.clone(), moment_2.clone()))]
+pub trait AdamWKernelOps: Backend {
+    /// The parameter and its moments after step `first ? 1 : t` with `grad` times `factor`;
+    /// all four of one float dtype and shape. At the first step the moments given are not read.
+    #[fusion(meta = |param, _grad, _factor, moment_1, moment_2, _hyper, _first| (param.clone(), moment_1.clone(), moment_2.clone()))]
     fn adamw_step(
         param: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        #[extension_type] factor: Factor<Self>,
         moment_1: FloatTensor<Self>,
         moment_2: FloatTensor<Self>,
         hyper: Hyper,
@@ -36,6 +52,7 @@ impl AdamWKernelOps for CubeBackend {
     fn adamw_step(
         param: CubeTensor,
         grad: CubeTensor,
+        factor: Factor<Self>,
         moment_1: CubeTensor,
         moment_2: CubeTensor,
         hyper: Hyper,
@@ -54,6 +71,17 @@ impl AdamWKernelOps for CubeBackend {
         for t in [&param, &grad, &moment_1, &moment_2] {
             assert!(t.is_contiguous(), "AdamW's kernel reads packed buffers");
         }
+        let factor = match factor {
+            Factor::One => None,
+            Factor::By(factor) => {
+                assert_eq!(
+                    (factor.dtype, factor.meta.num_elements()),
+                    (DType::F32, 1),
+                    "AdamW's kernel reads one f32 factor"
+                );
+                Some(into_contiguous(factor))
+            }
+        };
         let client = param.client.clone();
         let num_elems = param.meta.num_elements();
         // Packed, the four are one flat run each: vectors of the widest size dividing it.
@@ -82,6 +110,7 @@ impl AdamWKernelOps for CubeBackend {
                 vector_size,
                 param.clone().into_buffer_arg(),
                 grad.into_buffer_arg(),
+                factor.map(|factor| factor.into_buffer_arg()).into(),
                 moment_1.clone().into_buffer_arg(),
                 moment_2.clone().into_buffer_arg(),
                 vectors as u32,
@@ -128,11 +157,13 @@ mod kernel {
     }
 
     /// One vector of `N` elements a unit: `param`, `moment_1` and `moment_2` updated in place, as
-    /// burn-optim's AdamW computes them (its operations in its order), in f32.
+    /// burn-optim's AdamW computes them (its operations in its order) from `grad` times
+    /// `factor`, in f32.
     #[cube(launch_unchecked, address_type = "dynamic")]
     pub fn adamw_kernel<P: Float, N: Size>(
         param: &mut [Vector<P, N>],
         grad: &[Vector<P, N>],
+        factor: ComptimeOption<&[f32]>,
         moment_1: &mut [Vector<P, N>],
         moment_2: &mut [Vector<P, N>],
         vectors: u32,
@@ -144,7 +175,11 @@ mod kernel {
         if i >= vectors as usize {
             terminate!();
         }
-        let g = Vector::<f32, N>::cast_from(grad[i]);
+        let mut g = Vector::<f32, N>::cast_from(grad[i]);
+        #[comptime]
+        if let ComptimeOption::Some(factor) = factor {
+            g *= Vector::new(factor[0]);
+        }
         let scaled_1 = g * Vector::new(hyper.factor_1);
         let scaled_2 = g * g * Vector::new(hyper.factor_2);
         let mut m = scaled_1;
@@ -193,21 +228,27 @@ pub fn runs_on(device: &Device) -> bool {
     )
 }
 
-/// AdamW's step `time` (from 1) of `param` (on a device [`runs_on`] takes) with `grad` and
-/// the moments (absent at step 1), all of one float dtype and shape: the parameter and
-/// moments after it.
+/// AdamW's step `time` (from 1) of `param` (on a device [`runs_on`] takes) with `grad` times
+/// `factor` (`[1]`, f32, on that device; `None`: 1) and the moments (absent at step 1), all of
+/// one float dtype and shape: the parameter and moments after it.
 pub fn step<const D: usize>(
     param: Tensor<D>,
     grad: Tensor<D>,
+    factor: Option<Tensor<1>>,
     moments: Option<(Tensor<D>, Tensor<D>)>,
     hyper: Hyper,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
     let first = moments.is_none();
     // At step 1 the moments are written, not read: the kernel is given buffers to write.
     let (moment_1, moment_2) = moments.unwrap_or_else(|| (param.zeros_like(), param.zeros_like()));
+    let factor = match factor {
+        Some(factor) => Factor::By(factor.into_dispatch()),
+        None => Factor::One,
+    };
     let (p, m, v) = <burn::backend::Dispatch as AdamWKernelOps>::adamw_step(
         param.into_dispatch(),
         grad.into_dispatch(),
+        factor,
         moment_1.into_dispatch(),
         moment_2.into_dispatch(),
         hyper,
@@ -253,7 +294,8 @@ mod tests {
     /// and of one that is (vectors; on CUDA a copy of either pads its rows): each step's
     /// parameter and moments equal burn-optim's AdamW on Flex, in f32, from the kernel's
     /// previous values, to the rounding of their dtype (the kernel computes in f32 and rounds
-    /// once). The parameter is held elsewhere at step 2, so that step updates a copy.
+    /// once). Steps 1 and 3 multiply the gradient by a factor (unscaling, clipping), in f32.
+    /// The parameter is held elsewhere at step 2, so that step updates a copy.
     #[test]
     fn steps_as_burn_optim_to_the_dtypes_rounding() {
         let host = Device::flex();
@@ -293,13 +335,15 @@ mod tests {
                     for time in 1..=3 {
                         let grad = normal(0.5);
                         let lr = 1e-2 * time as f64;
-                        let before = (wide(&param), wide(&grad));
+                        let factor = (time != 2).then_some(0.3 * time as f32);
+                        let before = (wide(&param), wide(&grad) * factor.unwrap_or(1.0));
+                        let factor = factor.map(|f| Tensor::<1>::from_floats([f], &device));
                         let state = moments
                             .as_ref()
                             .map(|(m, v)| adamw_state(time - 1, wide(m), wide(v)));
                         let held = (time == 2).then(|| param.clone());
                         let hyper = Hyper::new((b1, b2, eps, weight_decay), lr, time);
-                        let (p, m, v) = step(param, grad, moments, hyper);
+                        let (p, m, v) = step(param, grad, factor, moments, hyper);
                         if let Some(held) = held {
                             held.into_data()
                                 .assert_eq(&before.0.clone().cast(dtype).into_data(), true);

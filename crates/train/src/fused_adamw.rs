@@ -12,6 +12,7 @@
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};
 use burn::prelude::*;
 use burn::tensor::{DType, Element, TensorData};
+use burnscale_shard::StepGrads;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
@@ -89,6 +90,51 @@ impl FusedAdamW {
             epsilon,
             weight_decay,
             elsewhere,
+        }
+    }
+
+    /// [`Optimizer::step`] with `grad` still to be multiplied by `factor` (`[1]`, f32; `None`:
+    /// 1), as [`StepGrads::remove_with_factor`] gives them: AdamW's kernel multiplies each
+    /// element as it reads it, in f32; every other path multiplies first
+    /// ([`StepGrads::multiply`]).
+    pub fn step_scaled<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<D>,
+        grad: Tensor<D>,
+        factor: Option<Tensor<1>>,
+        state: Option<AdamWState<D>>,
+    ) -> (Tensor<D>, Option<AdamWState<D>>) {
+        // Anything else (another device or dtype, shapes that disagree, which burn-optim
+        // reports) takes burn-optim's path.
+        let (device, dtype) = (tensor.device().without_autodiff(), tensor.dtype());
+        let fits = |t: &Tensor<D>| {
+            t.device().without_autodiff() == device
+                && t.dtype() == dtype
+                && t.shape() == tensor.shape()
+        };
+        let fused = matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+            && fits(&grad)
+            && state.as_ref().is_none_or(|s| {
+                fits(&s.momentum.moment_1)
+                    && fits(&s.momentum.moment_2)
+                    && s.momentum.max_moment_2.is_none()
+            });
+        #[cfg(feature = "cube")]
+        if fused
+            && crate::adamw_kernel::runs_on(&device)
+            && factor
+                .as_ref()
+                .is_none_or(|f| f.device().without_autodiff() == device)
+        {
+            return self.step_on_device(lr, tensor, grad, factor, state);
+        }
+        let grad = StepGrads::multiply(grad, factor.as_ref());
+        match dtype {
+            _ if !fused || !in_host_memory(&device) => self.elsewhere.step(lr, tensor, grad, state),
+            DType::F32 => self.step_in_host::<f32, D>(lr, tensor, grad, state),
+            DType::BF16 => self.step_in_host::<bf16, D>(lr, tensor, grad, state),
+            _ => self.step_in_host::<f16, D>(lr, tensor, grad, state),
         }
     }
 
@@ -182,13 +228,14 @@ impl FusedAdamW {
         (tensor(p), Some(adamw_state(time, tensor(m), tensor(v))))
     }
 
-    /// [`Optimizer::step`] by one kernel on a cubecl device ([`crate::adamw_kernel`]).
+    /// [`FusedAdamW::step_scaled`] by one kernel on a cubecl device ([`crate::adamw_kernel`]).
     #[cfg(feature = "cube")]
     fn step_on_device<const D: usize>(
         &self,
         lr: LearningRate,
         tensor: Tensor<D>,
         grad: Tensor<D>,
+        factor: Option<Tensor<1>>,
         state: Option<AdamWState<D>>,
     ) -> (Tensor<D>, Option<AdamWState<D>>) {
         use crate::adamw_kernel::{Hyper, step};
@@ -200,7 +247,8 @@ impl FusedAdamW {
             None => (1, None),
         };
         let betas = (self.beta_1, self.beta_2, self.epsilon, self.weight_decay);
-        let (tensor, moment_1, moment_2) = step(tensor, grad, moments, Hyper::new(betas, lr, time));
+        let hyper = Hyper::new(betas, lr, time);
+        let (tensor, moment_1, moment_2) = step(tensor, grad, factor, moments, hyper);
         (tensor, Some(adamw_state(time, moment_1, moment_2)))
     }
 }
@@ -262,31 +310,7 @@ impl Optimizer for FusedAdamW {
         grad: Tensor<D>,
         state: Option<Self::State<D>>,
     ) -> (Tensor<D>, Option<Self::State<D>>) {
-        // Anything else (another device or dtype, shapes that disagree, which burn-optim
-        // reports) takes burn-optim's path.
-        let (device, dtype) = (tensor.device().without_autodiff(), tensor.dtype());
-        let fits = |t: &Tensor<D>| {
-            t.device().without_autodiff() == device
-                && t.dtype() == dtype
-                && t.shape() == tensor.shape()
-        };
-        let fused = matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
-            && fits(&grad)
-            && state.as_ref().is_none_or(|s| {
-                fits(&s.momentum.moment_1)
-                    && fits(&s.momentum.moment_2)
-                    && s.momentum.max_moment_2.is_none()
-            });
-        #[cfg(feature = "cube")]
-        if fused && crate::adamw_kernel::runs_on(&device) {
-            return self.step_on_device(lr, tensor, grad, state);
-        }
-        match dtype {
-            _ if !fused || !in_host_memory(&device) => self.elsewhere.step(lr, tensor, grad, state),
-            DType::F32 => self.step_in_host::<f32, D>(lr, tensor, grad, state),
-            DType::BF16 => self.step_in_host::<bf16, D>(lr, tensor, grad, state),
-            _ => self.step_in_host::<f16, D>(lr, tensor, grad, state),
-        }
+        self.step_scaled(lr, tensor, grad, None, state)
     }
 
     fn to_device<const D: usize>(state: Self::State<D>, device: &Device) -> Self::State<D> {

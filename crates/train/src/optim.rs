@@ -41,6 +41,9 @@ pub struct ParamOptimizer {
     kind: OptimizerKind,
     decay: Arc<dyn DynOptimizer>,
     no_decay: Arc<dyn DynOptimizer>,
+    /// `decay` and `no_decay` typed where they are AdamW, which takes each gradient with the
+    /// factor it is still to be multiplied by ([`FusedAdamW::step_scaled`]).
+    adamw: Option<(Arc<FusedAdamW>, Arc<FusedAdamW>)>,
     /// `--optimizer adam8bit`'s 8-bit AdamW, and the paths of the parameters it steps.
     eight_bit: Option<(Arc<dyn DynOptimizer>, HashSet<String>)>,
     adafactor: Option<Factored>,
@@ -63,11 +66,12 @@ impl ParamOptimizer {
             weight_decay,
             relative_step: args.adafactor_relative_step,
         };
-        let build = |weight_decay: f64| -> Arc<dyn DynOptimizer> {
+        let build = |weight_decay: f64| -> (Arc<dyn DynOptimizer>, Option<Arc<FusedAdamW>>) {
             let wd = weight_decay as f32;
-            match args.optimizer {
+            let optim: Arc<dyn DynOptimizer> = match args.optimizer {
                 OptimizerKind::Adamw | OptimizerKind::Adam8bit => {
-                    Arc::new(FusedAdamW::new(b1, b2, 1e-8, wd))
+                    let adamw = Arc::new(FusedAdamW::new(b1, b2, 1e-8, wd));
+                    return (adamw.clone(), Some(adamw));
                 }
                 OptimizerKind::Adam => Arc::new(
                     AdamConfig::new()
@@ -87,7 +91,8 @@ impl ParamOptimizer {
                         .build(),
                 ),
                 OptimizerKind::Adafactor => Arc::new(adafactor(weight_decay)),
-            }
+            };
+            (optim, None)
         };
         let disk = match &args.offload_dir {
             Some(dir) => Some(DiskStates::create(dir, rank)?),
@@ -111,10 +116,13 @@ impl ParamOptimizer {
                 .map(|s| (s.path.clone(), s))
                 .collect(),
         });
+        let ((decay, decay_adamw), (no_decay, no_decay_adamw)) =
+            (build(args.weight_decay), build(0.0));
         Ok(Self {
             kind: args.optimizer,
-            decay: build(args.weight_decay),
-            no_decay: build(0.0),
+            decay,
+            no_decay,
+            adamw: decay_adamw.zip(no_decay_adamw),
             eight_bit,
             adafactor,
             states: HashMap::new(),
@@ -324,6 +332,16 @@ impl ParamOptimizer {
         }
     }
 
+    /// [`ParamOptimizer::optimizer`], typed, where it is AdamW.
+    fn adamw(&self, path: &str, rank: usize) -> Option<Arc<FusedAdamW>> {
+        let chosen = Arc::as_ptr(self.optimizer(path, rank));
+        let (decay, no_decay) = self.adamw.as_ref()?;
+        [decay, no_decay]
+            .into_iter()
+            .find(|adamw| std::ptr::addr_eq(Arc::as_ptr(adamw), chosen))
+            .cloned()
+    }
+
     /// The state of the `rank`-dimensional parameter at `path`, on `device`, moved out.
     fn take_state(
         &mut self,
@@ -525,10 +543,18 @@ impl ModuleMapper for StepMapper<'_> {
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        let Some(grad) = self.grads.remove::<D>(param.id) else {
+        let Some((grad, factor)) = self.grads.remove_with_factor::<D>(param.id) else {
             return param;
         };
         let path = self.path.join(".");
+        let adamw = self.optim.adamw(&path, D);
+        // The factor reaches AdamW with the gradient on the parameter's device (its kernel
+        // multiplies as it reads); offloaded gradients cross to the host multiplied, and the
+        // other optimizers take them multiplied.
+        let (grad, factor) = match adamw.is_some() && self.optim.host.is_none() {
+            true => (grad, factor),
+            false => (StepGrads::multiply(grad, factor.as_ref()), None),
+        };
         let (id, tensor, mapper) = param.consume();
         let (require_grad, device) = (tensor.is_require_grad(), tensor.device());
         let home = self.optim.home(&device.clone().inner());
@@ -541,8 +567,8 @@ impl ModuleMapper for StepMapper<'_> {
         };
         let (on_home, grad) = self.optim.to_home(tensor.inner(), grad, &home);
         let factored = self.optim.adafactor.as_ref().zip(self.spans);
-        let (updated, state) = match factored {
-            Some((factored, spans)) => {
+        let (updated, state) = match (factored, adamw) {
+            (Some((factored, spans)), _) => {
                 let (updated, state) = factored.for_rank(D).finish(
                     self.lr,
                     on_home,
@@ -554,7 +580,12 @@ impl ModuleMapper for StepMapper<'_> {
                 );
                 (updated, Some(DynState::create(state, D)))
             }
-            None => {
+            (None, Some(adamw)) => {
+                let state = state.map(|s| s.downcast::<AdamWState<D>>());
+                let (updated, state) = adamw.step_scaled(self.lr, on_home, grad, factor, state);
+                (updated, state.map(|s| DynState::create(s, D)))
+            }
+            (None, None) => {
                 let optim = self.optim.optimizer(&path, D).clone();
                 let (updated, state) =
                     optim.step_dyn(D, self.lr, on_home.into_bridge(), grad.into_bridge(), state);
@@ -778,5 +809,54 @@ mod tests {
     fn constant_schedule() {
         let mut s = LrSchedule::new(&args(&["--schedule", "constant"])).unwrap();
         assert!((0..10).all(|_| s.next_lr() == 0.1));
+    }
+
+    /// Two AdamW steps of a linear layer (a decayed weight, an undecayed bias) with gradients
+    /// still to be multiplied by a factor, on cubecl's CPU runtime, where AdamW's kernel
+    /// multiplies as it reads: the parameters equal Flex's steps with the gradients multiplied
+    /// beforehand, to f32's rounding.
+    #[cfg(feature = "cubecl-cpu")]
+    #[test]
+    fn adamw_takes_the_factor_into_its_kernel() {
+        use burn::nn::{Linear, LinearConfig};
+        use burn::optim::GradientsParams;
+        use burn::tensor::{Distribution, Tolerance};
+
+        let args = args(&["--weight-decay", "0.1"]);
+        let host = Device::flex();
+        let start = LinearConfig::new(5, 7).init(&host);
+        let grads: Vec<_> = (0..2)
+            .map(|_| {
+                let normal = |dims: Vec<usize>| {
+                    Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &host).into_data()
+                };
+                (normal(vec![5, 7]), normal(vec![1, 7]))
+            })
+            .collect();
+        // Steps by the factors given with the gradients, or with the gradients multiplied.
+        let trained = |device: Device, with_factor: bool| {
+            let mut model: Linear = start.clone().to_device(&device);
+            let mut optim = ParamOptimizer::new(&args, 0, &model).unwrap();
+            for (step, (weight, bias)) in grads.iter().enumerate() {
+                let factor = 0.25 * (step + 1) as f32;
+                let scale = if with_factor { 1.0 } else { factor };
+                let grad = |data: &burn::tensor::TensorData| {
+                    Tensor::<2>::from_data(data.clone(), &device) * scale
+                };
+                let mut g = GradientsParams::new();
+                g.register(model.weight.id, grad(weight));
+                g.register(model.bias.as_ref().unwrap().id, grad(bias).reshape([7]));
+                let factor = with_factor.then(|| Tensor::<1>::from_floats([factor], &device));
+                let result;
+                (model, result) = optim.step(0.01, model, StepGrads::new(g, factor), None);
+                result.unwrap();
+            }
+            let bias = model.bias.unwrap().val().into_data();
+            (model.weight.val().into_data(), bias)
+        };
+        let (want, got) = (trained(host, false), trained(Device::cpu(), true));
+        let tolerance = Tolerance::<f32>::rel_abs(1e-5, 1e-7);
+        got.0.assert_approx_eq::<f32>(&want.0, tolerance);
+        got.1.assert_approx_eq::<f32>(&want.1, tolerance);
     }
 }
