@@ -239,8 +239,8 @@ pub fn step<const D: usize>(
     hyper: Hyper,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
     let first = moments.is_none();
-    // At step 1 the moments are written, not read: the kernel is given buffers to write.
-    let (moment_1, moment_2) = moments.unwrap_or_else(|| (param.zeros_like(), param.zeros_like()));
+    // At step 1 the moments are written, not read: the kernel is given buffers to fill.
+    let (moment_1, moment_2) = moments.unwrap_or_else(|| (param.empty_like(), param.empty_like()));
     let factor = match factor {
         Some(factor) => Factor::By(factor.into_dispatch()),
         None => Factor::One,
