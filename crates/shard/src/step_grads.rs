@@ -67,7 +67,9 @@ impl StepGrads {
 
     /// `grad` times `factor` (`[1]`, f32, on its device; `None`: 1), rounded to the gradient's
     /// dtype as a scalar factor would be (so a clipped bf16 norm may exceed its maximum by a
-    /// rounding of the factor, as in PyTorch).
+    /// rounding of the factor, as in PyTorch's `clip_grad_norm_`). AdamW's kernel, which
+    /// takes the factor itself, multiplies in f32 instead, as PyTorch's fused AdamW applies
+    /// its `grad_scale`.
     pub fn multiply<const D: usize>(grad: Tensor<D>, factor: Option<&Tensor<1>>) -> Tensor<D> {
         match factor {
             Some(factor) => {

@@ -123,9 +123,11 @@ impl FusedAdamW {
         #[cfg(feature = "cube")]
         if fused
             && crate::adamw_kernel::runs_on(&device)
-            && factor
-                .as_ref()
-                .is_none_or(|f| f.device().without_autodiff() == device)
+            && factor.as_ref().is_none_or(|f| {
+                f.device().without_autodiff() == device
+                    && f.dtype() == DType::F32
+                    && f.shape().num_elements() == 1
+            })
         {
             return self.step_on_device(lr, tensor, grad, factor, state);
         }
