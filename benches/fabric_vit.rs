@@ -13,7 +13,7 @@
 //!
 //! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
 //! rungs run at the article's size, ViT-L/16 at 224 px, 5 steps a rung, and the peak is the
-//! device pool's reserved bytes (no plan: the planner predicts host memory only); the FSDP
+//! device pool's reserved bytes (no plan: the tables plan CPU runs only); the FSDP
 //! rungs need 4 GPUs, and on fewer their cells stay empty with a note saying why. Scaled
 //! for a CPU: ViT-L/16 (304M parameters) on 64 px digits (16 patches instead of 196:
 //! activations are a smaller share of the peak than in the article), 3 steps a rung; the

@@ -11,7 +11,7 @@
 //!
 //! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
 //! rungs run at the article's 512 tokens, and the peak is the device pool's reserved bytes
-//! (no plan: the planner predicts host memory only). Scaled for a CPU: sequences of 128
+//! (no plan: the tables plan CPU runs only). Scaled for a CPU: sequences of 128
 //! tokens instead of 512 (activations are a smaller share of the peak than in the article),
 //! a few steps instead of an epoch. The article's
 //! `nvidia-smi` figures include ~1.3 GB of CUDA kernels (its 1343 MB before the model loads);

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 /// Where a table's runs go (`--accelerator`; by default a GPU in a `cuda` build on a machine
 /// with one, else the CPU). On the CPU a run is planned (`--plan`) and its peak is the
 /// counting allocator's; elsewhere its peak is the device pool's reserved bytes, and it is not
-/// planned (the planner predicts host memory only).
+/// planned (the tables plan CPU runs only; README, The device plan).
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Machine(pub Accelerator);
 
@@ -75,7 +75,7 @@ impl Machine {
         match self.on_cpu() {
             true => "peak: the counting allocator's process peak; planned: the planner's, before the first step".into(),
             false => format!(
-                "peak: the device pool's reserved bytes ({}; PyTorch's memory reserved); planned: none (the planner plans host memory)",
+                "peak: the device pool's reserved bytes ({}; PyTorch's memory reserved); planned: none (the tables plan CPU runs; a GPU's plan, a dry run of the steps, is not in them yet)",
                 self.0.name()
             ),
         }

@@ -41,6 +41,12 @@ pub fn cached<K: PartialEq + 'static, T: Clone + 'static>(
     })
 }
 
+/// Forgets what this thread cached: what a dry run built (cubecl's, where launches are
+/// dropped) was never written, and must not serve the steps after it.
+pub fn clear() {
+    CACHE.with_borrow_mut(Vec::clear);
+}
+
 /// The tensor `build` gives for a length `n`, the power of two at or above `t` (cached under
 /// `name` and `n`), cut to `t` along each of `dims`: sampling through every length up to a
 /// block size keeps a handful of tensors, not one per length.

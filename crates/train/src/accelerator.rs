@@ -163,6 +163,11 @@ impl Accelerator {
         }
     }
 
+    /// Whether the ranks' devices are cubecl's (their memory in cubecl's pools).
+    pub fn is_cubecl(self) -> bool {
+        matches!(self, Accelerator::Cuda | Accelerator::CubeclCpu)
+    }
+
     /// Whether the ranks' devices are GPUs.
     pub fn on_gpu(self) -> bool {
         self.gpus() > 0

@@ -336,10 +336,22 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<(), TrainError> {
         let accelerator = self.runs_on();
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
-        if accelerator != Accelerator::Cpu && (self.plan || self.memory_budget.is_some()) {
+        if accelerator == Accelerator::Libtorch && (self.plan || self.memory_budget.is_some()) {
+            return invalid(
+                "--plan and --memory-budget: LibTorch allocates in C++, where the planner cannot read; plan on --accelerator cpu, cuda or cubecl-cpu".into(),
+            );
+        }
+        if accelerator.is_cubecl() && self.memory_budget.is_some() {
             return invalid(format!(
-                "--plan and --memory-budget: the planner predicts host memory (a CPU run's, where it is the device's); it does not plan a cubecl memory pool yet, so it cannot plan for --accelerator {} (the summary reports that run's device peak); pass --accelerator cpu to plan a CPU run",
+                "--memory-budget: on --accelerator {} the plan is a dry run of this configuration's steps (--plan), which the budget's check and --strategy auto's search do not run yet; pass --plan to see the device peak planned, or --accelerator cpu to plan a CPU run",
                 accelerator.name()
+            ));
+        }
+        if accelerator.is_cubecl() && self.plan && self.precision.scales_loss() {
+            return invalid(format!(
+                "--plan on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
+                accelerator.name(),
+                self.precision
             ));
         }
         if self.matmul == Matmul::Cublas
@@ -564,16 +576,29 @@ mod tests {
     }
 
     #[test]
-    fn the_planner_plans_cpu_runs_only() {
-        for flags in [
-            &["--accelerator", "cubecl-cpu", "--plan"][..],
-            &["--accelerator", "cuda", "--memory-budget", "1G"],
+    fn the_planner_plans_what_it_can_read() {
+        for (flags, says) in [
+            (
+                &["--accelerator", "libtorch", "--plan"][..],
+                "LibTorch allocates in C++",
+            ),
+            (
+                &["--accelerator", "cuda", "--memory-budget", "1G"],
+                "do not run yet",
+            ),
+            (
+                &[
+                    "--accelerator",
+                    "cubecl-cpu",
+                    "--plan",
+                    "--precision",
+                    "16-mixed",
+                ],
+                "dry run does not compute",
+            ),
         ] {
             let err = refused(flags);
-            assert!(
-                err.contains("cannot plan for --accelerator") && err.contains(flags[1]),
-                "{err}"
-            );
+            assert!(err.contains(says), "{flags:?}: {err}");
         }
         parse(&["--accelerator", "cpu", "--plan"])
             .unwrap()

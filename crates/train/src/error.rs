@@ -45,6 +45,8 @@ pub enum TrainError {
     Save(#[from] burnscale_nn::weights::WeightError),
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
+    #[error("the device failed around the memory plan's dry run: {0}")]
+    DryRun(String),
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,

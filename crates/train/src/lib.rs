@@ -10,6 +10,7 @@ pub mod auto;
 pub mod checkpoint;
 mod cli;
 pub mod data;
+pub mod device_plan;
 mod error;
 mod fault;
 pub mod fused_adamw;

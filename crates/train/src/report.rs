@@ -10,6 +10,7 @@ use burnscale_shard::Sharding;
 use crate::accelerator::Accelerator;
 use crate::auto::AutoChoice;
 use crate::cli::{Matmul, OptimizerKind, Strategy, TrainArgs, value_name};
+use crate::device_plan::DevicePlan;
 use crate::memory::human_bytes;
 use crate::plan::{self, MemoryPlan};
 use crate::runner::StepMetrics;
@@ -87,6 +88,9 @@ pub struct RankMemory {
     /// The planner's prediction of `peak_mem_bytes`, when a plan was made.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub planned_peak_mem_bytes: Option<usize>,
+    /// The device plan's prediction of `device_peak_mem_bytes` (`--plan` on a cubecl device).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub planned_device_peak_mem_bytes: Option<usize>,
 }
 
 /// Items a second, as the task counts them; a sample's positions a second beside them
@@ -171,6 +175,10 @@ pub struct RunSummary {
     pub planned_peak_mem_bytes: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub plan: Option<MemoryPlan>,
+    /// The device plan (`--plan` on a cubecl device): the dry run's reading, made before the
+    /// first step, beside this rank's `device_peak_mem_bytes` in `ranks`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_plan: Option<DevicePlan>,
     /// What `--strategy auto` chose within `--memory-budget`, and the faster candidates it
     /// passed over (each planned above the budget).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -271,6 +279,7 @@ impl RunSummary {
             save: None,
             planned_peak_mem_bytes: None,
             plan: None,
+            device_plan: None,
             auto: None,
             checkpoints: None,
             history,
@@ -281,6 +290,10 @@ impl RunSummary {
     pub(crate) fn set_plan(&mut self, plan: Option<MemoryPlan>) {
         self.planned_peak_mem_bytes = plan.as_ref().map(|p| p.process_peak);
         self.plan = plan;
+    }
+
+    pub(crate) fn set_device_plan(&mut self, plan: Option<DevicePlan>) {
+        self.device_plan = plan;
     }
 
     pub fn write_json(&self, path: &Path) -> Result<(), TrainError> {
@@ -336,11 +349,31 @@ impl RunSummary {
                     ),
                     None if self.accelerator == Accelerator::Cpu => "no plan (--plan)".into(),
                     None => format!(
-                        "not planned on {} (the planner plans host memory)",
+                        "not planned on {} (the host's planner plans CPU runs)",
                         self.accelerator.name()
                     ),
                 },
             ),
+        ];
+        let device_peak = self.ranks.first().and_then(|r| r.device_peak_mem_bytes);
+        if let Some(peak) = device_peak.filter(|_| self.accelerator.is_cubecl()) {
+            rows.push((
+                "device memory (peak, rank 0)",
+                format!("{} reserved in cubecl's pools", human_bytes(peak)),
+            ));
+            rows.push((
+                "device memory planned",
+                match &self.device_plan {
+                    Some(plan) => format!(
+                        "{} ({:+.1}% of the measured; a dry run's)",
+                        human_bytes(plan.peak),
+                        100.0 * plan::off(plan.peak, peak)
+                    ),
+                    None => "no plan (--plan)".into(),
+                },
+            ));
+        }
+        rows.extend([
             (
                 "model states per rank",
                 format!(
@@ -374,7 +407,7 @@ impl RunSummary {
             ("steps", format!("{}", self.steps)),
             ("final train loss", format!("{:.4}", self.final_loss)),
             ("validation loss", format!("{:.4}", self.val_loss)),
-        ];
+        ]);
         if self.model_state.offloaded > 0 {
             rows.push((
                 "optimizer state on disk",

@@ -14,7 +14,7 @@ use burnscale_collective::{Buffer, Communicator, ReduceOp, launcher_rank};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
-use burnscale_shard::{ShardError, Sharded};
+use burnscale_shard::{ShardError, Sharded, StepOutcome};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::accelerator::Accelerator;
@@ -127,6 +127,13 @@ pub fn train<T: TrainTask>(
     if args.strategy != Strategy::Zero3 {
         burnscale_shard::params::materialize(&model);
     }
+    // What this thread queued to build the model runs now: Burn's fusion queues each thread's
+    // operations apart, and a rank's plan (a dry run, on cubecl) would drop what it resolves.
+    if args.plan && args.runs_on().is_cubecl() {
+        device
+            .sync()
+            .map_err(|e| TrainError::DryRun(format!("{e:?}")))?;
+    }
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
     let accelerator = args.runs_on();
@@ -208,14 +215,11 @@ fn train_rank<T: TrainTask>(
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    let strategy = match args.strategy {
-        Strategy::Single if world > 1 => {
-            return Err(TrainError::InvalidArgs(format!(
-                "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
-            )));
-        }
-        strategy => strategy.engine()?,
-    };
+    if args.strategy == Strategy::Single && world > 1 {
+        return Err(TrainError::InvalidArgs(format!(
+            "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
+        )));
+    }
     let lead = rank == 0;
     let part = BatchPart { rank, world };
     let num_params = model.num_params();
@@ -239,24 +243,23 @@ fn train_rank<T: TrainTask>(
     };
     let progress = progress_bar(args.max_steps as u64, lead);
 
+    // On a cubecl device the plan is a dry run of the steps, before the engine is built (and
+    // before dropout's stream is seeded: the dry run draws from it).
+    #[cfg(feature = "cube")]
+    let device_plan = match args.plan && args.runs_on().is_cubecl() {
+        true => Some(crate::device_plan::dry_run(
+            &model, task, args, comm, device, part,
+        )?),
+        false => None,
+    };
+    #[cfg(not(feature = "cube"))]
+    let device_plan: Option<crate::device_plan::DevicePlan> = None;
+    if let Some(plan) = device_plan.as_ref().filter(|_| lead) {
+        eprintln!("device memory plan (per rank):\n{}", plan.table());
+    }
     // Rank 0 draws the stream a single-device run with this seed draws.
     burnscale_nn::dropout::seed(args.seed.wrapping_add(rank as u64 * 0x9E37_79B9_7F4A_7C15));
-    let mut scaler = args
-        .initial_loss_scale
-        .map_or_else(ScalerConfig::default, ScalerConfig::starting_at);
-    if let Some(skips) = args.max_consecutive_skips {
-        scaler.max_consecutive_skips = skips;
-    }
-    let mut engine = Sharded::new(strategy, model, comm, device)?
-        .checkpoint_activations(args.checkpoint_activations)
-        .precision(args.precision, scaler)
-        .reduce_dtype(args.grad_reduce_dtype.dtype());
-    if args.offload == Offload::Params {
-        engine = engine.offload_params(Device::flex())?;
-    }
-    if let Some(reshard) = args.reshard_after_forward {
-        engine = engine.reshard_after_forward(reshard)?;
-    }
+    let mut engine = build_engine(model, args, comm, device)?;
     let mut first_step = 1;
     let mut checkpoints = CheckpointReport::default();
     if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
@@ -310,23 +313,10 @@ fn train_rank<T: TrainTask>(
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
-        let (mut step_items, mut step_positions) = (0, 0);
-        for micro in 1..=args.accumulate {
-            let (input, target) = task.next_batch(device, part);
-            step_items += world * task.items(&input);
-            step_positions += world * engine.positions(&input);
-            engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
-        }
+        let (step_items, step_positions) = micro_steps(&mut engine, task, args, device, part)?;
         fault::kill_if_asked(fault::Point::Step, step, rank);
         let lr = schedule.next_lr();
-        let mut offloaded = Ok(());
-        let span = engine.shard_group();
-        let outcome = engine.step(args.grad_clip, |model, grads| {
-            let (model, result) = optim.step(lr, model, grads, span);
-            offloaded = result;
-            model
-        })?;
-        offloaded?;
+        let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
         // The loss is read once the step is queued; with a loss scaler an overflow was a
         // skipped step, without one training on NaN would only waste the run.
         let step_loss = mean_over_ranks(comm, outcome.loss)?;
@@ -434,6 +424,7 @@ fn train_rank<T: TrainTask>(
                 })
                 .unwrap_or(0),
             plan.as_ref().map_or(0, |p| p.process_peak),
+            device_plan.as_ref().map_or(0, |p| p.peak),
         ],
     )?;
     let saved = match &args.save {
@@ -468,6 +459,7 @@ fn train_rank<T: TrainTask>(
         peak_flops,
     );
     summary.set_plan(plan);
+    summary.set_device_plan(device_plan);
     summary.auto = planned.choice.cloned();
     summary.model_state_predicted_bytes =
         ModelStateBytes::predicted(num_params, args, engine.sharding(), world);
@@ -496,6 +488,70 @@ fn train_rank<T: TrainTask>(
     drop(optim);
     release_free_pages(device);
     Ok((model, summary))
+}
+
+/// The engine `args` describe over `model` (its strategy, precision, checkpointing,
+/// offload), as one rank of `comm`.
+pub(crate) fn build_engine<'c, M: BlockModel>(
+    model: M,
+    args: &TrainArgs,
+    comm: &'c dyn Communicator,
+    device: &Device,
+) -> Result<Sharded<'c, M>, TrainError> {
+    let mut scaler = args
+        .initial_loss_scale
+        .map_or_else(ScalerConfig::default, ScalerConfig::starting_at);
+    if let Some(skips) = args.max_consecutive_skips {
+        scaler.max_consecutive_skips = skips;
+    }
+    let mut engine = Sharded::new(args.strategy.engine()?, model, comm, device)?
+        .checkpoint_activations(args.checkpoint_activations)
+        .precision(args.precision, scaler)
+        .reduce_dtype(args.grad_reduce_dtype.dtype());
+    if args.offload == Offload::Params {
+        engine = engine.offload_params(Device::flex())?;
+    }
+    if let Some(reshard) = args.reshard_after_forward {
+        engine = engine.reshard_after_forward(reshard)?;
+    }
+    Ok(engine)
+}
+
+/// An optimizer step's forward and backward passes: `--accumulate` micro-batches of this
+/// rank's `part`. Returns the items and positions of the whole world's batch.
+pub(crate) fn micro_steps<T: TrainTask>(
+    engine: &mut Sharded<'_, T::Model>,
+    task: &mut T,
+    args: &TrainArgs,
+    device: &Device,
+    part: BatchPart,
+) -> Result<(usize, usize), TrainError> {
+    let (mut items, mut positions) = (0, 0);
+    for micro in 1..=args.accumulate {
+        let (input, target) = task.next_batch(device, part);
+        items += part.world * task.items(&input);
+        positions += part.world * engine.positions(&input);
+        engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
+    }
+    Ok((items, positions))
+}
+
+/// The update at learning rate `lr` from the gradients [`micro_steps`] left.
+pub(crate) fn optimizer_step<M: BlockModel>(
+    engine: &mut Sharded<'_, M>,
+    optim: &mut ParamOptimizer,
+    lr: f64,
+    args: &TrainArgs,
+) -> Result<StepOutcome, TrainError> {
+    let mut offloaded = Ok(());
+    let span = engine.shard_group();
+    let outcome = engine.step(args.grad_clip, |model, grads| {
+        let (model, result) = optim.step(lr, model, grads, span);
+        offloaded = result;
+        model
+    })?;
+    offloaded?;
+    Ok(outcome)
 }
 
 /// Gives `device`'s empty pool pages back to the driver, once the tensors dropped so far are
@@ -579,11 +635,11 @@ fn mean_over_ranks(comm: &dyn Communicator, value: f64) -> Result<f64, TrainErro
     Ok(buf.to_f32()[0] as f64)
 }
 
-/// Every rank's model-state bytes, process peak, device peak and planned peak (0: none), in
-/// rank order.
+/// Every rank's model-state bytes, process peak, device peak, planned peak and planned device
+/// peak (0: none), in rank order.
 fn every_rank_memory(
     comm: &dyn Communicator,
-    mine: [usize; 4],
+    mine: [usize; 5],
 ) -> Result<Vec<RankMemory>, TrainError> {
     let all = gather_u64s(comm, &mine.map(|v| v as u64))?;
     Ok(all
@@ -595,6 +651,7 @@ fn every_rank_memory(
             peak_mem_bytes: v[1] as usize,
             device_peak_mem_bytes: (v[2] > 0).then_some(v[2] as usize),
             planned_peak_mem_bytes: (v[3] > 0).then_some(v[3] as usize),
+            planned_device_peak_mem_bytes: (v[4] > 0).then_some(v[4] as usize),
         })
         .collect())
 }

@@ -1,0 +1,203 @@
+//! The memory plan on a cubecl device (a GPU, or cubecl's CPU runtime): what the device's
+//! pools will reserve, found by a dry run of the training step before the first real one.
+//!
+//! The host planner ([`crate::plan`]) composes a peak from what Flex allocates; on a cubecl
+//! device Burn's fusion keeps fewer intermediates and the pools round everything to their
+//! pages, so that composition does not carry over (one reading: cubecl's CPU runtime
+//! reserved 0.63x the host plan). cubecl can instead run a workload for its compilation and
+//! tuning alone ([`DryRun`]): every launch is compiled and dropped, and every allocation is
+//! carved from the pools as it would be but left unbacked, costing no device memory. So a
+//! zero-valued copy of the model trains a step under a dry run, through the same engine, the
+//! same optimizer and the same pools as the run, and the pools' reservation at the end is
+//! the plan: the pools' own arithmetic, not a model of it.
+//!
+//! Two passes: the first compiles and tunes (autotune's measurements run for real and leave
+//! their scratch in the pools; they are also what the real first step no longer pays), the
+//! second, on a fresh copy from released pages, is read. Each runs two steps, since the
+//! optimizer's state exists only from the first step's end. The copy's own model states are
+//! subtracted and the real engine's added, as read once it is built.
+
+#[cfg(feature = "cube")]
+pub use dry::dry_run;
+use serde::Serialize;
+
+use crate::memory::human_bytes;
+
+/// The steps a pass of the dry run takes: the second is the first with the optimizer's
+/// state already held, as every later step is.
+const STEPS: usize = 2;
+
+/// A device plan: what the pools reserve for this rank's engine, and what its steps add.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DevicePlan {
+    /// The pools' reservation with the engine built, before any step (bytes).
+    pub engine: usize,
+    /// What the steps added to it.
+    pub steps: usize,
+    /// The plan: `engine + steps`, the device peak the run should reach.
+    pub peak: usize,
+    /// The dry run's wall time: kernels compiled and tuned there are not compiled again in
+    /// the first step.
+    pub dry_run_s: f64,
+}
+
+impl DevicePlan {
+    /// The plan, as `--plan` prints it before the first step.
+    pub fn table(&self) -> String {
+        format!(
+            "  engine built (reserved)  {}\n  + steps (dry run)        {}\n  = device peak            {}\n  (dry run of {STEPS} steps, twice, in {:.1} s: its kernels are compiled and tuned, not the first step's)",
+            human_bytes(self.engine),
+            human_bytes(self.steps),
+            human_bytes(self.peak),
+            self.dry_run_s
+        )
+    }
+}
+
+#[cfg(feature = "cube")]
+mod dry {
+    use std::time::Instant;
+
+    use burn::module::{Module, ModuleMapper, Param};
+    use burn::prelude::*;
+    use burn::tensor::DType;
+    use burn_cubecl::cubecl::dry_run::DryRun;
+    use burnscale_collective::Communicator;
+
+    use super::{DevicePlan, STEPS};
+    use crate::optim::ParamOptimizer;
+    use crate::runner::{self, BatchPart, TrainTask};
+    use crate::{TrainArgs, TrainError};
+
+    /// Plans `model`'s run on this rank of `comm` by training a zero-valued copy of it for
+    /// [`STEPS`] steps under a dry run, twice (see the module's description); every rank calls
+    /// it together, before its engine is built. `task` is copied, its stream does not move.
+    pub fn dry_run<T: TrainTask>(
+        model: &T::Model,
+        task: &T,
+        args: &TrainArgs,
+        comm: &dyn Communicator,
+        device: &Device,
+        part: BatchPart,
+    ) -> Result<DevicePlan, TrainError> {
+        let start = Instant::now();
+        let mut read = (0, 0);
+        for _pass in 0..2 {
+            read = pass(model, task, args, comm, device, part)?;
+        }
+        let (engine, peak) = read;
+        Ok(DevicePlan {
+            engine,
+            steps: peak.saturating_sub(engine),
+            peak,
+            dry_run_s: start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// One pass: the pools' reservation once a zero copy's engine is built, and after its
+    /// [`STEPS`] steps.
+    fn pass<T: TrainTask>(
+        model: &T::Model,
+        task: &T,
+        args: &TrainArgs,
+        comm: &dyn Communicator,
+        device: &Device,
+        part: BatchPart,
+    ) -> Result<(usize, usize), TrainError> {
+        // What is queued runs for real before the dry run opens; ranks sharing a device (and
+        // the process-wide mode) open and close it together.
+        synced(device)?;
+        comm.barrier()?;
+        let dry = DryRun::new();
+        let result = (|| {
+            // The copy lies beside `model` where parameters are initialised and loaded
+            // (cubecl's persistent pool, exact-sized, no pages), so that the two are counted
+            // once by taking its bytes off: the engine then drops `model` under zero3, or
+            // keeps it alone otherwise.
+            let before = reserved(device);
+            let copy = device.memory_persistent_allocations(model.clone(), |model| {
+                zeros_like(model, lazy_dtype(args), device)
+            });
+            synced(device)?;
+            comm.barrier()?;
+            let copy_bytes = reserved(device).saturating_sub(before);
+            let mut optim = ParamOptimizer::new(args, part.rank, &copy)?;
+            let mut engine = runner::build_engine(copy, args, comm, device)?;
+            let mut task = task.clone();
+            synced(device)?;
+            comm.barrier()?;
+            let engine_built = reserved(device).saturating_sub(copy_bytes);
+            for _ in 0..STEPS {
+                runner::micro_steps(&mut engine, &mut task, args, device, part)?;
+                runner::optimizer_step(&mut engine, &mut optim, args.lr, args)?;
+            }
+            // Read as the run's device peak is, with the pages the steps emptied still held.
+            drained(device)?;
+            comm.barrier()?;
+            Ok((engine_built, reserved(device).saturating_sub(copy_bytes)))
+        })();
+        // Dropped under the dry run, then its pages (never backed) released, before it closes;
+        // the constants cached meanwhile hold what no kernel wrote.
+        synced(device)?;
+        burnscale_nn::device_cache::clear();
+        comm.barrier()?;
+        drop(dry);
+        result
+    }
+
+    /// `device`'s queue drained and its empty pages released.
+    fn synced(device: &Device) -> Result<(), TrainError> {
+        drained(device)?;
+        device.memory_cleanup();
+        Ok(())
+    }
+
+    /// `device`'s queue drained.
+    fn drained(device: &Device) -> Result<(), TrainError> {
+        device
+            .sync()
+            .map_err(|e| TrainError::DryRun(format!("{e:?}")))
+    }
+
+    /// What `device`'s pools reserve now (0 where it has none).
+    fn reserved(device: &Device) -> usize {
+        device
+            .memory_pool_usage()
+            .map_or(0, |usage| usage.bytes_reserved as usize)
+    }
+
+    /// The dtype a lazy parameter initialises in (`--init-on-device` casts it as it does).
+    fn lazy_dtype(args: &TrainArgs) -> DType {
+        match args.init_on_device {
+            true => args.precision.param_dtype().into(),
+            false => DType::F32,
+        }
+    }
+
+    /// `module` on `device` with every parameter replaced by zeros of its shape and dtype,
+    /// under the same id; a lazy one stays lazy (initialised in `lazy`, never through the
+    /// original's initialiser, which it would share). Under a dry run the zeros are never
+    /// written.
+    fn zeros_like<M: Module>(module: M, lazy: DType, device: &Device) -> M {
+        struct Zeros<'a>(DType, &'a Device);
+        impl ModuleMapper for Zeros<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let shape = param.lazy_shape();
+                if !param.is_initialized() {
+                    let (dtype, dims) = (self.0, shape.clone());
+                    let init = move |device: &Device, require_grad: bool| {
+                        let zeros = Tensor::zeros(dims, (device, dtype));
+                        match require_grad {
+                            true => zeros.require_grad(),
+                            false => zeros,
+                        }
+                    };
+                    return Param::uninitialized(param.id, init, self.1.clone(), true, shape);
+                }
+                let zeros = Tensor::zeros(shape, (self.1, param.val().dtype())).require_grad();
+                Param::initialized(param.id, zeros)
+            }
+        }
+        module.map(&mut Zeros(lazy, device))
+    }
+}
