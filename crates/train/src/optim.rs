@@ -334,8 +334,8 @@ impl ParamOptimizer {
 
     /// [`ParamOptimizer::optimizer`], typed, where it is AdamW.
     fn adamw(&self, path: &str, rank: usize) -> Option<Arc<FusedAdamW>> {
-        let chosen = Arc::as_ptr(self.optimizer(path, rank));
         let (decay, no_decay) = self.adamw.as_ref()?;
+        let chosen = Arc::as_ptr(self.optimizer(path, rank));
         [decay, no_decay]
             .into_iter()
             .find(|adamw| std::ptr::addr_eq(Arc::as_ptr(adamw), chosen))
