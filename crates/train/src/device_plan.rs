@@ -14,8 +14,8 @@
 //! Two passes: the first compiles and tunes (autotune's measurements run for real and leave
 //! their scratch in the pools; they are also what the real first step no longer pays), the
 //! second, on a fresh copy from released pages, is read. Each runs two steps, since the
-//! optimizer's state exists only from the first step's end. The copy's own model states are
-//! subtracted and the real engine's added, as read once it is built.
+//! optimizer's state exists only from the first step's end. The model itself, held beside the
+//! copy, is taken off the readings where it lies on the rank's device.
 
 #[cfg(feature = "cube")]
 pub use dry::dry_run;
@@ -58,7 +58,7 @@ impl DevicePlan {
 mod dry {
     use std::time::Instant;
 
-    use burn::module::{Module, ModuleMapper, Param};
+    use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
     use burn::prelude::*;
     use burn::tensor::DType;
     use burn_cubecl::cubecl::dry_run::DryRun;
@@ -110,23 +110,20 @@ mod dry {
         comm.barrier()?;
         let dry = DryRun::new();
         let result = (|| {
-            // The copy lies beside `model` where parameters are initialised and loaded
-            // (cubecl's persistent pool, exact-sized, no pages), so that the two are counted
-            // once by taking its bytes off: the engine then drops `model` under zero3, or
-            // keeps it alone otherwise.
-            let before = reserved(device);
+            // The copy lies where parameters are initialised and loaded (cubecl's persistent
+            // pool), as `model` does. Beside it `model` is held too, which the run does not
+            // hold twice (its engine takes it, or drops it once sharded), so its bytes on
+            // this device come off the readings.
+            let held = bytes_on(model, device);
             let copy = device.memory_persistent_allocations(model.clone(), |model| {
                 zeros_like(model, lazy_dtype(args), device)
             });
-            synced(device)?;
-            comm.barrier()?;
-            let copy_bytes = reserved(device).saturating_sub(before);
             let mut optim = ParamOptimizer::new(args, part.rank, &copy)?;
             let mut engine = runner::build_engine(copy, args, comm, device)?;
             let mut task = task.clone();
             synced(device)?;
             comm.barrier()?;
-            let engine_built = reserved(device).saturating_sub(copy_bytes);
+            let engine_built = reserved(device).saturating_sub(held);
             for _ in 0..STEPS {
                 runner::micro_steps(&mut engine, &mut task, args, device, part)?;
                 runner::optimizer_step(&mut engine, &mut optim, args.lr, args)?;
@@ -134,15 +131,35 @@ mod dry {
             // Read as the run's device peak is, with the pages the steps emptied still held.
             drained(device)?;
             comm.barrier()?;
-            Ok((engine_built, reserved(device).saturating_sub(copy_bytes)))
+            Ok((engine_built, reserved(device).saturating_sub(held)))
         })();
         // Dropped under the dry run, then its pages (never backed) released, before it closes;
-        // the constants cached meanwhile hold what no kernel wrote.
+        // the constants cached meanwhile hold what no kernel wrote. No rank launches for real
+        // until every rank has closed it (the mode is the process's, read at each launch).
         synced(device)?;
         burnscale_nn::device_cache::clear();
         comm.barrier()?;
         drop(dry);
+        comm.barrier()?;
         result
+    }
+
+    /// The bytes of `model`'s initialised parameters that live on `device`.
+    fn bytes_on<M: Module>(model: &M, device: &Device) -> usize {
+        struct On<'a>(&'a Device, usize);
+        impl ModuleVisitor for On<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if param.is_initialized() {
+                    let value = param.val();
+                    if value.device() == *self.0 {
+                        self.1 += value.shape().num_elements() * value.dtype().size();
+                    }
+                }
+            }
+        }
+        let mut on = On(device, 0);
+        model.visit(&mut on);
+        on.1
     }
 
     /// `device`'s queue drained and its empty pages released.
@@ -185,8 +202,11 @@ mod dry {
                 let shape = param.lazy_shape();
                 if !param.is_initialized() {
                     let (dtype, dims) = (self.0, shape.clone());
+                    // Initialised where burn-nn's initialisers put parameters.
                     let init = move |device: &Device, require_grad: bool| {
-                        let zeros = Tensor::zeros(dims, (device, dtype));
+                        let zeros = device.memory_persistent_allocations(dims, |dims| {
+                            Tensor::zeros(dims, (device, dtype))
+                        });
                         match require_grad {
                             true => zeros.require_grad(),
                             false => zeros,
