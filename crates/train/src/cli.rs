@@ -321,6 +321,12 @@ impl TrainArgs {
         Ok(self.sharding()?.acting_on(world, cast, offloaded))
     }
 
+    /// Whether `--plan` plans a cubecl device's pools, by a dry run of the steps
+    /// ([`crate::device_plan`]), rather than host memory.
+    pub fn plans_device(&self) -> bool {
+        self.plan && self.runs_on().is_cubecl()
+    }
+
     /// Where the ranks run: `--accelerator`, or its default on this machine.
     pub fn runs_on(&self) -> Accelerator {
         Accelerator::or_default(self.accelerator)
@@ -347,7 +353,7 @@ impl TrainArgs {
                 accelerator.name()
             ));
         }
-        if accelerator.is_cubecl() && self.plan && self.precision.scales_loss() {
+        if self.plans_device() && self.precision.scales_loss() {
             return invalid(format!(
                 "--plan on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
                 accelerator.name(),

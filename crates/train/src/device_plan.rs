@@ -32,9 +32,7 @@ const STEPS: usize = 2;
 pub struct DevicePlan {
     /// The pools' reservation with the engine built, before any step (bytes).
     pub engine: usize,
-    /// What the steps added to it.
-    pub steps: usize,
-    /// The plan: `engine + steps`, the device peak the run should reach.
+    /// The plan: the reservation after the steps, the device peak the run should reach.
     pub peak: usize,
     /// The dry run's wall time: kernels compiled and tuned there are not compiled again in
     /// the first step.
@@ -42,12 +40,17 @@ pub struct DevicePlan {
 }
 
 impl DevicePlan {
+    /// What the steps added to the engine's reservation.
+    pub fn steps(&self) -> usize {
+        self.peak.saturating_sub(self.engine)
+    }
+
     /// The plan, as `--plan` prints it before the first step.
     pub fn table(&self) -> String {
         format!(
             "  engine built (reserved)  {}\n  + steps (dry run)        {}\n  = device peak            {}\n  (dry run of {STEPS} steps, twice, in {:.1} s: its kernels are compiled and tuned, not the first step's)",
             human_bytes(self.engine),
-            human_bytes(self.steps),
+            human_bytes(self.steps()),
             human_bytes(self.peak),
             self.dry_run_s
         )
@@ -88,7 +91,6 @@ mod dry {
         let (engine, peak) = read;
         Ok(DevicePlan {
             engine,
-            steps: peak.saturating_sub(engine),
             peak,
             dry_run_s: start.elapsed().as_secs_f64(),
         })

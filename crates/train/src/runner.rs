@@ -129,7 +129,7 @@ pub fn train<T: TrainTask>(
     }
     // What this thread queued to build the model runs now: Burn's fusion queues each thread's
     // operations apart, and a rank's plan (a dry run, on cubecl) would drop what it resolves.
-    if args.plan && args.runs_on().is_cubecl() {
+    if args.plans_device() {
         device
             .sync()
             .map_err(|e| TrainError::DryRun(format!("{e:?}")))?;
@@ -246,7 +246,7 @@ fn train_rank<T: TrainTask>(
     // On a cubecl device the plan is a dry run of the steps, before the engine is built (and
     // before dropout's stream is seeded: the dry run draws from it).
     #[cfg(feature = "cube")]
-    let device_plan = match args.plan && args.runs_on().is_cubecl() {
+    let device_plan = match args.plans_device() {
         true => Some(crate::device_plan::dry_run(
             &model, task, args, comm, device, part,
         )?),
