@@ -247,7 +247,7 @@ fn worker(cli: &Cli) -> Result<()> {
     article_table::print_summary(&summary)
 }
 
-/// The runner's arguments from `flags`, run on `machine` (planned on the CPU); a trailing
+/// The runner's arguments from `flags`, run (and planned) on `machine`; a trailing
 /// `--offload-dir` gets the temporary directory.
 fn train_args(flags: Vec<&str>, machine: Machine) -> Result<TrainArgs> {
     let offload_dir = std::env::temp_dir().display().to_string();
@@ -255,9 +255,8 @@ fn train_args(flags: Vec<&str>, machine: Machine) -> Result<TrainArgs> {
     if all.last().map(String::as_str) == Some("--offload-dir") {
         all.push(offload_dir);
     }
-    all.extend(machine.train_flags());
     let all: Vec<&str> = all.iter().map(String::as_str).collect();
-    Ok(TrainArgs::from_flags(&all)?)
+    machine.train_args(&all)
 }
 
 fn text_worker(cli: &Cli, run: usize) -> Result<()> {

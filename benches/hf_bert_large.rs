@@ -26,7 +26,7 @@ use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::tasks::TextClassification;
 use burnscale::train::accelerator::Accelerator;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{TrainArgs, train};
+use burnscale::train::train;
 use clap::Parser;
 use serde_json::{Value, json};
 
@@ -128,10 +128,10 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
         bail!("no rung {rung}");
     };
     let steps = cli.steps().to_string();
-    let machine = cli.machine().train_flags();
     let common = ["--max-steps", &steps, "--lr", "1e-4"];
-    let here: Vec<&str> = machine.iter().map(String::as_str).collect();
-    let args = TrainArgs::from_flags(&[&[&common[..], &here], *parts].concat().concat())?;
+    let args = cli
+        .machine()
+        .train_args(&[&common[..], &parts.concat()[..]].concat())?;
     let device = args.device()?;
     device.seed(1);
     let (config, len) = cli.model();

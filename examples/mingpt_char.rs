@@ -168,7 +168,7 @@ fn run() -> Result<()> {
             temperature: 0.8,
         };
         let device = device.inner();
-        let out = model.generate(&prompt, cli.sample_len, sampling, &mut rng, &device);
+        let out = model.generate(&prompt, cli.sample_len, sampling, &mut rng, &device)?;
         println!("--- sample ---\n{}\n--------------", vocab.decode(&out));
     }
     Ok(())

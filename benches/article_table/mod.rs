@@ -7,16 +7,16 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use burnscale::plan_check::PLANNED_ON_CPU;
-use burnscale::train::RunSummary;
 use burnscale::train::accelerator::{Accelerator, gpu_count};
 use burnscale::train::plan::off;
+use burnscale::train::{RunSummary, TrainArgs};
 use serde_json::{Value, json};
 
 /// Where a table's runs go (`--accelerator`; by default a GPU in a `cuda` build on a machine
 /// with one, else the CPU). On the CPU a run is planned (`--plan`) and its peak is the
-/// counting allocator's; elsewhere its peak is the device pool's reserved bytes, and it is not
-/// planned (the tables plan CPU runs only; README, The device plan).
+/// counting allocator's; on a cubecl device its peak is the pools' reserved bytes and its plan
+/// the device plan's dry run (not for `16-mixed`, whose steps a dry run does not compute;
+/// README, The device plan); LibTorch's runs are not planned.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub struct Machine(pub Accelerator);
 
@@ -44,12 +44,17 @@ impl Machine {
         vec!["--accelerator".into(), self.0.name()]
     }
 
-    /// The runner's flags for a run here: where, and `--plan` on the CPU.
-    pub fn train_flags(self) -> Vec<String> {
-        match self.on_cpu() {
-            true => PLANNED_ON_CPU.map(String::from).to_vec(),
-            false => self.worker_flags(),
-        }
+    /// The runner's arguments for a run of `flags` here, planned wherever its plan can be read.
+    pub fn train_args(self, flags: &[&str]) -> Result<TrainArgs> {
+        let here = self.worker_flags();
+        let here: Vec<&str> = here.iter().map(String::as_str).collect();
+        let mut args = TrainArgs::from_flags(&[flags, &here].concat())?;
+        args.plan = match self.0 {
+            Accelerator::Cpu => true,
+            Accelerator::Libtorch => false,
+            _ => !args.precision.scales_loss(),
+        };
+        Ok(args)
     }
 
     /// Steps a run takes (`quick`: a smoke run's): a few on a CPU, more at the article's size
@@ -72,13 +77,17 @@ impl Machine {
 
     /// What the peak and planned columns are.
     pub fn peak_note(self) -> String {
-        match self.on_cpu() {
-            true => "peak: the counting allocator's process peak; planned: the planner's, before the first step".into(),
-            false => format!(
-                "peak: the device pool's reserved bytes ({}; PyTorch's memory reserved); planned: none (the tables plan CPU runs; a GPU's plan, a dry run of the steps, is not in them yet)",
-                self.0.name()
-            ),
-        }
+        let planned = match self.0 {
+            Accelerator::Cpu => {
+                return "peak: the counting allocator's process peak; planned: the planner's, before the first step".into();
+            }
+            Accelerator::Libtorch => "none (LibTorch allocates in C++)",
+            _ => "the device plan's, a dry run of the steps before the first (none for 16-mixed)",
+        };
+        format!(
+            "peak: the device pool's reserved bytes ({}; PyTorch's memory reserved); planned: {planned}",
+            self.0.name()
+        )
     }
 }
 
@@ -113,7 +122,15 @@ pub fn print_summary(summary: &RunSummary) -> Result<()> {
             })
             .max()
     );
-    out["rank_planned"] = json!(ranks.iter().filter_map(|r| r.planned_peak_mem_bytes).max());
+    out["rank_planned"] = json!(
+        ranks
+            .iter()
+            .filter_map(|r| match summary.accelerator {
+                Accelerator::Cpu => r.planned_peak_mem_bytes,
+                _ => r.planned_device_peak_mem_bytes,
+            })
+            .max()
+    );
     println!("{out}");
     Ok(())
 }

@@ -1,7 +1,9 @@
 //! `--memory-budget` and `--strategy auto`: the memory planner asked before launch. A run's
 //! configuration is planned against the budget before any rank starts; under `auto` the
 //! candidates are planned in a fixed order, fastest first, and the first that fits is run,
-//! with the reason (every faster candidate's plan) printed and put in the summary.
+//! with the reason (every faster candidate's plan) printed and put in the summary. On a
+//! cubecl device the ranks weigh the same candidates, each by a dry run of its steps
+//! ([`crate::device_plan`]), once they have started.
 //!
 //! The order is the techniques' usual cost on GPUs: DDP, then ZeRO-1 and ZeRO-2 (the same
 //! bytes on the wire as DDP's all-reduce), then ZeRO-3 keeping each unit gathered from its
@@ -81,9 +83,10 @@ pub fn resolve<T: TrainTask>(
     device: &Device,
 ) -> Result<Resolved, TrainError> {
     // The probe reads the counting allocator, which sees a device's memory on the CPU only
-    // (validation refuses --plan and --memory-budget elsewhere).
+    // (validation refuses LibTorch; a cubecl device's ranks plan it themselves, by a dry run:
+    // `crate::device_plan::resolve`).
     let on_cpu = args.runs_on() == Accelerator::Cpu;
-    let Some(budget) = args.memory_budget else {
+    let Some(budget) = args.memory_budget.filter(|_| on_cpu) else {
         let probe = match on_cpu && (args.plan || args.summary_json.is_some()) {
             true => Some(Probe::measure(model, task, args, device)?),
             false => None,
@@ -95,24 +98,45 @@ pub fn resolve<T: TrainTask>(
         });
     };
     let world = world_size(args)?;
+    let threads = ranks_in_process(world);
+    let mut probes: Vec<(Precision, Probe)> = Vec::new();
+    let (args, probe, choice) = search(args, world, device, budget, |candidate| {
+        let probe = match probes.iter().find(|(p, _)| *p == candidate.precision) {
+            Some((_, probe)) => *probe,
+            None => {
+                let probe = Probe::measure(model, task, candidate, device)?;
+                probes.push((candidate.precision, probe));
+                probe
+            }
+        };
+        let planned = MemoryPlan::new(model, candidate, world, threads, probe)?.rank_share();
+        Ok((planned, probe))
+    })?;
+    Ok(Resolved {
+        args,
+        probe: Some(probe),
+        choice,
+    })
+}
+
+/// The first of `args`' candidates on `world` ranks that `plan` (a candidate's planned bytes
+/// per rank, and what its plan was made of) puts within `budget`, with what `plan` gave for
+/// it and, under `auto`, the choice; an error naming every plan when none fits.
+pub(crate) fn search<P>(
+    args: &TrainArgs,
+    world: usize,
+    device: &Device,
+    budget: usize,
+    mut plan: impl FnMut(&TrainArgs) -> Result<(usize, P), TrainError>,
+) -> Result<(TrainArgs, P, Option<AutoChoice>), TrainError> {
     if args.strategy == Strategy::Auto && world == 1 && args.reshard_after_forward.is_some() {
         return Err(TrainError::InvalidArgs(
             "--reshard-after-forward applies to zero3, which --strategy auto weighs on more than one rank only (this world has one)".into(),
         ));
     }
-    let threads = ranks_in_process(world);
-    let mut probes: Vec<(Precision, Probe)> = Vec::new();
     let mut over_budget = Vec::new();
     for candidate in candidates(args, world, device) {
-        let probe = match probes.iter().find(|(p, _)| *p == candidate.precision) {
-            Some((_, probe)) => *probe,
-            None => {
-                let probe = Probe::measure(model, task, &candidate, device)?;
-                probes.push((candidate.precision, probe));
-                probe
-            }
-        };
-        let planned = MemoryPlan::new(model, &candidate, world, threads, probe)?.rank_share();
+        let (planned, made_of) = plan(&candidate)?;
         let weighed = Candidate {
             flags: flags_of(&candidate),
             planned_bytes: planned,
@@ -123,11 +147,7 @@ pub fn resolve<T: TrainTask>(
                 chosen: weighed,
                 over_budget,
             });
-            return Ok(Resolved {
-                args: candidate,
-                probe: Some(probe),
-                choice,
-            });
+            return Ok((candidate, made_of, choice));
         }
         over_budget.push(weighed);
     }

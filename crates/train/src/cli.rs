@@ -227,13 +227,14 @@ pub struct TrainArgs {
     pub eval_interval: usize,
     /// Print the memory planner's predicted per-rank peak, term by term, before the first step
     /// (and the measured peak beside it at the end; a summary JSON of a CPU run always carries
-    /// both). CPU runs only (--accelerator cpu).
+    /// both). On --accelerator cuda and cubecl-cpu the plan is the device's, by a dry run of
+    /// the steps; not on libtorch.
     #[arg(long)]
     pub plan: bool,
     /// The most memory one rank may take (on a CPU: this process's heap over the ranks it
-    /// hosts), e.g. 1.5GiB, 800MB, 16G: checked against the memory planner before the first
-    /// step (a configuration planned above it stops there, naming what to change), and what
-    /// --strategy auto chooses within.
+    /// hosts; on cuda and cubecl-cpu: its device's pools), e.g. 1.5GiB, 800MB, 16G: checked
+    /// against the memory planner before the first step (a configuration planned above it
+    /// stops there, naming what to change), and what --strategy auto chooses within.
     #[arg(long, value_parser = crate::memory::parse_bytes)]
     pub memory_budget: Option<usize>,
     /// Write machine-readable results here.
@@ -321,10 +322,10 @@ impl TrainArgs {
         Ok(self.sharding()?.acting_on(world, cast, offloaded))
     }
 
-    /// Whether `--plan` plans a cubecl device's pools, by a dry run of the steps
-    /// ([`crate::device_plan`]), rather than host memory.
+    /// Whether `--plan` or `--memory-budget` plans a cubecl device's pools, by a dry run of
+    /// the steps ([`crate::device_plan`]), rather than host memory.
     pub fn plans_device(&self) -> bool {
-        self.plan && self.runs_on().is_cubecl()
+        (self.plan || self.memory_budget.is_some()) && self.runs_on().is_cubecl()
     }
 
     /// Where the ranks run: `--accelerator`, or its default on this machine.
@@ -347,15 +348,9 @@ impl TrainArgs {
                 "--plan and --memory-budget: LibTorch allocates in C++, where the planner cannot read; plan on --accelerator cpu, cuda or cubecl-cpu".into(),
             );
         }
-        if accelerator.is_cubecl() && self.memory_budget.is_some() {
-            return invalid(format!(
-                "--memory-budget: on --accelerator {} the plan is a dry run of this configuration's steps (--plan), which the budget's check and --strategy auto's search do not run yet; pass --plan to see the device peak planned, or --accelerator cpu to plan a CPU run",
-                accelerator.name()
-            ));
-        }
         if self.plans_device() && self.precision.scales_loss() {
             return invalid(format!(
-                "--plan on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
+                "--plan and --memory-budget on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
                 accelerator.name(),
                 self.precision
             ));
@@ -589,8 +584,15 @@ mod tests {
                 "LibTorch allocates in C++",
             ),
             (
-                &["--accelerator", "cuda", "--memory-budget", "1G"],
-                "do not run yet",
+                &[
+                    "--accelerator",
+                    "cubecl-cpu",
+                    "--memory-budget",
+                    "1G",
+                    "--precision",
+                    "16-mixed",
+                ],
+                "dry run does not compute",
             ),
             (
                 &[

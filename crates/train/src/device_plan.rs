@@ -16,11 +16,17 @@
 //! second, on a fresh copy from released pages, is read. Each runs two steps, since the
 //! optimizer's state exists only from the first step's end. The model itself, held beside the
 //! copy, is taken off the readings where it lies on the rank's device.
+//!
+//! With `--memory-budget` the ranks plan each configuration `--strategy auto` weighs
+//! ([`crate::auto`]'s candidates, fastest first; the given one alone otherwise) and run the
+//! first whose largest plan over the ranks fits, so that every rank chooses alike.
 
 #[cfg(feature = "cube")]
-pub use dry::dry_run;
+pub use dry::resolve;
 use serde::Serialize;
 
+use crate::TrainArgs;
+use crate::auto::AutoChoice;
 use crate::memory::human_bytes;
 
 /// The steps a pass of the dry run takes: the second is the first with the optimizer's
@@ -57,6 +63,16 @@ impl DevicePlan {
     }
 }
 
+/// What a rank runs, as its device plan decided.
+pub struct Resolved {
+    /// The configuration: the one given, or the one `--strategy auto` chose.
+    pub args: TrainArgs,
+    /// Its plan on this rank.
+    pub plan: DevicePlan,
+    /// What `--strategy auto` chose within `--memory-budget`, and what it passed over.
+    pub choice: Option<AutoChoice>,
+}
+
 #[cfg(feature = "cube")]
 mod dry {
     use std::time::Instant;
@@ -67,15 +83,46 @@ mod dry {
     use burn_cubecl::cubecl::dry_run::DryRun;
     use burnscale_collective::Communicator;
 
-    use super::{DevicePlan, STEPS};
+    use super::{DevicePlan, Resolved, STEPS};
+    use crate::auto;
     use crate::optim::ParamOptimizer;
-    use crate::runner::{self, BatchPart, TrainTask};
+    use crate::runner::{self, BatchPart, TrainTask, gather_u64s};
     use crate::{TrainArgs, TrainError};
 
-    /// Plans `model`'s run on this rank of `comm` by training a zero-valued copy of it for
-    /// [`STEPS`] steps under a dry run, twice (see the module's description); every rank calls
-    /// it together, before its engine is built. `task` is copied, its stream does not move.
-    pub fn dry_run<T: TrainTask>(
+    /// Plans `model`'s run on this rank of `comm`: `args`' configuration, or under
+    /// `--memory-budget` the first of its candidates planned within the budget on every rank
+    /// (an error naming each plan when none is). Every rank calls it together, before its
+    /// engine is built. `task` is copied, its stream does not move.
+    pub fn resolve<T: TrainTask>(
+        model: &T::Model,
+        task: &T,
+        args: &TrainArgs,
+        comm: &dyn Communicator,
+        device: &Device,
+        part: BatchPart,
+    ) -> Result<Resolved, TrainError> {
+        let Some(budget) = args.memory_budget else {
+            let plan = dry_run(model, task, args, comm, device, part)?;
+            return Ok(Resolved {
+                args: args.clone(),
+                plan,
+                choice: None,
+            });
+        };
+        let world = comm.world_size();
+        let (args, plan, choice) = auto::search(args, world, device, budget, |candidate| {
+            let plan = dry_run(model, task, candidate, comm, device, part)?;
+            // Every rank weighs the largest plan of any, so that all choose alike.
+            let peaks = gather_u64s(comm, &[plan.peak as u64])?;
+            let largest = peaks.iter().map(|rank| rank[0] as usize).max();
+            Ok((largest.unwrap_or(plan.peak), plan))
+        })?;
+        Ok(Resolved { args, plan, choice })
+    }
+
+    /// Plans `args`' run on this rank of `comm` by training a zero-valued copy of `model` for
+    /// [`STEPS`] steps under a dry run, twice (see the module's description).
+    fn dry_run<T: TrainTask>(
         model: &T::Model,
         task: &T,
         args: &TrainArgs,

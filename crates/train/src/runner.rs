@@ -215,13 +215,36 @@ fn train_rank<T: TrainTask>(
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
     let (rank, world) = (comm.rank(), comm.world_size());
+    let part = BatchPart { rank, world };
+    // On a cubecl device the plan is a dry run of the steps (each candidate's, under
+    // --memory-budget), before the engine is built and before dropout's stream is seeded:
+    // the dry run draws from it.
+    #[cfg(feature = "cube")]
+    let device_resolved = match args.plans_device() {
+        true => Some(crate::device_plan::resolve(
+            &model, task, args, comm, device, part,
+        )?),
+        false => None,
+    };
+    #[cfg(not(feature = "cube"))]
+    let device_resolved: Option<crate::device_plan::Resolved> = None;
+    let (args, device_plan, choice) = match device_resolved {
+        Some(resolved) => (resolved.args, Some(resolved.plan), resolved.choice),
+        None => (args.clone(), None, planned.choice.cloned()),
+    };
+    let args = &args;
+    if let Some(choice) = choice
+        .as_ref()
+        .filter(|_| rank == 0 && device_plan.is_some())
+    {
+        eprintln!("{}", choice.explain());
+    }
     if args.strategy == Strategy::Single && world > 1 {
         return Err(TrainError::InvalidArgs(format!(
             "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
         )));
     }
     let lead = rank == 0;
-    let part = BatchPart { rank, world };
     let num_params = model.num_params();
     let threads = ranks_in_process(world);
     let plan = planned
@@ -242,19 +265,7 @@ fn train_rank<T: TrainTask>(
         _ => None,
     };
     let progress = progress_bar(args.max_steps as u64, lead);
-
-    // On a cubecl device the plan is a dry run of the steps, before the engine is built (and
-    // before dropout's stream is seeded: the dry run draws from it).
-    #[cfg(feature = "cube")]
-    let device_plan = match args.plans_device() {
-        true => Some(crate::device_plan::dry_run(
-            &model, task, args, comm, device, part,
-        )?),
-        false => None,
-    };
-    #[cfg(not(feature = "cube"))]
-    let device_plan: Option<crate::device_plan::DevicePlan> = None;
-    if let Some(plan) = device_plan.as_ref().filter(|_| lead) {
+    if let Some(plan) = device_plan.as_ref().filter(|_| lead && args.plan) {
         eprintln!("device memory plan (per rank):\n{}", plan.table());
     }
     // Rank 0 draws the stream a single-device run with this seed draws.
@@ -460,7 +471,7 @@ fn train_rank<T: TrainTask>(
     );
     summary.set_plan(plan);
     summary.set_device_plan(device_plan);
-    summary.auto = planned.choice.cloned();
+    summary.auto = choice;
     summary.model_state_predicted_bytes =
         ModelStateBytes::predicted(num_params, args, engine.sharding(), world);
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
@@ -483,9 +494,12 @@ fn train_rank<T: TrainTask>(
     };
     // cubecl's pools keep a finished run's pages for its thread's stream, which no later run
     // uses: give them back, so that the next run in this process (a bench's next row, a
-    // service's next job) starts from what is live.
+    // service's next job) starts from what is live. The layers' cached constants go too: a
+    // few KiB, but each pins a page (8 MiB of cubecl-cpu's pools, read), which the next run
+    // on this thread would find reserved.
     drop(engine);
     drop(optim);
+    burnscale_nn::device_cache::clear();
     release_free_pages(device);
     Ok((model, summary))
 }

@@ -7,4 +7,6 @@ pub enum GptError {
     UnknownPreset(String),
     #[error(transparent)]
     Weights(#[from] burnscale_nn::weights::WeightError),
+    #[error("generating text failed on the device: {0}")]
+    Generate(#[from] burn::tensor::ExecutionError),
 }

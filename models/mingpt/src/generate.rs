@@ -1,7 +1,7 @@
 use burn::prelude::*;
 use rand::Rng;
 
-use crate::Gpt;
+use crate::{Gpt, GptError};
 
 /// How the next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -14,7 +14,8 @@ pub enum Sampling {
 
 impl Gpt {
     /// Extends `prompt` by `max_new_tokens` tokens, cropping the context to `block_size` as
-    /// minGPT does. Call it on an eval-mode model (`model.valid()`), so dropout is off.
+    /// minGPT does. Call it on an eval-mode model (`model.valid()`), so dropout is off. Fails
+    /// when the device fails to run a step.
     pub fn generate(
         &self,
         prompt: &[usize],
@@ -22,7 +23,7 @@ impl Gpt {
         sampling: Sampling,
         rng: &mut impl Rng,
         device: &Device,
-    ) -> Vec<usize> {
+    ) -> Result<Vec<usize>, GptError> {
         let mut tokens = prompt.to_vec();
         for _ in 0..max_new_tokens {
             let start = tokens.len().saturating_sub(self.block_size());
@@ -32,13 +33,13 @@ impl Gpt {
             let logits = self.forward(idx).slice([0..1, t - 1..t]).flatten::<1>(0, 2);
             // In the model's dtype (bf16 or f16 for the `*-true` precisions), read as f32.
             let logits: Vec<f32> = logits
-                .into_data()
+                .try_into_data()?
                 .convert::<f32>()
                 .try_into_vec()
                 .expect("converted to f32");
             tokens.push(choose(&logits, sampling, rng));
         }
-        tokens
+        Ok(tokens)
     }
 }
 
