@@ -251,11 +251,40 @@ fn choice_code(args: &TrainArgs) -> u64 {
 /// Stops every rank with a message when the processes of an MPI world chose differently
 /// (each plans on its own; they must run one configuration).
 pub(crate) fn agree(comm: &dyn Communicator, chosen: &TrainArgs) -> Result<(), TrainError> {
-    let codes = gather_u64s(comm, &[choice_code(chosen)])?;
+    same_on_every_rank(
+        comm,
+        choice_code(chosen),
+        "the ranks' plans chose different configurations",
+    )
+}
+
+/// Stops every rank with a message when their devices allow different candidates (a
+/// precision one rank's device cannot run): ranks that plan by a dry run weigh every
+/// candidate together, through collectives, so they must walk one list.
+#[cfg(feature = "cube")]
+pub(crate) fn agree_on_candidates(
+    comm: &dyn Communicator,
+    args: &TrainArgs,
+    device: &Device,
+) -> Result<(), TrainError> {
+    let list = candidates(args, comm.world_size(), device)
+        .iter()
+        .fold(0u64, |code, c| {
+            code.wrapping_mul(0x0100_0000_01b3) ^ choice_code(c)
+        });
+    same_on_every_rank(
+        comm,
+        list,
+        "the ranks' devices allow different configurations",
+    )
+}
+
+fn same_on_every_rank(comm: &dyn Communicator, code: u64, what: &str) -> Result<(), TrainError> {
+    let codes = gather_u64s(comm, &[code])?;
     match codes.iter().all(|c| *c == codes[0]) {
         true => Ok(()),
         false => Err(TrainError::InvalidArgs(format!(
-            "--strategy auto: the ranks' plans chose different configurations (codes {codes:?}): give the strategy explicitly"
+            "--memory-budget: {what} (codes {codes:?}): give --strategy and --precision explicitly"
         ))),
     }
 }

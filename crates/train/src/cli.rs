@@ -20,7 +20,8 @@ pub enum Strategy {
     #[value(alias = "fsdp")]
     Zero3,
     /// The fastest configuration the memory planner says fits `--memory-budget` (chosen by
-    /// [`crate::train`] before any rank starts; see [`crate::auto`]).
+    /// [`crate::train`] before any rank starts, or on a cubecl device by the ranks before
+    /// their engines are built; see [`crate::auto`]).
     Auto,
 }
 
@@ -35,7 +36,7 @@ impl Strategy {
             Strategy::Zero3 => burnscale_shard::Strategy::Zero3,
             Strategy::Auto => {
                 return Err(TrainError::InvalidArgs(
-                    "--strategy auto is chosen by burnscale::train from --memory-budget before any rank starts; train_on and the planner take a chosen strategy".into(),
+                    "--strategy auto is chosen from --memory-budget by burnscale::train before any rank starts (on a cubecl device, by the ranks' dry runs); train_on on the CPU and the host planner take a chosen strategy".into(),
                 ));
             }
         })

@@ -109,6 +109,7 @@ mod dry {
                 choice: None,
             });
         };
+        auto::agree_on_candidates(comm, args, device)?;
         let world = comm.world_size();
         let (args, plan, choice) = auto::search(args, world, device, budget, |candidate| {
             let plan = dry_run(model, task, candidate, comm, device, part)?;

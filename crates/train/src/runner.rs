@@ -215,6 +215,11 @@ fn train_rank<T: TrainTask>(
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
     let (rank, world) = (comm.rank(), comm.world_size());
+    if args.strategy == Strategy::Single && world > 1 {
+        return Err(TrainError::InvalidArgs(format!(
+            "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
+        )));
+    }
     let part = BatchPart { rank, world };
     // On a cubecl device the plan is a dry run of the steps (each candidate's, under
     // --memory-budget), before the engine is built and before dropout's stream is seeded:
@@ -238,11 +243,6 @@ fn train_rank<T: TrainTask>(
         .filter(|_| rank == 0 && device_plan.is_some())
     {
         eprintln!("{}", choice.explain());
-    }
-    if args.strategy == Strategy::Single && world > 1 {
-        return Err(TrainError::InvalidArgs(format!(
-            "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
-        )));
     }
     let lead = rank == 0;
     let num_params = model.num_params();
