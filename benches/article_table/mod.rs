@@ -49,11 +49,7 @@ impl Machine {
         let here = self.worker_flags();
         let here: Vec<&str> = here.iter().map(String::as_str).collect();
         let mut args = TrainArgs::from_flags(&[flags, &here].concat())?;
-        args.plan = match self.0 {
-            Accelerator::Cpu => true,
-            Accelerator::Libtorch => false,
-            _ => !args.precision.scales_loss(),
-        };
+        args.plan = args.unplannable().is_none();
         Ok(args)
     }
 
@@ -112,25 +108,16 @@ pub fn print_summary(summary: &RunSummary) -> Result<()> {
         return Ok(());
     }
     let mut out = serde_json::to_value(summary)?;
-    let ranks = &summary.ranks;
-    out["rank_peak"] = json!(
-        ranks
-            .iter()
-            .filter_map(|r| match summary.accelerator {
-                Accelerator::Cpu => Some(r.peak_mem_bytes),
-                _ => r.device_peak_mem_bytes,
-            })
-            .max()
-    );
-    out["rank_planned"] = json!(
-        ranks
-            .iter()
-            .filter_map(|r| match summary.accelerator {
-                Accelerator::Cpu => r.planned_peak_mem_bytes,
-                _ => r.planned_device_peak_mem_bytes,
-            })
-            .max()
-    );
+    let (peaks, plans): (Vec<_>, Vec<_>) = summary
+        .ranks
+        .iter()
+        .map(|r| match summary.accelerator {
+            Accelerator::Cpu => (Some(r.peak_mem_bytes), r.planned_peak_mem_bytes),
+            _ => (r.device_peak_mem_bytes, r.planned_device_peak_mem_bytes),
+        })
+        .unzip();
+    out["rank_peak"] = json!(peaks.into_iter().flatten().max());
+    out["rank_planned"] = json!(plans.into_iter().flatten().max());
     println!("{out}");
     Ok(())
 }

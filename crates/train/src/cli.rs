@@ -329,6 +329,23 @@ impl TrainArgs {
         (self.plan || self.memory_budget.is_some()) && self.runs_on().is_cubecl()
     }
 
+    /// Why this run's memory cannot be planned (`--plan`, `--memory-budget`), if it cannot:
+    /// LibTorch's allocator is out of the planner's sight, and a dry run on a cubecl device
+    /// cannot follow a loss scaler.
+    pub fn unplannable(&self) -> Option<String> {
+        let accelerator = self.runs_on();
+        if accelerator == Accelerator::Libtorch {
+            return Some(
+                "--plan and --memory-budget: LibTorch allocates in C++, where the planner cannot read; plan on --accelerator cpu, cuda or cubecl-cpu".into(),
+            );
+        }
+        (accelerator.is_cubecl() && self.precision.scales_loss()).then(|| format!(
+            "--plan and --memory-budget on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
+            accelerator.name(),
+            self.precision
+        ))
+    }
+
     /// Where the ranks run: `--accelerator`, or its default on this machine.
     pub fn runs_on(&self) -> Accelerator {
         Accelerator::or_default(self.accelerator)
@@ -344,17 +361,10 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<(), TrainError> {
         let accelerator = self.runs_on();
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
-        if accelerator == Accelerator::Libtorch && (self.plan || self.memory_budget.is_some()) {
-            return invalid(
-                "--plan and --memory-budget: LibTorch allocates in C++, where the planner cannot read; plan on --accelerator cpu, cuda or cubecl-cpu".into(),
-            );
-        }
-        if self.plans_device() && self.precision.scales_loss() {
-            return invalid(format!(
-                "--plan and --memory-budget on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
-                accelerator.name(),
-                self.precision
-            ));
+        if (self.plan || self.memory_budget.is_some())
+            && let Some(why) = self.unplannable()
+        {
+            return invalid(why);
         }
         if self.matmul == Matmul::Cublas
             && (accelerator != Accelerator::Cuda || !burnscale_nn::gemm::HAS_CUBLAS)

@@ -10,7 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::prelude::*;
 use burnscale_collective::threads::DEFAULT_TIMEOUT;
-use burnscale_collective::{Buffer, Communicator, ReduceOp, launcher_rank};
+use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
@@ -113,9 +113,6 @@ pub fn train<T: TrainTask>(
         choice,
     } = auto::resolve(&model, task, args, device)?;
     let args = &args;
-    if let Some(choice) = choice.as_ref().filter(|_| launcher_rank() == 0) {
-        eprintln!("{}", choice.explain());
-    }
     let model = if args.init_on_device {
         burnscale_precision::init_in(model, args.precision.param_dtype())
     } else {
@@ -238,10 +235,7 @@ fn train_rank<T: TrainTask>(
         None => (args.clone(), None, planned.choice.cloned()),
     };
     let args = &args;
-    if let Some(choice) = choice
-        .as_ref()
-        .filter(|_| rank == 0 && device_plan.is_some())
-    {
+    if let Some(choice) = choice.as_ref().filter(|_| rank == 0) {
         eprintln!("{}", choice.explain());
     }
     let lead = rank == 0;
