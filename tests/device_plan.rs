@@ -82,13 +82,18 @@ fn a_budget_below_the_fastest_plan_moves_auto_to_a_leaner_configuration() {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let fastest = "--strategy single --precision 32-true";
-    let roomy = ["--strategy", "auto", "--memory-budget", "1TiB"];
+    // Without --memory-budget, or with one above it, the device's memory is the budget.
+    let unbounded = run(&["--strategy", "auto"]).auto.expect("auto chose");
+    assert!(unbounded.budget.device_memory, "{unbounded:?}");
+    assert_eq!(unbounded.chosen.flags, fastest);
     // A process's later runs read more than its first (13.42 against 10.42 MiB here, plan
     // and measurement agreeing in each; what the first run leaves in the process's caches,
     // burn-fusion's fused plans or autotune's choices, is the likely cause, not pinned down):
     // the budget is set from a later run's plan.
-    run(&roomy);
-    let choice = run(&roomy).auto.expect("auto chose");
+    let choice = run(&["--strategy", "auto", "--memory-budget", "1024TiB"])
+        .auto
+        .expect("auto chose");
+    assert_eq!(choice.budget, unbounded.budget);
     assert_eq!(choice.chosen.flags, fastest);
     let planned = choice.chosen.planned_bytes;
 

@@ -36,10 +36,74 @@ pub struct Candidate {
     pub planned_bytes: usize,
 }
 
-/// What `--strategy auto` chose within `--memory-budget`, and what it passed over.
+/// The memory one rank may take, and where the figure comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Budget {
+    pub bytes: usize,
+    /// Whether `bytes` is the rank's device's memory, not `--memory-budget` (none given, or
+    /// one above what the device has).
+    pub device_memory: bool,
+}
+
+impl Budget {
+    /// `--memory-budget`, as given.
+    pub fn given(bytes: usize) -> Self {
+        Budget {
+            bytes,
+            device_memory: false,
+        }
+    }
+
+    /// The budget of a rank whose device holds `capacity` bytes (when its runtime says): the
+    /// given one, or the device's memory where none is given or the given one is above it,
+    /// since no plan above it can run. None where nothing bounds the plan; an error where
+    /// `--strategy auto` would have nothing to choose within.
+    pub fn on_device(
+        args: &TrainArgs,
+        capacity: Option<usize>,
+    ) -> Result<Option<Self>, TrainError> {
+        let device = |bytes| Budget {
+            bytes,
+            device_memory: true,
+        };
+        match (args.memory_budget, capacity) {
+            (Some(given), Some(capacity)) if given > capacity => Ok(Some(device(capacity))),
+            (Some(given), _) => Ok(Some(Budget::given(given))),
+            (None, Some(capacity)) => Ok(Some(device(capacity))),
+            (None, None) if args.strategy == Strategy::Auto => Err(TrainError::InvalidArgs(
+                "--strategy auto without --memory-budget plans within the device's memory, but this device's runtime does not say how much it has: give --memory-budget".into(),
+            )),
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The budget as the messages name it.
+    fn describe(&self) -> String {
+        match self.device_memory {
+            true => format!("the device's memory, {}", human_bytes(self.bytes)),
+            false => format!("--memory-budget {}", human_bytes(self.bytes)),
+        }
+    }
+
+    /// Why the budget is not `args`' `--memory-budget`, when one was given (the choice and
+    /// the error name the budget they weigh against).
+    pub fn note(&self, args: &TrainArgs) -> Option<String> {
+        args.memory_budget
+            .filter(|_| self.device_memory)
+            .map(|given| {
+                format!(
+                    "memory plan: --memory-budget {} is above {}, which bounds the plans instead",
+                    human_bytes(given),
+                    self.describe()
+                )
+            })
+    }
+}
+
+/// What `--strategy auto` chose within its budget, and what it passed over.
 #[derive(Debug, Clone, Serialize)]
 pub struct AutoChoice {
-    pub budget_bytes: usize,
+    pub budget: Budget,
     pub chosen: Candidate,
     /// The faster candidates, in order, each planned above the budget.
     pub over_budget: Vec<Candidate>,
@@ -49,10 +113,10 @@ impl AutoChoice {
     /// Why this configuration: the faster ones' plans, then the chosen one's.
     pub fn explain(&self) -> String {
         let mut lines = vec![format!(
-            "--strategy auto: {} (planned {} per rank, within the budget of {})",
+            "--strategy auto: {} (planned {} per rank, within {})",
             self.chosen.flags,
             human_bytes(self.chosen.planned_bytes),
-            human_bytes(self.budget_bytes)
+            self.budget.describe()
         )];
         for c in &self.over_budget {
             lines.push(format!(
@@ -100,7 +164,7 @@ pub fn resolve<T: TrainTask>(
     let world = world_size(args)?;
     let threads = ranks_in_process(world);
     let mut probes: Vec<(Precision, Probe)> = Vec::new();
-    let (args, probe, choice) = search(args, world, device, budget, |candidate| {
+    let (args, probe, choice) = search(args, world, device, Budget::given(budget), |candidate| {
         let probe = match probes.iter().find(|(p, _)| *p == candidate.precision) {
             Some((_, probe)) => *probe,
             None => {
@@ -126,7 +190,7 @@ pub(crate) fn search<P>(
     args: &TrainArgs,
     world: usize,
     device: &Device,
-    budget: usize,
+    budget: Budget,
     mut plan: impl FnMut(&TrainArgs) -> Result<(usize, P), TrainError>,
 ) -> Result<(TrainArgs, P, Option<AutoChoice>), TrainError> {
     if args.strategy == Strategy::Auto && world == 1 && args.reshard_after_forward.is_some() {
@@ -141,9 +205,9 @@ pub(crate) fn search<P>(
             flags: flags_of(&candidate),
             planned_bytes: planned,
         };
-        if planned <= budget {
+        if planned <= budget.bytes {
             let choice = (args.strategy == Strategy::Auto).then_some(AutoChoice {
-                budget_bytes: budget,
+                budget,
                 chosen: weighed,
                 over_budget,
             });
@@ -152,16 +216,22 @@ pub(crate) fn search<P>(
         over_budget.push(weighed);
     }
     Err(TrainError::OverBudget {
-        budget: human_bytes(budget),
+        budget: budget.describe(),
         planned: over_budget
             .iter()
             .map(|c| format!("\n  {}: {}", c.flags, human_bytes(c.planned_bytes)))
             .collect(),
-        hint: match args.strategy {
-            Strategy::Auto => {
+        hint: match (args.strategy, budget.device_memory) {
+            (Strategy::Auto, false) => {
                 "raise --memory-budget, lower --batch-size (and --accumulate more), or give --offload-dir for the optimizer state"
             }
-            _ => "try --strategy auto, raise --memory-budget, or lower --batch-size",
+            (Strategy::Auto, true) => {
+                "lower --batch-size (and --accumulate more), train on more ranks, or give --offload-dir for the optimizer state"
+            }
+            (_, false) => "try --strategy auto, raise --memory-budget, or lower --batch-size",
+            (_, true) => {
+                "try --strategy auto, --checkpoint-activations, more ranks, or a lower --batch-size"
+            }
         },
     })
 }
@@ -379,6 +449,46 @@ mod tests {
             ]
         );
         assert_eq!(one.len(), 3 * 2);
+    }
+
+    #[test]
+    fn the_device_memory_bounds_the_budget_and_is_it_when_none_is_given() {
+        let args = |flags: &[&str]| TrainArgs::from_flags(flags).unwrap();
+        let (gib, mib) = (1 << 30, 1 << 20);
+        let device = |bytes| Budget {
+            bytes,
+            device_memory: true,
+        };
+        let given = args(&["--memory-budget", "1GiB"]);
+        assert_eq!(
+            Budget::on_device(&given, Some(2 * gib)).unwrap(),
+            Some(Budget::given(gib))
+        );
+        assert_eq!(
+            Budget::on_device(&given, None).unwrap(),
+            Some(Budget::given(gib))
+        );
+        assert_eq!(Budget::given(gib).note(&given), None);
+        let capped = Budget::on_device(&given, Some(512 * mib)).unwrap();
+        assert_eq!(capped, Some(device(512 * mib)));
+        let note = capped.unwrap().note(&given).unwrap();
+        assert!(
+            note.contains("1.00 GiB is above the device's memory, 512.00 MiB"),
+            "{note}"
+        );
+        let plan = args(&["--plan"]);
+        assert_eq!(
+            Budget::on_device(&plan, Some(gib)).unwrap(),
+            Some(device(gib))
+        );
+        assert_eq!(Budget::on_device(&plan, None).unwrap(), None);
+        let auto = args(&["--strategy", "auto"]);
+        assert_eq!(
+            Budget::on_device(&auto, Some(gib)).unwrap(),
+            Some(device(gib))
+        );
+        let err = Budget::on_device(&auto, None).unwrap_err().to_string();
+        assert!(err.contains("give --memory-budget"), "{err}");
     }
 
     #[test]

@@ -19,7 +19,8 @@ pub enum Strategy {
     Zero2,
     #[value(alias = "fsdp")]
     Zero3,
-    /// The fastest configuration the memory planner says fits `--memory-budget` (chosen by
+    /// The fastest configuration the memory planner says fits `--memory-budget` (on a cubecl
+    /// device, its memory where no budget is given; chosen by
     /// [`crate::train`] before any rank starts, or on a cubecl device by the ranks before
     /// their engines are built; see [`crate::auto`]).
     Auto,
@@ -120,7 +121,8 @@ pub struct TrainArgs {
     pub matmul: Matmul,
     /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp), or auto: the fastest
     /// strategy, checkpointing and offload (and, only when nothing else fits, bf16) that the
-    /// memory planner says fits --memory-budget.
+    /// memory planner says fits --memory-budget (on cuda and cubecl-cpu: the device's memory
+    /// when no budget is given).
     #[arg(long, value_enum, default_value = "single")]
     pub strategy: Strategy,
     /// In-process ranks (under mpirun the world comes from MPI).
@@ -235,7 +237,9 @@ pub struct TrainArgs {
     /// The most memory one rank may take (on a CPU: this process's heap over the ranks it
     /// hosts; on cuda and cubecl-cpu: its device's pools), e.g. 1.5GiB, 800MB, 16G: checked
     /// against the memory planner before the first step (a configuration planned above it
-    /// stops there, naming what to change), and what --strategy auto chooses within.
+    /// stops there, naming what to change), and what --strategy auto chooses within. On cuda
+    /// and cubecl-cpu every plan is also checked against the device's memory, which bounds
+    /// the budget and is the budget when none is given.
     #[arg(long, value_parser = crate::memory::parse_bytes)]
     pub memory_budget: Option<usize>,
     /// Write machine-readable results here.
@@ -323,24 +327,30 @@ impl TrainArgs {
         Ok(self.sharding()?.acting_on(world, cast, offloaded))
     }
 
-    /// Whether `--plan` or `--memory-budget` plans a cubecl device's pools, by a dry run of
-    /// the steps ([`crate::device_plan`]), rather than host memory.
-    pub fn plans_device(&self) -> bool {
-        (self.plan || self.memory_budget.is_some()) && self.runs_on().is_cubecl()
+    /// Whether the run's memory is planned before it starts: `--plan`, `--memory-budget`, or
+    /// `--strategy auto` (which chooses by the plans).
+    fn plans_memory(&self) -> bool {
+        self.plan || self.memory_budget.is_some() || self.strategy == Strategy::Auto
     }
 
-    /// Why this run's memory cannot be planned (`--plan`, `--memory-budget`), if it cannot:
+    /// Whether the plan is of a cubecl device's pools, by a dry run of the steps
+    /// ([`crate::device_plan`]), rather than of host memory.
+    pub fn plans_device(&self) -> bool {
+        self.plans_memory() && self.runs_on().is_cubecl()
+    }
+
+    /// Why this run's memory cannot be planned (`--plan`, `--memory-budget`, `auto`), if it cannot:
     /// LibTorch's allocator is out of the planner's sight, and a dry run on a cubecl device
     /// cannot follow a loss scaler.
     pub fn unplannable(&self) -> Option<String> {
         let accelerator = self.runs_on();
         if accelerator == Accelerator::Libtorch {
             return Some(
-                "--plan and --memory-budget: LibTorch allocates in C++, where the planner cannot read; plan on --accelerator cpu, cuda or cubecl-cpu".into(),
+                "--plan, --memory-budget and --strategy auto: LibTorch allocates in C++, where the planner cannot read; plan on --accelerator cpu, cuda or cubecl-cpu".into(),
             );
         }
         (accelerator.is_cubecl() && self.precision.scales_loss()).then(|| format!(
-            "--plan and --memory-budget on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
+            "--plan, --memory-budget and --strategy auto on --accelerator {}: --precision {} decides each step from its gradients' values (the loss scaler skips overflowing steps), which the plan's dry run does not compute; plan bf16-mixed or 32-true instead",
             accelerator.name(),
             self.precision
         ))
@@ -361,7 +371,7 @@ impl TrainArgs {
     pub fn validate(&self) -> Result<(), TrainError> {
         let accelerator = self.runs_on();
         let invalid = |msg: String| Err(TrainError::InvalidArgs(msg));
-        if (self.plan || self.memory_budget.is_some())
+        if self.plans_memory()
             && let Some(why) = self.unplannable()
         {
             return invalid(why);
@@ -389,10 +399,14 @@ impl TrainArgs {
                 value_name(self.optimizer)
             ));
         }
-        if self.strategy == Strategy::Auto && self.memory_budget.is_none() {
-            return invalid(
-                "--strategy auto chooses what fits a memory budget: give --memory-budget (e.g. 8GiB per rank)".into(),
-            );
+        if self.strategy == Strategy::Auto
+            && self.memory_budget.is_none()
+            && !accelerator.is_cubecl()
+        {
+            return invalid(format!(
+                "--strategy auto chooses what fits a memory budget: give --memory-budget (e.g. 8GiB per rank; on --accelerator cuda or cubecl-cpu it defaults to the device's memory, here it is {})",
+                accelerator.name()
+            ));
         }
         if self.offload == Offload::Params
             && !matches!(self.strategy, Strategy::Zero3 | Strategy::Auto)
@@ -645,8 +659,14 @@ mod tests {
 
     #[test]
     fn auto_needs_a_budget() {
-        let err = refused(&["--strategy", "auto"]);
+        let err = refused(&["--strategy", "auto", "--accelerator", "cpu"]);
         assert!(err.contains("--memory-budget"), "{err}");
+        // On a cubecl device the device's memory is the budget (`Budget::on_device`).
+        let cube = parse(&["--strategy", "auto", "--accelerator", "cubecl-cpu"]).unwrap();
+        assert!(cube.plans_device());
+        if cfg!(feature = "cubecl-cpu") {
+            cube.validate().unwrap();
+        }
         let args = parse(&["--strategy", "auto", "--memory-budget", "1.5GiB"]).unwrap();
         assert_eq!(args.memory_budget, Some(3 << 29));
         args.validate().unwrap();

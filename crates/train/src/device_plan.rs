@@ -17,9 +17,11 @@
 //! optimizer's state exists only from the first step's end. The model itself, held beside the
 //! copy, is taken off the readings where it lies on the rank's device.
 //!
-//! With `--memory-budget` the ranks plan each configuration `--strategy auto` weighs
-//! ([`crate::auto`]'s candidates, fastest first; the given one alone otherwise) and run the
-//! first whose largest plan over the ranks fits, so that every rank chooses alike.
+//! The ranks plan each configuration `--strategy auto` weighs ([`crate::auto`]'s candidates,
+//! fastest first; the given one alone otherwise) and run the first whose largest plan over
+//! the ranks fits the budget, so that every rank chooses alike. The budget is
+//! `--memory-budget`, and never more than the device's memory, which cubecl's runtime reads:
+//! a plan above it stops before the first step, as it could not run.
 
 #[cfg(feature = "cube")]
 pub use dry::resolve;
@@ -77,6 +79,7 @@ pub struct Resolved {
 mod dry {
     use std::time::Instant;
 
+    use burn::backend::DispatchDevice;
     use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
     use burn::prelude::*;
     use burn::tensor::DType;
@@ -84,15 +87,16 @@ mod dry {
     use burnscale_collective::Communicator;
 
     use super::{DevicePlan, Resolved, STEPS};
-    use crate::auto;
+    use crate::auto::{self, Budget};
     use crate::optim::ParamOptimizer;
     use crate::runner::{self, BatchPart, TrainTask, gather_u64s};
     use crate::{TrainArgs, TrainError};
 
-    /// Plans `model`'s run on this rank of `comm`: `args`' configuration, or under
-    /// `--memory-budget` the first of its candidates planned within the budget on every rank
-    /// (an error naming each plan when none is). Every rank calls it together, before its
-    /// engine is built. `task` is copied, its stream does not move.
+    /// Plans `model`'s run on this rank of `comm`: `args`' configuration, or under `auto` the
+    /// first of its candidates planned within the budget on every rank (an error naming each
+    /// plan when none is). The budget is `--memory-budget`, bounded by the device's memory,
+    /// which is the budget where none is given ([`Budget::on_device`]). Every rank calls it
+    /// together, before its engine is built. `task` is copied, its stream does not move.
     pub fn resolve<T: TrainTask>(
         model: &T::Model,
         task: &T,
@@ -101,7 +105,7 @@ mod dry {
         device: &Device,
         part: BatchPart,
     ) -> Result<Resolved, TrainError> {
-        let Some(budget) = args.memory_budget else {
+        let Some(budget) = Budget::on_device(args, capacity(device))? else {
             let plan = dry_run(model, task, args, comm, device, part)?;
             return Ok(Resolved {
                 args: args.clone(),
@@ -109,6 +113,9 @@ mod dry {
                 choice: None,
             });
         };
+        if let Some(note) = budget.note(args).filter(|_| comm.rank() == 0) {
+            eprintln!("{note}");
+        }
         auto::agree_on_candidates(comm, args, device)?;
         let world = comm.world_size();
         let (args, plan, choice) = auto::search(args, world, device, budget, |candidate| {
@@ -119,6 +126,20 @@ mod dry {
             Ok((largest.unwrap_or(plan.peak), plan))
         })?;
         Ok(Resolved { args, plan, choice })
+    }
+
+    /// What `device` can hold, as its cubecl runtime says (a GPU's memory; the host's, or its
+    /// cgroup's limit, for the CPU runtime).
+    fn capacity(device: &Device) -> Option<usize> {
+        match device.clone().without_autodiff().as_dispatch() {
+            DispatchDevice::Cube(cube) => cube
+                .client()
+                .properties()
+                .memory
+                .max_memory()
+                .map(|bytes| bytes as usize),
+            _ => None,
+        }
     }
 
     /// Plans `args`' run on this rank of `comm` by training a zero-valued copy of `model` for

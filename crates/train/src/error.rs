@@ -11,7 +11,7 @@ use crate::checkpoint::CheckpointError;
 pub enum TrainError {
     #[error("invalid arguments: {0}")]
     InvalidArgs(String),
-    #[error("--memory-budget {budget} per rank is less than planned ({hint}):{planned}")]
+    #[error("{budget} per rank is less than planned ({hint}):{planned}")]
     OverBudget {
         budget: String,
         planned: String,

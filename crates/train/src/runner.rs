@@ -200,7 +200,29 @@ struct Planned<'a> {
 }
 
 /// One rank's training, with the memory plan when `planned` has the backend's terms.
+///
+/// However it ends, what the run left on this thread goes back once its engine is dropped:
+/// cubecl's pools keep a finished run's pages for its thread's stream, which no later run
+/// uses, so that the next run in this process (a bench's next row, a service's next job)
+/// starts from what is live. The layers' cached constants go too: a few KiB, but each pins a
+/// page (8 MiB of cubecl-cpu's pools, read), which the next run on this thread would find
+/// reserved.
 fn train_rank<T: TrainTask>(
+    comm: &dyn Communicator,
+    model: T::Model,
+    task: &mut T,
+    args: &TrainArgs,
+    device: &Device,
+    planned: Planned,
+) -> Result<(Option<T::Model>, RunSummary), TrainError> {
+    let outcome = run_rank(comm, model, task, args, device, planned);
+    burnscale_nn::device_cache::clear();
+    release_free_pages(device);
+    outcome
+}
+
+/// [`train_rank`]'s run, its engine and optimizer dropped on return.
+fn run_rank<T: TrainTask>(
     comm: &dyn Communicator,
     model: T::Model,
     task: &mut T,
@@ -486,15 +508,6 @@ fn train_rank<T: TrainTask>(
         true => Some(engine.full_model()?),
         false => None,
     };
-    // cubecl's pools keep a finished run's pages for its thread's stream, which no later run
-    // uses: give them back, so that the next run in this process (a bench's next row, a
-    // service's next job) starts from what is live. The layers' cached constants go too: a
-    // few KiB, but each pins a page (8 MiB of cubecl-cpu's pools, read), which the next run
-    // on this thread would find reserved.
-    drop(engine);
-    drop(optim);
-    burnscale_nn::device_cache::clear();
-    release_free_pages(device);
     Ok((model, summary))
 }
 
