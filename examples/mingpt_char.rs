@@ -161,7 +161,11 @@ fn run() -> Result<()> {
     if let Some(model) = model.filter(|_| cli.sample_len > 0) {
         let model = model.valid();
         let mut rng = rand::rngs::StdRng::seed_from_u64(cli.train.seed);
-        let prompt = vocab.encode("O God, O God!");
+        // Shakespeare's words, or where the text has none of their characters its first one.
+        let prompt = match vocab.encode("O God, O God!") {
+            words if !words.is_empty() => words,
+            _ => tokens[..1].to_vec(),
+        };
         let prompt: Vec<usize> = prompt.iter().map(|&t| t as usize).collect();
         let sampling = Sampling::TopK {
             k: 10,

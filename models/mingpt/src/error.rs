@@ -7,6 +7,8 @@ pub enum GptError {
     UnknownPreset(String),
     #[error(transparent)]
     Weights(#[from] burnscale_nn::weights::WeightError),
+    #[error("cannot generate from this prompt: {0}")]
+    Prompt(String),
     #[error("generating text failed on the device: {0}")]
     Generate(#[from] burn::tensor::ExecutionError),
 }

@@ -15,7 +15,8 @@ pub enum Sampling {
 impl Gpt {
     /// Extends `prompt` by `max_new_tokens` tokens, cropping the context to `block_size` as
     /// minGPT does. Call it on an eval-mode model (`model.valid()`), so dropout is off. Fails
-    /// when the device fails to run a step.
+    /// on an empty prompt or a token outside the vocabulary, and when the device fails to run
+    /// a step.
     pub fn generate(
         &self,
         prompt: &[usize],
@@ -24,6 +25,17 @@ impl Gpt {
         rng: &mut impl Rng,
         device: &Device,
     ) -> Result<Vec<usize>, GptError> {
+        if prompt.is_empty() {
+            return Err(GptError::Prompt(
+                "it is empty: give at least one token".into(),
+            ));
+        }
+        let vocab = self.vocab_size();
+        if let Some(token) = prompt.iter().find(|&&t| t >= vocab) {
+            return Err(GptError::Prompt(format!(
+                "token {token} is outside the vocabulary of {vocab}"
+            )));
+        }
         let mut tokens = prompt.to_vec();
         for _ in 0..max_new_tokens {
             let start = tokens.len().saturating_sub(self.block_size());
@@ -89,6 +101,24 @@ mod tests {
             temperature: 1.0,
         };
         assert_eq!(choose(&logits, top1, &mut rng), 1);
+    }
+
+    #[test]
+    fn a_prompt_the_model_cannot_read_is_an_error() {
+        let device = Device::default();
+        let config = crate::GptConfig::tiny();
+        let model = Gpt::new(&config, &device).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+        let mut generate = |prompt: &[usize]| {
+            model
+                .generate(prompt, 2, Sampling::Greedy, &mut rng, &device)
+                .map_err(|e| e.to_string())
+        };
+        let empty = generate(&[]).unwrap_err();
+        assert!(empty.contains("empty"), "{empty}");
+        let outside = generate(&[config.vocab_size]).unwrap_err();
+        assert!(outside.contains("outside the vocabulary"), "{outside}");
+        assert_eq!(generate(&[0, 1]).unwrap().len(), 4);
     }
 
     #[test]

@@ -153,6 +153,11 @@ impl Gpt {
         self.block_size
     }
 
+    /// The tokens the model reads and predicts: `wte`'s rows.
+    pub fn vocab_size(&self) -> usize {
+        self.wte.weight.lazy_shape()[0]
+    }
+
     /// Logits for every position. Panics if the sequence is longer than `block_size`:
     /// callers crop their context, as [`Gpt::generate`] does.
     pub fn forward(&self, idx: Tensor<2, Int>) -> Tensor<3> {
