@@ -59,13 +59,14 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     // Defaults that finetune on 2 CPU cores in under 10 minutes: a finetuning learning rate
     // after a short warm-up, about a third of an epoch at batch 16.
-    let cli: Cli = burnscale::parse_with_defaults(&[
+    let mut cli: Cli = burnscale::parse_with_defaults(&[
         ("lr", "1e-4"),
         ("warmup_steps", "10"),
         ("weight_decay", "0.01"),
-        ("beta2", "0.999"),
         ("max_steps", "100"),
     ]);
+    // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
+    cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
     if !(0.0..1.0).contains(&cli.test_fraction) {
         bail!("--test-fraction {} is not in [0, 1)", cli.test_fraction);

@@ -24,7 +24,7 @@ struct Cli {
     #[arg(long)]
     with_optimizer: bool,
     /// List what the checkpoint holds instead of writing anything.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["out", "with_optimizer"])]
     inspect: bool,
 }
 

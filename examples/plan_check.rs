@@ -3,7 +3,7 @@
 //! FAIL line per rank (see `burnscale::plan_check`).
 //!
 //!     cargo build --release --features mpi --example plan_check
-//!     mpirun --allow-run-as-root --oversubscribe -np 2 target/release/examples/plan_check -- --strategy zero3
+//!     mpirun --allow-run-as-root --oversubscribe -np 2 target/release/examples/plan_check --strategy zero3
 //!
 //! Without runner flags, lists the configurations (one per line) for a loop to run.
 //! Exits non-zero if any rank's prediction is off by more than the tolerance.

@@ -56,15 +56,16 @@ fn main() -> std::process::ExitCode {
 fn run() -> Result<()> {
     // Defaults that finetune on 2 CPU cores in a few minutes: a few epochs of the digits at
     // batch 32, a short warm-up, a finetuning learning rate.
-    let cli: Cli = burnscale::parse_with_defaults(&[
+    let mut cli: Cli = burnscale::parse_with_defaults(&[
         ("lr", "1e-4"),
         ("batch_size", "32"),
         ("warmup_steps", "20"),
         ("weight_decay", "0.05"),
-        ("beta2", "0.999"),
         ("max_steps", "135"),
         ("eval_interval", "45"),
     ]);
+    // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
+    cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
     if !(0.0..1.0).contains(&cli.test_fraction) {
         bail!("--test-fraction {} is not in [0, 1)", cli.test_fraction);

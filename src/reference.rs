@@ -18,9 +18,7 @@ use burn::tensor::FloatDType;
 use burnscale_nn::BlockModel;
 use burnscale_train::adafactor::Adafactor;
 use burnscale_train::adam8bit::AdamW8bit;
-use burnscale_train::{
-    ADAM_BETA1, BatchPart, MIN_8BIT_SIZE, OptimizerKind, Schedule, TrainArgs, TrainTask,
-};
+use burnscale_train::{BatchPart, MIN_8BIT_SIZE, OptimizerKind, Schedule, TrainArgs, TrainTask};
 
 /// What the plain loop can run: the optimizer settings of `TrainArgs` that a check uses.
 #[derive(Debug, Clone)]
@@ -78,14 +76,14 @@ impl PlainConfig {
     /// compare against a reference that silently trains differently.
     pub fn from_args(args: &TrainArgs) -> Result<Self, String> {
         let optimizer = match args.optimizer {
-            OptimizerKind::Sgd if args.momentum == 0.0 => PlainOptimizer::Sgd,
+            OptimizerKind::Sgd if args.sgd_momentum() == 0.0 => PlainOptimizer::Sgd,
             OptimizerKind::Adamw => PlainOptimizer::AdamW {
-                beta1: args.beta1.unwrap_or(ADAM_BETA1),
-                beta2: args.beta2,
+                beta1: args.adam_betas().0,
+                beta2: args.adam_betas().1,
             },
             OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
-                beta1: args.beta1.unwrap_or(ADAM_BETA1),
-                beta2: args.beta2,
+                beta1: args.adam_betas().0,
+                beta2: args.adam_betas().1,
                 min_size: args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE),
             },
             OptimizerKind::Adafactor => PlainOptimizer::Adafactor {
@@ -95,7 +93,7 @@ impl PlainConfig {
             OptimizerKind::Sgd => {
                 return Err(format!(
                     "the plain reference runs sgd without momentum, not with --momentum {}",
-                    args.momentum
+                    args.sgd_momentum()
                 ));
             }
             other => {

@@ -298,6 +298,21 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     );
     fs::write(&file, &pristine).unwrap();
 
+    // A meta.json edited by hand: a split tensor without dimensions.
+    let meta_path = dir.join("step-00000003/meta.json");
+    let meta = fs::read_to_string(&meta_path).unwrap();
+    let mut edited: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    edited["params"][0]["dims"] = serde_json::json!([]);
+    fs::write(&meta_path, edited.to_string()).unwrap();
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("meta.json") && err.contains("has no dimensions"),
+        "{err}"
+    );
+    fs::write(&meta_path, meta).unwrap();
+
     // Another model: wider, so every matrix differs.
     let args = TrainArgs::from_flags(&[
         "--resume",
@@ -336,6 +351,12 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("optimizer adamw, this run sgd"), "{err}");
+
+    // Another seed: the batches after the checkpoint would be drawn in another order.
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume", "--seed", "7"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("seed 42, this run 7"), "{err}");
 
     // An interrupted save (no meta.json) is not a checkpoint, and the next save clears it.
     fs::create_dir_all(dir.join(".step-00000006.partial")).unwrap();

@@ -20,7 +20,7 @@ use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size
 use serde::Serialize;
 
 use crate::accelerator::Accelerator;
-use crate::cli::{Strategy, TrainArgs, value_name};
+use crate::cli::{Offload, Strategy, TrainArgs, value_name};
 use crate::memory::human_bytes;
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::runner::TrainTask;
@@ -193,10 +193,19 @@ pub(crate) fn search<P>(
     budget: Budget,
     mut plan: impl FnMut(&TrainArgs) -> Result<(usize, P), TrainError>,
 ) -> Result<(TrainArgs, P, Option<AutoChoice>), TrainError> {
-    if args.strategy == Strategy::Auto && world == 1 && args.reshard_after_forward.is_some() {
-        return Err(TrainError::InvalidArgs(
-            "--reshard-after-forward applies to zero3, which --strategy auto weighs on more than one rank only (this world has one)".into(),
-        ));
+    if args.strategy == Strategy::Auto && world == 1 {
+        let zero3_only = [
+            (
+                "--reshard-after-forward",
+                args.reshard_after_forward.is_some(),
+            ),
+            ("--offload params", args.offload == Offload::Params),
+        ];
+        if let Some((flag, _)) = zero3_only.iter().find(|(_, given)| *given) {
+            return Err(TrainError::InvalidArgs(format!(
+                "{flag} applies to zero3, which --strategy auto weighs on more than one rank only (this world has one)"
+            )));
+        }
     }
     let mut over_budget = Vec::new();
     for candidate in candidates(args, world, device) {
@@ -489,6 +498,24 @@ mod tests {
         );
         let err = Budget::on_device(&auto, None).unwrap_err().to_string();
         assert!(err.contains("give --memory-budget"), "{err}");
+    }
+
+    #[test]
+    fn zero3_flags_under_auto_on_one_rank_are_refused_before_any_plan() {
+        for flags in [["--reshard-after-forward", "true"], ["--offload", "params"]] {
+            let auto = ["--strategy", "auto", "--memory-budget", "1G"];
+            let args = TrainArgs::from_flags(&[&auto[..], &flags[..]].concat()).unwrap();
+            let budget = Budget::given(1 << 30);
+            let err = search(&args, 1, &Device::flex(), budget, |_| {
+                Ok::<_, TrainError>((0, ()))
+            })
+            .unwrap_err()
+            .to_string();
+            assert!(
+                err.contains(flags[0]) && err.contains("more than one rank"),
+                "{err}"
+            );
+        }
     }
 
     #[test]

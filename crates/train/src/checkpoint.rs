@@ -286,6 +286,18 @@ fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
     Ok(())
 }
 
+/// The step and directory of the newest complete checkpoint under `root`, if any.
+pub(crate) fn newest(root: &Path) -> Result<Option<(usize, PathBuf)>, CheckpointError> {
+    if !root.exists() {
+        return Ok(None);
+    }
+    let entries = fs::read_dir(root).map_err(io_error(root))?;
+    Ok(entries
+        .flatten()
+        .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
+        .max())
+}
+
 /// The step of the complete checkpoint at `path` (`step-N` holding `meta.json`).
 fn complete_step(path: &Path) -> Option<usize> {
     let name = path.file_name()?.to_str()?;
@@ -557,15 +569,7 @@ struct RankFile {
 impl Checkpoint {
     /// The newest complete checkpoint under `root`, if any.
     pub fn latest(root: &Path) -> Result<Option<Self>, CheckpointError> {
-        if !root.exists() {
-            return Ok(None);
-        }
-        let entries = fs::read_dir(root).map_err(io_error(root))?;
-        let newest = entries
-            .flatten()
-            .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
-            .max();
-        newest.map(|(_, path)| Self::open(&path)).transpose()
+        newest(root)?.map(|(_, path)| Self::open(&path)).transpose()
     }
 
     /// The checkpoint in `dir`.
@@ -590,6 +594,19 @@ impl Checkpoint {
                     meta.files.len(),
                     meta.world_size
                 ),
+            });
+        }
+        // Split tensors are read by rows: each has a first dimension.
+        let states = meta.states.iter().flat_map(|s| &s.tensors);
+        if let Some(t) = meta
+            .params
+            .iter()
+            .chain(states)
+            .find(|t| t.dims.is_empty() && !t.replicated)
+        {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!("`{}` has no dimensions, but is split by rows", t.name),
             });
         }
         Ok(Self {
@@ -896,7 +913,8 @@ impl Checkpoint {
 
     /// The whole of `tensor` (saved under `prefix`) as f32.
     fn whole(&mut self, prefix: &str, tensor: &SavedTensor) -> Result<Weight, TrainError> {
-        let d0 = tensor.dims[0];
+        // `open` refused split tensors without rows; a replicated one is read whole.
+        let d0 = tensor.dims.first().copied().unwrap_or(1);
         let values = self
             .rows(prefix, tensor, 0, d0, d0)?
             .try_into_vec_as::<f32>()
@@ -982,6 +1000,12 @@ pub fn restore<T: TrainTask>(
             meta.param_dtype.clone(),
             format!("{:?}", args.precision.param_dtype()),
         ),
+        // The data order after the checkpoint is drawn from the seed.
+        differs("seed", meta.seed.to_string(), args.seed.to_string()),
+        // The scaler resumes at its saved scale, which a flag would not change.
+        (args.initial_loss_scale.is_some() && meta.loss_scaler.is_some()).then(|| {
+            "the loss scaler's scale is saved, this run gives --initial-loss-scale (drop it to resume)".to_string()
+        }),
     ]
     .into_iter()
     .flatten()

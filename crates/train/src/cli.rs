@@ -98,6 +98,17 @@ pub enum OptimizerKind {
     Adam8bit,
 }
 
+impl OptimizerKind {
+    /// Whether this optimizer decays a second moment by `--beta2` (Adafactor's decay follows
+    /// the step instead).
+    pub fn has_beta2(self) -> bool {
+        matches!(
+            self,
+            OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit
+        )
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
@@ -190,27 +201,31 @@ pub struct TrainArgs {
     /// Peak learning rate.
     #[arg(long, default_value_t = 5e-4)]
     pub lr: f64,
-    /// Decoupled weight decay, applied to rank >= 2 parameters only: matrices and embeddings
-    /// (as nanoGPT; minGPT also spares embeddings).
+    /// Weight decay, applied to rank >= 2 parameters only: matrices and embeddings (as
+    /// nanoGPT; minGPT also spares embeddings). Decoupled from the gradient for adamw,
+    /// adam8bit and adafactor; for adam and sgd an L2 term added to it, as torch.optim's
+    /// Adam and SGD do.
     #[arg(long, default_value_t = 0.1)]
     pub weight_decay: f64,
     /// The first moment's decay: Adam and AdamW's beta1 (default 0.9); Adafactor keeps a
     /// first moment only when it is given.
     #[arg(long)]
     pub beta1: Option<f64>,
-    #[arg(long, default_value_t = 0.95)]
-    pub beta2: f64,
-    /// SGD momentum (0 disables it).
-    #[arg(long, default_value_t = 0.9)]
-    pub momentum: f64,
+    /// The second moment's decay: Adam, AdamW and adam8bit's beta2 (default 0.95; the
+    /// finetuning examples' 0.999).
+    #[arg(long)]
+    pub beta2: Option<f64>,
+    /// SGD's momentum (default 0.9; 0 disables it).
+    #[arg(long)]
+    pub momentum: Option<f64>,
     #[arg(long, value_enum, default_value = "cosine")]
     pub schedule: Schedule,
     /// Linear warm-up steps before the schedule.
     #[arg(long, default_value_t = 0)]
     pub warmup_steps: usize,
-    /// Final learning rate of the cosine schedule, as a fraction of --lr.
-    #[arg(long, default_value_t = 0.1)]
-    pub min_lr_ratio: f64,
+    /// Final learning rate of the cosine schedule, as a fraction of --lr (default 0.1).
+    #[arg(long)]
+    pub min_lr_ratio: Option<f64>,
     /// Micro-batch size per rank.
     #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
@@ -283,6 +298,16 @@ pub struct TrainArgs {
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.
 pub const ADAM_BETA1: f64 = 0.9;
 
+/// Adam's and AdamW's second-moment decay when `--beta2` is not given (nanoGPT's).
+pub const ADAM_BETA2: f64 = 0.95;
+
+/// SGD's momentum when `--momentum` is not given.
+pub const SGD_MOMENTUM: f64 = 0.9;
+
+/// The cosine schedule's final learning rate, as a fraction of `--lr`, when `--min-lr-ratio`
+/// is not given.
+pub const MIN_LR_RATIO: f64 = 0.1;
+
 /// The fewest elements a matrix has for adam8bit's 8-bit state when `--min-8bit-size` is not
 /// given (bitsandbytes' default).
 pub const MIN_8BIT_SIZE: usize = 4096;
@@ -309,6 +334,65 @@ impl TrainArgs {
         }
         let argv = std::iter::once("burnscale").chain(flags.iter().copied());
         <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.train)
+    }
+
+    /// Adam's, AdamW's and adam8bit's `(beta1, beta2)`: the flags, or their defaults.
+    pub fn adam_betas(&self) -> (f64, f64) {
+        (
+            self.beta1.unwrap_or(ADAM_BETA1),
+            self.beta2.unwrap_or(ADAM_BETA2),
+        )
+    }
+
+    /// SGD's momentum: `--momentum`, or its default.
+    pub fn sgd_momentum(&self) -> f64 {
+        self.momentum.unwrap_or(SGD_MOMENTUM)
+    }
+
+    /// These arguments with `--beta2` defaulting to `beta2` where the optimizer has a second
+    /// moment and none was given: a program's own default (the finetuning examples take
+    /// 0.999, as HF's Trainer), which an optimizer without a beta2 does not refuse.
+    pub fn with_default_beta2(mut self, beta2: f64) -> Self {
+        if self.optimizer.has_beta2() {
+            self.beta2 = self.beta2.or(Some(beta2));
+        }
+        self
+    }
+
+    /// Refuses an optimizer or schedule setting that this configuration would not read.
+    fn check_every_flag_is_read(&self) -> Result<(), TrainError> {
+        let optimizer = value_name(self.optimizer);
+        let unread = [
+            (
+                "--beta1",
+                self.beta1.is_some() && self.optimizer == OptimizerKind::Sgd,
+                format!("--optimizer {optimizer}, which has no moment estimates"),
+            ),
+            (
+                "--beta2",
+                self.beta2.is_some() && !self.optimizer.has_beta2(),
+                format!("--optimizer {optimizer}, which keeps no second moment by beta2"),
+            ),
+            (
+                "--momentum",
+                self.momentum.is_some() && self.optimizer != OptimizerKind::Sgd,
+                format!("--optimizer {optimizer}: it is sgd's (adam's is --beta1)"),
+            ),
+            (
+                "--min-lr-ratio",
+                self.min_lr_ratio.is_some() && self.schedule != Schedule::Cosine,
+                format!(
+                    "--schedule {}, which does not anneal",
+                    value_name(self.schedule)
+                ),
+            ),
+        ];
+        match unread.into_iter().find(|(_, unread, _)| *unread) {
+            Some((flag, _, why)) => Err(TrainError::InvalidArgs(format!(
+                "{flag} is not read under {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// What the chosen strategy shards, with `--reshard-after-forward` applied.
@@ -434,12 +518,10 @@ impl TrainArgs {
         if !(self.lr > 0.0 && self.lr <= 1.0) {
             return invalid(format!("--lr must be in (0, 1], got {}", self.lr));
         }
-        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
-            return invalid(format!(
-                "--min-lr-ratio must be in [0, 1], got {}",
-                self.min_lr_ratio
-            ));
+        if let Some(ratio) = self.min_lr_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
+            return invalid(format!("--min-lr-ratio must be in [0, 1], got {ratio}"));
         }
+        self.check_every_flag_is_read()?;
         for (flag, given) in [
             ("--initial-loss-scale", self.initial_loss_scale.is_some()),
             (
@@ -468,8 +550,12 @@ impl TrainArgs {
         if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
             return invalid("--grad-clip and --weight-decay must not be negative".into());
         }
-        if self.checkpoint_dir.is_none() && (self.resume || self.checkpoint_every > 0) {
-            return invalid("--resume and --checkpoint-every need --checkpoint-dir".into());
+        if self.checkpoint_dir.is_none()
+            && (self.resume || self.checkpoint_every > 0 || self.keep_checkpoints.is_some())
+        {
+            return invalid(
+                "--resume, --checkpoint-every and --keep-checkpoints need --checkpoint-dir".into(),
+            );
         }
         if self.keep_checkpoints == Some(0) {
             return invalid("--keep-checkpoints must be at least 1".into());
@@ -485,17 +571,37 @@ impl TrainArgs {
                 existing.display()
             ));
         }
+        // A new run beside an earlier run's checkpoints would mix with them: `--resume` would
+        // take the newest of either, and `--keep-checkpoints` prunes by step, its own first.
+        if let Some(dir) = self.checkpoint_dir.as_ref().filter(|_| !self.resume)
+            && let Ok(Some((step, _))) = crate::checkpoint::newest(dir)
+        {
+            return invalid(format!(
+                "--checkpoint-dir {} holds an earlier run's checkpoint (step {step}): give --resume to continue it, or a new directory",
+                dir.display()
+            ));
+        }
         // Checked before training, not found out after it.
-        if let Some(path) = &self.save {
+        for (flag, path) in [
+            ("--save", &self.save),
+            ("--summary-json", &self.summary_json),
+        ] {
+            let Some(path) = path else { continue };
             let dir = match path.parent() {
                 Some(dir) if !dir.as_os_str().is_empty() => dir,
                 _ => std::path::Path::new("."),
             };
-            if !dir.is_dir() || path.is_dir() {
+            if path.is_dir() {
                 return invalid(format!(
-                    "--save {}: {} is not a directory",
+                    "{flag} {}: a directory, where a file is to be written",
+                    path.display()
+                ));
+            }
+            if !dir.is_dir() {
+                return invalid(format!(
+                    "{flag} {}: {} is not a directory",
                     path.display(),
-                    if path.is_dir() { path } else { dir }.display()
+                    dir.display()
                 ));
             }
         }
@@ -672,6 +778,90 @@ mod tests {
         args.validate().unwrap();
         let err = parse(&["--memory-budget", "lots"]).unwrap_err();
         assert!(err.contains("lots") && err.contains("GiB"), "{err}");
+    }
+
+    #[test]
+    fn an_optimizer_setting_the_run_would_not_read_is_refused() {
+        for (flags, flag) in [
+            (&["--optimizer", "sgd", "--beta1", "0.8"][..], "--beta1"),
+            (&["--optimizer", "sgd", "--beta2", "0.99"][..], "--beta2"),
+            (
+                &["--optimizer", "adafactor", "--beta2", "0.99"][..],
+                "--beta2",
+            ),
+            (&["--momentum", "0.5"][..], "--momentum"),
+            (
+                &["--optimizer", "adam", "--momentum", "0"][..],
+                "--momentum",
+            ),
+            (
+                &["--schedule", "constant", "--min-lr-ratio", "0.5"][..],
+                "--min-lr-ratio",
+            ),
+        ] {
+            let err = refused(flags);
+            assert!(
+                err.contains(&format!("{flag} is not read")),
+                "{flags:?}: {err}"
+            );
+        }
+        for read in [
+            &["--optimizer", "sgd", "--momentum", "0"][..],
+            &["--optimizer", "adafactor", "--beta1", "0.9"][..],
+            &[
+                "--optimizer",
+                "adam8bit",
+                "--beta1",
+                "0.8",
+                "--beta2",
+                "0.99",
+            ][..],
+            &["--min-lr-ratio", "0.5"][..],
+        ] {
+            parse(read).unwrap().validate().unwrap();
+        }
+        // A program's default beta2 lands only where the optimizer has one.
+        let sgd = parse(&["--optimizer", "sgd"])
+            .unwrap()
+            .with_default_beta2(0.999);
+        sgd.validate().unwrap();
+        let adamw = parse(&[]).unwrap().with_default_beta2(0.999);
+        assert_eq!(adamw.adam_betas(), (ADAM_BETA1, 0.999));
+        let given = parse(&["--beta2", "0.9"])
+            .unwrap()
+            .with_default_beta2(0.999);
+        assert_eq!(given.adam_betas().1, 0.9);
+    }
+
+    #[test]
+    fn files_written_at_the_end_are_checked_before_the_start() {
+        for flag in ["--save", "--summary-json"] {
+            let err = refused(&[flag, "/no/such/dir/out.json"]);
+            assert!(err.contains("/no/such/dir is not a directory"), "{err}");
+            let err = refused(&[flag, "/tmp"]);
+            assert!(err.contains("a directory, where a file"), "{err}");
+            parse(&[flag, "out.json"]).unwrap().validate().unwrap();
+        }
+        let err = refused(&["--keep-checkpoints", "2"]);
+        assert!(err.contains("need --checkpoint-dir"), "{err}");
+    }
+
+    #[test]
+    fn a_new_run_does_not_mix_with_an_earlier_runs_checkpoints() {
+        let dir = std::env::temp_dir().join(format!("burnscale-cli-{}", std::process::id()));
+        let step = dir.join("step-00000007");
+        std::fs::create_dir_all(&step).unwrap();
+        let flags = ["--checkpoint-dir", dir.to_str().unwrap()];
+        // An interrupted save (no meta.json) is no checkpoint.
+        parse(&flags).unwrap().validate().unwrap();
+        std::fs::write(step.join("meta.json"), "{}").unwrap();
+        let err = refused(&flags);
+        assert!(err.contains("(step 7): give --resume"), "{err}");
+        parse(&[&flags[..], &["--resume"]].concat())
+            .unwrap()
+            .validate()
+            .unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

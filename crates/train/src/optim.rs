@@ -22,7 +22,7 @@ use burnscale_shard::layout::{self, Slot};
 use crate::TrainError;
 use crate::adafactor::{Adafactor, AdafactorState};
 use crate::adam8bit::AdamW8bit;
-use crate::cli::{ADAM_BETA1, MIN_8BIT_SIZE, Offload, OptimizerKind, Schedule, TrainArgs};
+use crate::cli::{MIN_8BIT_SIZE, MIN_LR_RATIO, Offload, OptimizerKind, Schedule, TrainArgs};
 use crate::fused_adamw::FusedAdamW;
 use crate::offload::DiskStates;
 
@@ -60,7 +60,8 @@ impl ParamOptimizer {
     /// The optimizer `args` name, for rank `rank` (whose `--offload-dir` files are its own),
     /// for the parameters of `model` (whole, before any sharding).
     pub fn new<M: Module>(args: &TrainArgs, rank: usize, model: &M) -> Result<Self, TrainError> {
-        let (b1, b2) = (args.beta1.unwrap_or(ADAM_BETA1) as f32, args.beta2 as f32);
+        let (b1, b2) = args.adam_betas();
+        let (b1, b2) = (b1 as f32, b2 as f32);
         let adafactor = |weight_decay: f64| Adafactor {
             beta_1: args.beta1,
             weight_decay,
@@ -84,8 +85,8 @@ impl ParamOptimizer {
                 OptimizerKind::Sgd => Arc::new(
                     SgdConfig::new()
                         .with_momentum(
-                            (args.momentum > 0.0)
-                                .then(|| MomentumConfig::new().with_momentum(args.momentum)),
+                            (args.sgd_momentum() > 0.0)
+                                .then(|| MomentumConfig::new().with_momentum(args.sgd_momentum())),
                         )
                         .with_weight_decay((wd > 0.0).then(|| WeightDecayConfig::new(wd)))
                         .build(),
@@ -648,7 +649,7 @@ pub(crate) fn state_bytes_of(
             2 * (numel + 4 * held[0] * blocks)
         }
         OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => 2 * weight * numel,
-        OptimizerKind::Sgd if args.momentum > 0.0 => weight * numel,
+        OptimizerKind::Sgd if args.sgd_momentum() > 0.0 => weight * numel,
         OptimizerKind::Sgd => 0,
         // f32 statistics: a matrix's row and column means, a vector's whole second moment;
         // the first moment when it keeps one.
@@ -760,7 +761,7 @@ impl LrSchedule {
                     args.lr,
                     args.max_steps.saturating_sub(args.warmup_steps).max(1),
                 )
-                .with_min_lr(args.lr * args.min_lr_ratio)
+                .with_min_lr(args.lr * args.min_lr_ratio.unwrap_or(MIN_LR_RATIO))
                 .init()
                 .map_err(TrainError::InvalidArgs)?,
             ),

@@ -56,7 +56,7 @@ impl ModelStateBytes {
             OptimizerKind::Adam8bit => 2,
             // The factored moments ((rows + cols) x 4 B per matrix) are not counted.
             OptimizerKind::Adafactor if args.beta1.is_some() => 4,
-            OptimizerKind::Sgd if args.momentum > 0.0 => weight,
+            OptimizerKind::Sgd if args.sgd_momentum() > 0.0 => weight,
             _ => 0,
         };
         let (mut replicated, mut sharded) = (0, 0);
