@@ -33,6 +33,11 @@ struct Cli {
     /// others stop with an error instead of hanging.
     #[arg(long)]
     panic_rank: Option<usize>,
+    /// Fault injection: this rank leaves the group after its first collective (as a rank
+    /// whose run failed with an error returns), to show that the others stop with an error
+    /// naming it instead of waiting for it.
+    #[arg(long)]
+    leave_rank: Option<usize>,
     /// Run the suite on the NCCL engine, one rank per GPU.
     #[cfg(feature = "cuda")]
     #[arg(long)]
@@ -40,19 +45,21 @@ struct Cli {
 }
 
 /// Prints this rank's results; returns how many failed.
-fn report(
-    comm: &dyn Communicator,
-    engine: &str,
-    panic_rank: Option<usize>,
-    device: &Device,
-) -> usize {
-    if let Some(victim) = panic_rank {
+fn report(comm: &dyn Communicator, engine: &str, cli: &Cli, device: &Device) -> usize {
+    if cli.panic_rank.is_some() || cli.leave_rank.is_some() {
         if let Err(e) = comm.barrier() {
             println!("FAIL [{engine} rank {}] barrier: {e}", comm.rank());
             return 1;
         }
-        if comm.rank() == victim {
-            panic!("rank {victim} panics on purpose (--panic-rank)");
+        if cli.panic_rank == Some(comm.rank()) {
+            panic!("rank {} panics on purpose (--panic-rank)", comm.rank());
+        }
+        if cli.leave_rank == Some(comm.rank()) {
+            println!(
+                "FAIL [{engine} rank {}] leaves the group on purpose (--leave-rank)",
+                comm.rank()
+            );
+            return 1;
         }
     }
     let results = conformance::run(comm, device);
@@ -94,7 +101,7 @@ fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
         .devices
         .unwrap_or(if launched_by_mpirun() { 1 } else { 2 });
     let ranks = burnscale::collective::run_gpu_ranks(devices, timeout, |comm| {
-        report(comm, "nccl", cli.panic_rank, &Device::cuda(gpu(comm)))
+        report(comm, "nccl", cli, &Device::cuda(gpu(comm)))
     });
     burnscale::exit_for_failures(ranks)
 }
@@ -112,6 +119,6 @@ fn main() -> ExitCode {
         "threads"
     };
     check_ranks(cli.devices, timeout, |comm| {
-        report(comm, engine, cli.panic_rank, &Device::default())
+        report(comm, engine, &cli, &Device::default())
     })
 }

@@ -9,6 +9,10 @@ pub enum CollectiveError {
         reason: String,
     },
     #[error(
+        "rank {me}: {op} aborted because another rank left the group (it stopped: its own error says why)"
+    )]
+    PeerLeft { me: usize, op: &'static str },
+    #[error(
         "rank {me}: {op} timed out after {secs:.1} s waiting for rank(s) {missing:?} (raise the timeout if they are only slow)"
     )]
     Timeout {

@@ -7,15 +7,29 @@ use std::time::{Duration, Instant};
 
 use crate::{CollectiveError, DType};
 
+/// The call a rank makes as it leaves the group (its communicator dropped, its work done or
+/// failed): a rank still working meets it at its next call, which fails naming it, rather than
+/// waiting for a rank that is gone.
+pub(crate) const LEAVE: &str = "leave";
+
+fn op_code(op: &str) -> i64 {
+    op.bytes()
+        .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64))
+}
+
 /// This rank's call (op, dtype, and length where it must match) as six integers whose
 /// element-wise max over the ranks [`check`] reads: max(x) and max(-x) = -min(x) in one
 /// all-reduce.
 pub(crate) fn call(op: &str, dtype: DType, len: Option<usize>) -> [i64; 6] {
-    let code = op
-        .bytes()
-        .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64));
-    let mine = [code, dtype as i64, len.map_or(-1, |l| l as i64)];
+    let mine = [op_code(op), dtype as i64, len.map_or(-1, |l| l as i64)];
     [mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]]
+}
+
+/// Whether a rank left the group in the call whose max over the ranks is `max` (when calls
+/// differ, the leave's code is the largest or the smallest of them).
+pub(crate) fn left(max: &[i64; 6]) -> bool {
+    let code = op_code(LEAVE);
+    max[0] == code || -max[3] == code
 }
 
 /// Whether every rank made the same call, from the max over the ranks of their [`call`]s.

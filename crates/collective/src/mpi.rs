@@ -14,6 +14,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
@@ -43,6 +44,8 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     watchdog: Arc<Watchdog>,
+    /// Whether a rank has left the group: no later call can complete.
+    peer_left: AtomicBool,
 }
 
 // SAFETY: the handle is used by one thread at a time (the trait takes `&self` from the rank's
@@ -72,6 +75,7 @@ impl MpiComm {
             rank,
             size,
             watchdog: Watchdog::start(rank, timeout),
+            peer_left: AtomicBool::new(false),
         })
     }
 
@@ -86,18 +90,40 @@ impl MpiComm {
         &self.world
     }
 
-    /// All ranks must be making the same call: op, dtype, and length where it must match.
+    /// All ranks must be making the same call: op, dtype, and length where it must match;
+    /// and none may have left the group.
     fn agree(
         &self,
         op: &'static str,
         dtype: DType,
         len: Option<usize>,
     ) -> Result<(), CollectiveError> {
+        let peer_left = || CollectiveError::PeerLeft { me: self.rank, op };
+        if self.peer_left.load(Ordering::Relaxed) {
+            return Err(peer_left());
+        }
         let send = guard::call(op, dtype, len);
         let mut got = [0i64; 6];
         self.world
             .all_reduce_into(&send[..], &mut got[..], SystemOperation::max());
+        if op != guard::LEAVE && guard::left(&got) {
+            self.peer_left.store(true, Ordering::Relaxed);
+            return Err(peer_left());
+        }
         guard::check(self.rank, &got, op, dtype, len)
+    }
+}
+
+/// A rank leaves the group before MPI finalizes, which waits for every rank: the others, at
+/// their next call, stop with an error instead of waiting for it (and the launcher killing
+/// this rank before it reports its own). A rank that saw another leave does not meet it
+/// again.
+impl Drop for MpiComm {
+    fn drop(&mut self) {
+        if !self.peer_left.load(Ordering::Relaxed) {
+            let _watch = self.watchdog.watch(guard::LEAVE);
+            let _ = self.agree(guard::LEAVE, DType::F32, None);
+        }
     }
 }
 
@@ -217,8 +243,8 @@ impl Communicator for MpiComm {
 
     fn barrier(&self) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("barrier");
-        self.world.barrier();
-        Ok(())
+        // The agreement is the barrier: every rank's call has arrived once it completes.
+        self.agree("barrier", DType::F32, None)
     }
 }
 

@@ -136,7 +136,8 @@ pub struct TrainArgs {
     /// when no budget is given).
     #[arg(long, value_enum, default_value = "single")]
     pub strategy: Strategy,
-    /// In-process ranks (under mpirun the world comes from MPI).
+    /// In-process ranks (under mpirun the world comes from MPI, one rank per process: more
+    /// than 1 there is refused).
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
     /// Numeric precision: 32-true; 16-mixed and bf16-mixed (f32 master weights, 16-bit
@@ -585,6 +586,7 @@ impl TrainArgs {
         for (flag, path) in [
             ("--save", &self.save),
             ("--summary-json", &self.summary_json),
+            ("--metrics-csv", &self.metrics_csv),
         ] {
             let Some(path) = path else { continue };
             let dir = match path.parent() {
@@ -835,7 +837,7 @@ mod tests {
 
     #[test]
     fn files_written_at_the_end_are_checked_before_the_start() {
-        for flag in ["--save", "--summary-json"] {
+        for flag in ["--save", "--summary-json", "--metrics-csv"] {
             let err = refused(&[flag, "/no/such/dir/out.json"]);
             assert!(err.contains("/no/such/dir is not a directory"), "{err}");
             let err = refused(&[flag, "/tmp"]);

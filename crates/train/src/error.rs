@@ -64,7 +64,9 @@ impl TrainError {
         };
         matches!(
             collective,
-            CollectiveError::PeerFailed { .. } | CollectiveError::Timeout { .. }
+            CollectiveError::PeerFailed { .. }
+                | CollectiveError::PeerLeft { .. }
+                | CollectiveError::Timeout { .. }
         )
     }
 }
