@@ -72,6 +72,22 @@ impl TrainTask for NextToken {
         true
     }
 
+    /// Every window fits the model's position table and every token its vocabulary.
+    fn check(&self, model: &Gpt) -> Result<(), TrainError> {
+        let vals = self.val.iter().map(|(windows, _)| ("validation", windows));
+        for (part, windows) in std::iter::once(("training", &self.train)).chain(vals) {
+            if windows.block() > model.block_size() {
+                return Err(TrainError::InvalidData(format!(
+                    "{part} windows of {} tokens, but the model's position table has {}",
+                    windows.block(),
+                    model.block_size()
+                )));
+            }
+            check_classes(part, "token", windows.tokens(), model.vocab_size())?;
+        }
+        Ok(())
+    }
+
     /// Mean validation loss, or NaN without a validation stream.
     fn evaluate(
         &mut self,
@@ -139,6 +155,18 @@ impl TrainTask for ImageClassification {
         x.dims()[0]
     }
 
+    /// The model's head has a logit for every class of the data.
+    fn check(&self, model: &Vit) -> Result<(), TrainError> {
+        let head = model.classifier.weight.lazy_shape()[1];
+        match self.train.classes.max(self.test.classes) <= head {
+            true => Ok(()),
+            false => Err(TrainError::InvalidData(format!(
+                "the images have {} classes, the model's head {head} logits",
+                self.train.classes.max(self.test.classes)
+            ))),
+        }
+    }
+
     fn counts_tokens(&self) -> bool {
         false
     }
@@ -168,17 +196,30 @@ pub trait SequenceClassifier:
 {
     /// `Ok` if the model can read a sequence of these token ids.
     fn check_ids(&self, ids: &[i64]) -> Result<(), BertError>;
+
+    /// The classes its sequence-classification head scores; `None` without one.
+    fn num_labels(&self) -> Option<usize>;
 }
 
 impl SequenceClassifier for Bert {
     fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
         self.embeddings.check_ids(ids)
     }
+
+    fn num_labels(&self) -> Option<usize> {
+        let head = self.classifier.as_ref()?;
+        Some(head.classifier.weight.lazy_shape()[1])
+    }
 }
 
 impl SequenceClassifier for BigBird {
     fn check_ids(&self, ids: &[i64]) -> Result<(), BertError> {
         self.embeddings.check_ids(ids)
+    }
+
+    fn num_labels(&self) -> Option<usize> {
+        let head = self.classifier.as_ref()?;
+        Some(head.out_proj.weight.lazy_shape()[1])
     }
 }
 
@@ -282,12 +323,19 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
     }
 
     fn check(&self, model: &M) -> Result<(), TrainError> {
+        let num_labels = model.num_labels().ok_or_else(|| {
+            TrainError::InvalidData(
+                "the model has no sequence-classification head (built without num_labels)".into(),
+            )
+        })?;
         for (part, rows) in [("training", &self.train), ("test", &self.test)] {
             for (i, (ids, _)) in rows.iter().enumerate() {
                 model
                     .check_ids(ids)
                     .map_err(|e| TrainError::InvalidData(format!("{part} sequence {i}: {e}")))?;
             }
+            let labels: Vec<i64> = rows.iter().map(|(_, label)| *label).collect();
+            check_classes(part, "label", &labels, num_labels)?;
         }
         Ok(())
     }
@@ -311,6 +359,22 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
         }
         let n = self.test.len() as f64;
         Ok((loss / n, Some(correct as f64 / n)))
+    }
+}
+
+/// `Ok` if every value (a token id, a class label) of `part` is one of `classes`; else an
+/// error naming the first that is not.
+fn check_classes(part: &str, what: &str, values: &[i64], classes: usize) -> Result<(), TrainError> {
+    match values
+        .iter()
+        .enumerate()
+        .find(|(_, v)| !(0..classes as i64).contains(v))
+    {
+        Some((i, v)) => Err(TrainError::InvalidData(format!(
+            "{part} {what} {i} is {v}, but the model has {classes} (0 to {})",
+            classes as i64 - 1
+        ))),
+        None => Ok(()),
     }
 }
 
@@ -372,5 +436,46 @@ impl EpochSampler {
             })
             .collect();
         global[part.rank * batch..(part.rank + 1) * batch].to_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burnscale_bert::{BertConfig, BertHead};
+    use burnscale_mingpt::GptConfig;
+
+    use super::*;
+
+    fn refused<M, T: TrainTask<Model = M>>(task: &T, model: &M) -> String {
+        task.check(model).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn data_the_model_cannot_read_is_refused_before_training() {
+        let device = Device::default();
+        let gpt = Gpt::new(&GptConfig::tiny(), &device).unwrap(); // vocab 11, block 8
+        let stream = |top: i64| (0..100).map(|i| i % top).collect::<Vec<i64>>();
+        NextToken::new(stream(11), 8, 2, 0)
+            .unwrap()
+            .check(&gpt)
+            .unwrap();
+        let err = refused(&NextToken::new(stream(12), 8, 2, 0).unwrap(), &gpt);
+        assert!(err.contains("training token 11 is 11"), "{err}");
+        let long = NextToken::new(stream(11), 9, 2, 0).unwrap();
+        assert!(refused(&long, &gpt).contains("position table has 8"));
+        let val = NextToken::new(stream(11), 8, 2, 0)
+            .unwrap()
+            .with_validation(vec![-1; 20], 8, 1)
+            .unwrap();
+        assert!(refused(&val, &gpt).contains("validation token 0 is -1"));
+
+        let two = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+        let bert = Bert::new(&two, &device).unwrap();
+        let rows = |label| vec![(vec![5, 6, 7], 0), (vec![5, 6], label)];
+        let task = |label| TextClassification::<Bert>::new(rows(label), rows(0), 0, 1, 0).unwrap();
+        task(1).check(&bert).unwrap();
+        assert!(refused(&task(2), &bert).contains("training label 1 is 2"));
+        let bare = Bert::new(&BertConfig::tiny().with_head(BertHead::Base), &device).unwrap();
+        assert!(refused(&task(1), &bare).contains("no sequence-classification head"));
     }
 }

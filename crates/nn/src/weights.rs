@@ -54,6 +54,15 @@ pub enum WeightError {
     UnexpectedKeys { path: PathBuf, keys: Vec<String> },
     #[error("cannot write {path}: {reason}")]
     Save { path: PathBuf, reason: String },
+    #[error(
+        "{path} holds `{first}` and `{second}`, which are both the model's `{param}`: keep one"
+    )]
+    DuplicateKeys {
+        path: PathBuf,
+        param: String,
+        first: String,
+        second: String,
+    },
 }
 
 /// One checkpoint tensor as f32, under the key it has in its file.
@@ -507,6 +516,26 @@ impl KeyMap for OwnNames {
     fn file_key(&self, path: &str) -> String {
         path.to_string()
     }
+}
+
+/// Puts `w` in `weights` under the model's parameter `param`, unless another key of `file`
+/// (a checkpoint's alternative name for it) is there already: one would be dropped unread.
+pub fn insert_once(
+    weights: &mut HashMap<String, Weight>,
+    param: String,
+    w: Weight,
+    file: &Path,
+) -> Result<(), WeightError> {
+    if let Some(first) = weights.get(&param) {
+        return Err(WeightError::DuplicateKeys {
+            path: file.to_path_buf(),
+            first: first.key.clone(),
+            second: w.key,
+            param,
+        });
+    }
+    weights.insert(param, w);
+    Ok(())
 }
 
 /// Swaps every parameter of `model` for the weight under its path in `weights`. Every

@@ -29,6 +29,16 @@ impl TokenWindows {
         })
     }
 
+    /// The stream the windows are cut from.
+    pub fn tokens(&self) -> &[i64] {
+        &self.tokens
+    }
+
+    /// The tokens of one window's input.
+    pub fn block(&self) -> usize {
+        self.block
+    }
+
     /// Restarts the window sequence, so the same windows come again.
     pub fn reseed(&mut self, seed: u64) {
         self.rng = StdRng::seed_from_u64(seed);

@@ -178,8 +178,19 @@ impl BertConfig {
                 .map(|v| v as usize)
                 .ok_or_else(|| error(format!("no integer `{key}`")))
         };
-        let float =
-            |key: &str, default: f64| json.get(key).and_then(|v| v.as_f64()).unwrap_or(default);
+        // A field may be absent (or null, as HF writes unset ones), but not of another type.
+        let float = |key: &str, default: f64| -> Result<f64, BertError> {
+            match json.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(default),
+                Some(v) => v
+                    .as_f64()
+                    .ok_or_else(|| error(format!("`{key}` is {v}, not a number"))),
+            }
+        };
+        let pad_token_id = || match json.get("pad_token_id") {
+            None | Some(serde_json::Value::Null) => Ok(0),
+            Some(_) => int("pad_token_id"),
+        };
         let act = |key: &str| -> Result<Activation, BertError> {
             match json.get(key).and_then(|v| v.as_str()) {
                 None => Ok(Activation::Gelu),
@@ -198,11 +209,11 @@ impl BertConfig {
                 hidden_act: act("hidden_act")?,
                 max_position_embeddings: int("max_position_embeddings")?,
                 type_vocab_size: int("type_vocab_size")?,
-                layer_norm_eps: float("layer_norm_eps", 1e-12),
-                hidden_dropout_prob: float("hidden_dropout_prob", 0.1),
-                attention_probs_dropout_prob: float("attention_probs_dropout_prob", 0.1),
-                classifier_dropout_prob: float("hidden_dropout_prob", 0.1),
-                pad_token_id: int("pad_token_id").unwrap_or(0),
+                layer_norm_eps: float("layer_norm_eps", 1e-12)?,
+                hidden_dropout_prob: float("hidden_dropout_prob", 0.1)?,
+                attention_probs_dropout_prob: float("attention_probs_dropout_prob", 0.1)?,
+                classifier_dropout_prob: float("hidden_dropout_prob", 0.1)?,
+                pad_token_id: pad_token_id()?,
                 ..Self::bert_base()
             },
             Some("distilbert") => Self {
@@ -213,10 +224,10 @@ impl BertConfig {
                 intermediate_size: int("hidden_dim")?,
                 hidden_act: act("activation")?,
                 max_position_embeddings: int("max_position_embeddings")?,
-                hidden_dropout_prob: float("dropout", 0.1),
-                attention_probs_dropout_prob: float("attention_dropout", 0.1),
-                classifier_dropout_prob: float("seq_classif_dropout", 0.2),
-                pad_token_id: int("pad_token_id").unwrap_or(0),
+                hidden_dropout_prob: float("dropout", 0.1)?,
+                attention_probs_dropout_prob: float("attention_dropout", 0.1)?,
+                classifier_dropout_prob: float("seq_classif_dropout", 0.2)?,
+                pad_token_id: pad_token_id()?,
                 ..Self::distilbert_base()
             },
             other => {
@@ -230,7 +241,9 @@ impl BertConfig {
     }
 
     pub fn validate(&self) -> Result<(), BertError> {
-        use burnscale_nn::config::{check_heads, check_positive, check_probabilities};
+        use burnscale_nn::config::{
+            check_heads, check_layer_norm_eps, check_positive, check_probabilities,
+        };
         check_positive(&[
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
@@ -255,6 +268,7 @@ impl BertConfig {
                 ("classifier_dropout_prob", self.classifier_dropout_prob),
             ])
         })
+        .and_then(|()| check_layer_norm_eps(self.layer_norm_eps))
         .and_then(|()| match (self.layout, self.head) {
             (Layout::DistilBert, _) if self.type_vocab_size != 0 => {
                 Err("DistilBERT has no token types: type_vocab_size must be 0".into())
@@ -319,5 +333,36 @@ mod tests {
                 .contains("divisible")
         );
         assert!(BertConfig::preset("roberta").is_err());
+        let eps = BertConfig {
+            layer_norm_eps: f64::NAN,
+            ..BertConfig::tiny()
+        };
+        let err = eps.validate().unwrap_err().to_string();
+        assert!(err.contains("layer_norm_eps"), "{err}");
+    }
+
+    #[test]
+    fn a_config_json_field_of_another_type_is_an_error() {
+        let path = std::env::temp_dir().join(format!("burnscale-bert-{}.json", std::process::id()));
+        let json = |extra: &str| {
+            format!(
+                r#"{{"model_type": "bert", "vocab_size": 99, "hidden_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "intermediate_size": 64, "max_position_embeddings": 40,
+                "type_vocab_size": 2, "classifier_dropout": null{extra}}}"#
+            )
+        };
+        let read = |extra: &str| {
+            std::fs::write(&path, json(extra)).unwrap();
+            BertConfig::from_hf_json(&path).map_err(|e| e.to_string())
+        };
+        assert_eq!(read("").unwrap().layer_norm_eps, 1e-12);
+        let err = read(r#", "hidden_dropout_prob": "0.1""#).unwrap_err();
+        assert!(
+            err.contains("`hidden_dropout_prob` is \"0.1\", not a number"),
+            "{err}"
+        );
+        let err = read(r#", "pad_token_id": "0""#).unwrap_err();
+        assert!(err.contains("pad_token_id"), "{err}");
+        std::fs::remove_file(&path).unwrap();
     }
 }

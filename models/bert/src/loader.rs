@@ -178,7 +178,7 @@ impl Checkpoint {
                     } else {
                         w
                     };
-                    weights.insert(path, w);
+                    weights::insert_once(&mut weights, path, w, file)?;
                 }
             }
         }

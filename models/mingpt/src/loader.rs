@@ -88,10 +88,12 @@ impl KeyMap for Gpt2Keys {
 /// `lm_head.weight` may be absent (GPT-2 ties it to `wte`).
 pub fn load(path: &Path, config: &GptConfig, device: &Device) -> Result<Gpt, GptError> {
     let model = Gpt::new(config, device)?;
-    let mut weights: HashMap<String, Weight> = weights::read_safetensors(path)?
-        .into_iter()
-        .filter_map(|w| Some((hf_to_burn(&w.key)?, w)))
-        .collect();
+    let mut weights: HashMap<String, Weight> = HashMap::new();
+    for w in weights::read_safetensors(path)? {
+        if let Some(param) = hf_to_burn(&w.key) {
+            weights::insert_once(&mut weights, param, w, path)?;
+        }
+    }
     if !weights.contains_key(LM_HEAD)
         && let Some(wte) = weights.get(WTE)
     {
@@ -139,5 +141,28 @@ mod tests {
         );
         assert_eq!(hf_to_burn("h.0.attn.masked_bias"), None);
         assert_eq!(hf_to_burn("wte.weight").as_deref(), Some("wte.weight"));
+    }
+
+    #[test]
+    fn two_names_of_one_parameter_are_an_error() {
+        let config = GptConfig::tiny();
+        let path = std::env::temp_dir().join(format!("burnscale-dup-{}.st", std::process::id()));
+        let device = Device::default();
+        save(&Gpt::new(&config, &device).unwrap(), &path).unwrap();
+        let mut tensors = weights::read_safetensors(&path).unwrap();
+        let wte = tensors.iter().find(|w| w.key == "transformer.wte.weight");
+        let bare = Weight {
+            key: "wte.weight".into(),
+            ..wte.unwrap().clone()
+        };
+        tensors.push(bare);
+        weights::write_safetensors(&path, &tensors).unwrap();
+        let err = load(&path, &config, &device).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(
+            err.contains("`transformer.wte.weight` and `wte.weight`")
+                || err.contains("`wte.weight` and `transformer.wte.weight`"),
+            "{err}"
+        );
     }
 }

@@ -109,7 +109,9 @@ impl VitConfig {
     }
 
     pub fn validate(&self) -> Result<(), VitError> {
-        use burnscale_nn::config::{check_heads, check_positive, check_probabilities};
+        use burnscale_nn::config::{
+            check_heads, check_layer_norm_eps, check_positive, check_probabilities,
+        };
         check_positive(&[
             ("image_size", self.image_size),
             ("patch_size", self.patch_size),
@@ -145,6 +147,7 @@ impl VitConfig {
                 ),
             ])
         })
+        .and_then(|()| check_layer_norm_eps(self.layer_norm_eps))
         .map_err(VitError::InvalidConfig)
     }
 

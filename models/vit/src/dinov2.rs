@@ -68,6 +68,12 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
     let cls_pos = graph.input_of("/backbone/embeddings/Concat_6", 0)?;
     let patch_pos = graph.input_of("/backbone/embeddings/Reshape_1", 0)?;
     let d = cls_pos.values.len();
+    if d == 0 || !patch_pos.values.len().is_multiple_of(d) {
+        return Err(format!(
+            "position embeddings of {} values do not split into rows of the class token's {d}",
+            patch_pos.values.len()
+        ));
+    }
     out.push(Weight {
         key: "vit.embeddings.position_embeddings".into(),
         shape: vec![1, 1 + patch_pos.values.len() / d, d],
@@ -94,6 +100,14 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
                 .input_of(&format!("/backbone/encoder/layer.{i}/{op}/MatMul"), 1)?
                 .clone();
             if let Some(lambda) = scale {
+                // Each row of `[in, out]` is scaled by `out` factors.
+                if w.shape.last() != Some(&lambda.values.len()) {
+                    return Err(format!(
+                        "layer {i}'s {op} has shape {:?}, its layer scale {} values",
+                        w.shape,
+                        lambda.values.len()
+                    ));
+                }
                 for row in w.values.chunks_mut(lambda.values.len()) {
                     row.iter_mut()
                         .zip(&lambda.values)
@@ -104,6 +118,13 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
         };
         let scaled_bias = |key: &str, lambda: &Weight| -> Result<Weight, String> {
             let mut b = src(key)?;
+            if b.values.len() != lambda.values.len() {
+                return Err(format!(
+                    "layer {i}'s `{key}` has {} values, its layer scale {}",
+                    b.values.len(),
+                    lambda.values.len()
+                ));
+            }
             b.values
                 .iter_mut()
                 .zip(&lambda.values)

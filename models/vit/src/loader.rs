@@ -200,7 +200,7 @@ pub fn load_weights(
         } else {
             w
         };
-        weights.insert(path, w);
+        weights::insert_once(&mut weights, path, w, file)?;
     }
     Ok(weights::apply(
         model,
@@ -223,6 +223,9 @@ pub fn resample_positions(w: Weight, config: &VitConfig, device: &Device) -> Wei
     let [1, n, d] = w.shape[..] else {
         return w;
     };
+    if n < 2 {
+        return w;
+    }
     let from = ((n - 1) as f64).sqrt().round() as usize;
     let to = config.grid();
     if from * from + 1 != n || from == to || d != config.hidden_size {
