@@ -2,7 +2,7 @@
 //!
 //!     cargo run --release --example mingpt_char -- --max-steps 200 --summary-json /tmp/s.json
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use burn::prelude::*;
@@ -81,6 +81,44 @@ impl CharVocab {
     fn decode(&self, tokens: &[usize]) -> String {
         tokens.iter().filter_map(|&t| self.chars.get(t)).collect()
     }
+
+    /// Where the characters of `weights` are written beside them: a token id means nothing
+    /// without its text's character table.
+    fn path_beside(weights: &Path) -> PathBuf {
+        weights.with_extension("chars.json")
+    }
+
+    fn save_beside(&self, weights: &Path) -> Result<()> {
+        let path = Self::path_beside(weights);
+        let text: String = self.chars.iter().collect();
+        std::fs::write(&path, serde_json::to_string(&text)?)
+            .with_context(|| format!("cannot write {}", path.display()))
+    }
+
+    /// Fails when `weights` were trained on another character table than this text's.
+    fn check_beside(&self, weights: &Path) -> Result<()> {
+        let path = Self::path_beside(weights);
+        let Ok(saved) = std::fs::read_to_string(&path) else {
+            eprintln!(
+                "warning: no {} beside the weights: their token ids are taken to be this text's {} characters",
+                path.display(),
+                self.chars.len()
+            );
+            return Ok(());
+        };
+        let saved: String = serde_json::from_str(&saved)
+            .with_context(|| format!("{} is not a JSON string of characters", path.display()))?;
+        let ours: String = self.chars.iter().collect();
+        if saved != ours {
+            bail!(
+                "the weights were trained on other characters ({} in {}: {saved:?}) than this text's ({}: {ours:?}): train on the same text",
+                saved.chars().count(),
+                path.display(),
+                self.chars.len()
+            );
+        }
+        Ok(())
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -123,7 +161,10 @@ fn run() -> Result<()> {
     let device = cli.train.device()?;
     device.seed(cli.train.seed);
     let model = match &cli.weights {
-        Some(path) => loader::load(path, &config, &device)?,
+        Some(path) => {
+            vocab.check_beside(path)?;
+            loader::load(path, &config, &device)?
+        }
         None => Gpt::new(&config, &device)?,
     };
     // Under mpirun every process runs this program; one of them speaks and saves.
@@ -157,6 +198,9 @@ fn run() -> Result<()> {
         return Ok(());
     }
     print!("{}", summary.table());
+    if let Some(path) = &args.save {
+        vocab.save_beside(path)?;
+    }
 
     if let Some(model) = model.filter(|_| cli.sample_len > 0) {
         let model = model.valid();

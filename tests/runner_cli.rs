@@ -121,6 +121,13 @@ fn bad_flags_are_named() {
         &["--data", "/nonexistent/text.txt"],
         "/nonexistent/text.txt",
     );
+    // A setting the optimizer would not read.
+    fails_with(&["--momentum", "0.5"], "--momentum is not read");
+    // Files written at the end are checked at the start.
+    fails_with(
+        &["--summary-json", "/nonexistent/s.json"],
+        "/nonexistent is not a directory",
+    );
 }
 
 /// A text longer than the position table is truncated to `--max-length`, which may not
@@ -144,6 +151,13 @@ fn bad_weight_files_are_named() {
     fails_with(
         &["--weights", missing.to_str().unwrap()],
         "missing.safetensors",
+    );
+    // Weights trained on another text's characters (written beside them by --save).
+    let other = dir.path().join("other.safetensors");
+    std::fs::write(dir.path().join("other.chars.json"), "\"abc\"").unwrap();
+    fails_with(
+        &["--weights", other.to_str().unwrap()],
+        "trained on other characters (3 in",
     );
 }
 
