@@ -289,7 +289,7 @@ pub fn setup(flags: &[&str]) -> anyhow::Result<(Gpt, NextToken, TrainArgs, Devic
         flags = rest;
     }
     let config = GptConfig::new(layers, 4, 256, vocab, 128).with_dropout(0.1);
-    let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % 65) as i64).collect();
+    let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % vocab) as i64).collect();
     let args = check_args("8", flags)?;
     let device = Device::flex().autodiff();
     device.seed(1);
