@@ -2,55 +2,87 @@
 //! corrupting memory: an agreement on each call before it runs, and a watchdog.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::{CollectiveError, DType};
 
 /// The call a rank makes as it leaves the group (its communicator dropped, its work done or
-/// failed): a rank still working meets it at its next call, which fails naming it, rather than
-/// waiting for a rank that is gone.
+/// failed): a rank still working meets it at its next call, which fails saying so, rather
+/// than waiting for a rank that is gone.
 pub(crate) const LEAVE: &str = "leave";
 
-fn op_code(op: &str) -> i64 {
-    op.bytes()
-        .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64))
+/// The integers of one agreement: a call's four and their negations.
+pub(crate) const CALL_LEN: usize = 8;
+
+/// A rank's side of the agreement that precedes every call of the engines without shared
+/// memory (MPI, NCCL): every rank makes the same call (op, dtype, and length where it must
+/// match), and none has left the group. A call is four integers (the op's code, the dtype,
+/// the length, whether the rank is leaving) and their negations, whose element-wise max over
+/// the ranks [`Agreement::read`] reads: max(x) and max(-x) = -min(x) in one all-reduce.
+#[derive(Default)]
+pub(crate) struct Agreement {
+    /// Whether a rank has left the group: no later call can complete.
+    peer_left: AtomicBool,
 }
 
-/// This rank's call (op, dtype, and length where it must match) as six integers whose
-/// element-wise max over the ranks [`check`] reads: max(x) and max(-x) = -min(x) in one
-/// all-reduce.
-pub(crate) fn call(op: &str, dtype: DType, len: Option<usize>) -> [i64; 6] {
-    let mine = [op_code(op), dtype as i64, len.map_or(-1, |l| l as i64)];
-    [mine[0], mine[1], mine[2], -mine[0], -mine[1], -mine[2]]
-}
-
-/// Whether a rank left the group in the call whose max over the ranks is `max` (when calls
-/// differ, the leave's code is the largest or the smallest of them).
-pub(crate) fn left(max: &[i64; 6]) -> bool {
-    let code = op_code(LEAVE);
-    max[0] == code || -max[3] == code
-}
-
-/// Whether every rank made the same call, from the max over the ranks of their [`call`]s.
-pub(crate) fn check(
-    me: usize,
-    max: &[i64; 6],
-    op: &str,
-    dtype: DType,
-    len: Option<usize>,
-) -> Result<(), CollectiveError> {
-    if max[0] != -max[3] || max[1] != -max[4] || max[2] != -max[5] {
-        return Err(CollectiveError::Mismatch {
-            me,
-            detail: format!(
-                "this rank called {op} on {dtype:?}{}, and not every rank made the same call",
-                len.map(|l| format!(" with {l} elements"))
-                    .unwrap_or_default()
-            ),
-        });
+impl Agreement {
+    /// What this rank contributes to the agreement on `op`; an error once a rank has left.
+    pub(crate) fn propose(
+        &self,
+        me: usize,
+        op: &'static str,
+        dtype: DType,
+        len: Option<usize>,
+    ) -> Result<[i64; CALL_LEN], CollectiveError> {
+        if self.peer_left.load(Ordering::Relaxed) {
+            return Err(CollectiveError::PeerLeft { me, op });
+        }
+        let code = op
+            .bytes()
+            .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64));
+        let leaving = i64::from(op == LEAVE);
+        let mine = [code, dtype as i64, len.map_or(-1, |l| l as i64), leaving];
+        Ok([
+            mine[0], mine[1], mine[2], mine[3], -mine[0], -mine[1], -mine[2], -mine[3],
+        ])
     }
-    Ok(())
+
+    /// Whether every rank made the same call, from the max over the ranks of their
+    /// proposals; a rank that leaves itself takes whatever the others did.
+    pub(crate) fn read(
+        &self,
+        me: usize,
+        max: &[i64; CALL_LEN],
+        op: &'static str,
+        dtype: DType,
+        len: Option<usize>,
+    ) -> Result<(), CollectiveError> {
+        if op == LEAVE {
+            return Ok(());
+        }
+        if max[3] == 1 {
+            self.peer_left.store(true, Ordering::Relaxed);
+            return Err(CollectiveError::PeerLeft { me, op });
+        }
+        if max[0] != -max[4] || max[1] != -max[5] || max[2] != -max[6] {
+            return Err(CollectiveError::Mismatch {
+                me,
+                detail: format!(
+                    "this rank called {op} on {dtype:?}{}, and not every rank made the same call",
+                    len.map(|l| format!(" with {l} elements"))
+                        .unwrap_or_default()
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Whether this rank, dropping its communicator, is to leave the group through one more
+    /// agreement: not once it has met another rank's leave (that rank is gone).
+    pub(crate) fn leaves(&self) -> bool {
+        !self.peer_left.load(Ordering::Relaxed)
+    }
 }
 
 /// Ends the process when a collective runs past the timeout.

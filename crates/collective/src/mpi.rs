@@ -14,7 +14,6 @@
 
 use std::ffi::{c_int, c_void};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use half::slice::HalfFloatSliceExt;
@@ -27,7 +26,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 
-use crate::guard::{self, Watchdog};
+use crate::guard::{self, Agreement, CALL_LEN, Watchdog};
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
 unsafe extern "C" {
@@ -44,8 +43,7 @@ pub struct MpiComm {
     rank: usize,
     size: usize,
     watchdog: Arc<Watchdog>,
-    /// Whether a rank has left the group: no later call can complete.
-    peer_left: AtomicBool,
+    agreement: Agreement,
 }
 
 // SAFETY: the handle is used by one thread at a time (the trait takes `&self` from the rank's
@@ -75,7 +73,7 @@ impl MpiComm {
             rank,
             size,
             watchdog: Watchdog::start(rank, timeout),
-            peer_left: AtomicBool::new(false),
+            agreement: Agreement::default(),
         })
     }
 
@@ -90,37 +88,27 @@ impl MpiComm {
         &self.world
     }
 
-    /// All ranks must be making the same call: op, dtype, and length where it must match;
-    /// and none may have left the group.
+    /// All ranks must be making the same call, and none may have left ([`Agreement`]).
     fn agree(
         &self,
         op: &'static str,
         dtype: DType,
         len: Option<usize>,
     ) -> Result<(), CollectiveError> {
-        let peer_left = || CollectiveError::PeerLeft { me: self.rank, op };
-        if self.peer_left.load(Ordering::Relaxed) {
-            return Err(peer_left());
-        }
-        let send = guard::call(op, dtype, len);
-        let mut got = [0i64; 6];
+        let send = self.agreement.propose(self.rank, op, dtype, len)?;
+        let mut got = [0i64; CALL_LEN];
         self.world
             .all_reduce_into(&send[..], &mut got[..], SystemOperation::max());
-        if op != guard::LEAVE && guard::left(&got) {
-            self.peer_left.store(true, Ordering::Relaxed);
-            return Err(peer_left());
-        }
-        guard::check(self.rank, &got, op, dtype, len)
+        self.agreement.read(self.rank, &got, op, dtype, len)
     }
 }
 
 /// A rank leaves the group before MPI finalizes, which waits for every rank: the others, at
 /// their next call, stop with an error instead of waiting for it (and the launcher killing
-/// this rank before it reports its own). A rank that saw another leave does not meet it
-/// again.
+/// this rank before it reports its own).
 impl Drop for MpiComm {
     fn drop(&mut self) {
-        if !self.peer_left.load(Ordering::Relaxed) {
+        if self.agreement.leaves() {
             let _watch = self.watchdog.watch(guard::LEAVE);
             let _ = self.agree(guard::LEAVE, DType::F32, None);
         }

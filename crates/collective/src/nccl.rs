@@ -32,7 +32,7 @@ use cudarc::driver::{
 use cudarc::nccl::{Comm, NcclType, ReduceOp as NcclOp};
 use half::{bf16, f16};
 
-use crate::guard::{self, Watchdog};
+use crate::guard::{self, Agreement, CALL_LEN, Watchdog};
 use crate::tensor::{self as staged, dtype_of};
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
@@ -43,6 +43,7 @@ pub struct NcclComm {
     comm: Comm,
     stream: Arc<CudaStream>,
     watchdog: Arc<Watchdog>,
+    agreement: Agreement,
 }
 
 // SAFETY: the communicator is used by one thread at a time (the trait takes `&self` from the
@@ -105,6 +106,7 @@ impl NcclComm {
                 stream: comm.stream(),
                 comm,
                 watchdog: Watchdog::start(rank, timeout),
+                agreement: Agreement::default(),
             })
             .collect())
     }
@@ -163,6 +165,7 @@ impl NcclComm {
             comm,
             stream,
             watchdog: Watchdog::start(me, timeout),
+            agreement: Agreement::default(),
         })
     }
 
@@ -227,20 +230,21 @@ impl NcclComm {
             .map_err(|e| self.error(op)(format!("{e:?}")))
     }
 
-    /// All ranks must be making the same call: op, dtype, and length where it must match.
+    /// All ranks must be making the same call, and none may have left ([`Agreement`]).
     fn agree(
         &self,
         op: &'static str,
         dtype: DType,
         len: Option<usize>,
     ) -> Result<(), CollectiveError> {
-        let mut call = self.upload(&guard::call(op, dtype, len), 0, op)?;
+        let proposal = self.agreement.propose(self.rank(), op, dtype, len)?;
+        let mut call = self.upload(&proposal, 0, op)?;
         self.nccl(op, self.comm.all_reduce_in_place(&mut call, &NcclOp::Max))?;
-        let max: [i64; 6] = self
+        let max: [i64; CALL_LEN] = self
             .download(&call, op)?
             .try_into()
             .map_err(|_| self.error(op)("the agreement lost elements".into()))?;
-        guard::check(self.rank(), &max, op, dtype, len)
+        self.agreement.read(self.rank(), &max, op, dtype, len)
     }
 
     /// Every rank's `values` summed (a mean too: divided by the caller) or maxed.
@@ -463,6 +467,17 @@ macro_rules! on_pair {
             TypedPair::Bf16($send, $recv) => $body(&*$send, $recv),
         }
     };
+}
+
+/// A rank leaves the group as MPI's does (`crate::mpi`): the others' next call fails saying
+/// so, instead of waiting in NCCL, which cannot be interrupted, for the watchdog.
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if self.agreement.leaves() {
+            let _watch = self.watchdog.watch(guard::LEAVE);
+            let _ = self.agree(guard::LEAVE, DType::F32, None);
+        }
+    }
 }
 
 impl Communicator for NcclComm {

@@ -36,6 +36,11 @@ pub struct Candidate {
     pub planned_bytes: usize,
 }
 
+/// The share of a device's memory `auto` leaves unplanned when it chooses without
+/// `--memory-budget`: the CUDA context, cuBLAS's and NCCL's workspaces and other processes
+/// take device memory outside cubecl's pools, which the plan reads.
+pub const DEVICE_HEADROOM: f64 = 0.1;
+
 /// The memory one rank may take, and where the figure comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct Budget {
@@ -54,10 +59,11 @@ impl Budget {
         }
     }
 
-    /// The budget of a rank whose device holds `capacity` bytes (when its runtime says): the
-    /// given one, or the device's memory where none is given or the given one is above it,
-    /// since no plan above it can run. None where nothing bounds the plan; an error where
-    /// `--strategy auto` would have nothing to choose within.
+    /// The budget of ranks whose smallest device holds `capacity` bytes (when the runtime
+    /// says): the given one, or the device's memory where the given one is above it, since
+    /// no plan above it can run; with none given, the device's memory, less
+    /// [`DEVICE_HEADROOM`] where `auto` chooses. None where nothing bounds the plan; an error
+    /// where `auto` would have nothing to choose within.
     pub fn on_device(
         args: &TrainArgs,
         capacity: Option<usize>,
@@ -69,6 +75,9 @@ impl Budget {
         match (args.memory_budget, capacity) {
             (Some(given), Some(capacity)) if given > capacity => Ok(Some(device(capacity))),
             (Some(given), _) => Ok(Some(Budget::given(given))),
+            (None, Some(capacity)) if args.strategy == Strategy::Auto => Ok(Some(device(
+                (capacity as f64 * (1.0 - DEVICE_HEADROOM)) as usize,
+            ))),
             (None, Some(capacity)) => Ok(Some(device(capacity))),
             (None, None) if args.strategy == Strategy::Auto => Err(TrainError::InvalidArgs(
                 "--strategy auto without --memory-budget plans within the device's memory, but this device's runtime does not say how much it has: give --memory-budget".into(),
@@ -80,7 +89,7 @@ impl Budget {
     /// The budget as the messages name it.
     fn describe(&self) -> String {
         match self.device_memory {
-            true => format!("the device's memory, {}", human_bytes(self.bytes)),
+            true => format!("the device's memory, {} usable", human_bytes(self.bytes)),
             false => format!("--memory-budget {}", human_bytes(self.bytes)),
         }
     }
@@ -482,7 +491,7 @@ mod tests {
         assert_eq!(capped, Some(device(512 * mib)));
         let note = capped.unwrap().note(&given).unwrap();
         assert!(
-            note.contains("1.00 GiB is above the device's memory, 512.00 MiB"),
+            note.contains("1.00 GiB is above the device's memory, 512.00 MiB usable"),
             "{note}"
         );
         let plan = args(&["--plan"]);
@@ -493,8 +502,9 @@ mod tests {
         assert_eq!(Budget::on_device(&plan, None).unwrap(), None);
         let auto = args(&["--strategy", "auto"]);
         assert_eq!(
-            Budget::on_device(&auto, Some(gib)).unwrap(),
-            Some(device(gib))
+            Budget::on_device(&auto, Some(1000)).unwrap(),
+            Some(device(900)),
+            "auto leaves the headroom"
         );
         let err = Budget::on_device(&auto, None).unwrap_err().to_string();
         assert!(err.contains("give --memory-budget"), "{err}");

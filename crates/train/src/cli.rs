@@ -582,13 +582,17 @@ impl TrainArgs {
                 dir.display()
             ));
         }
-        // Checked before training, not found out after it.
+        // Checked before training, not found out after it; where they are written (rank 0's
+        // process: another node need not have the directory).
+        let written_here = burnscale_collective::launcher_rank() == 0;
         for (flag, path) in [
             ("--save", &self.save),
             ("--summary-json", &self.summary_json),
             ("--metrics-csv", &self.metrics_csv),
         ] {
-            let Some(path) = path else { continue };
+            let Some(path) = path.as_ref().filter(|_| written_here) else {
+                continue;
+            };
             let dir = match path.parent() {
                 Some(dir) if !dir.as_os_str().is_empty() => dir,
                 _ => std::path::Path::new("."),

@@ -105,7 +105,14 @@ mod dry {
         device: &Device,
         part: BatchPart,
     ) -> Result<Resolved, TrainError> {
-        let Some(budget) = Budget::on_device(args, capacity(device))? else {
+        // The smallest device of any rank bounds them all, so that all weigh one budget.
+        let capacities = gather_u64s(comm, &[capacity(device).map_or(0, |b| b as u64)])?;
+        let smallest = capacities
+            .iter()
+            .map(|rank| rank[0] as usize)
+            .filter(|&bytes| bytes > 0)
+            .min();
+        let Some(budget) = Budget::on_device(args, smallest)? else {
             let plan = dry_run(model, task, args, comm, device, part)?;
             return Ok(Resolved {
                 args: args.clone(),

@@ -106,6 +106,8 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
+    // Before the memory plan's probe, which trains a step on the examples.
+    task.check(&model)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
         args,
