@@ -82,6 +82,11 @@ impl CharVocab {
         tokens.iter().filter_map(|&t| self.chars.get(t)).collect()
     }
 
+    /// The characters, in token order.
+    fn table(&self) -> String {
+        self.chars.iter().collect()
+    }
+
     /// Where the characters of `weights` are written beside them: a token id means nothing
     /// without its text's character table.
     fn path_beside(weights: &Path) -> PathBuf {
@@ -90,8 +95,7 @@ impl CharVocab {
 
     fn save_beside(&self, weights: &Path) -> Result<()> {
         let path = Self::path_beside(weights);
-        let text: String = self.chars.iter().collect();
-        std::fs::write(&path, serde_json::to_string(&text)?)
+        std::fs::write(&path, serde_json::to_string(&self.table())?)
             .with_context(|| format!("cannot write {}", path.display()))
     }
 
@@ -108,7 +112,7 @@ impl CharVocab {
         };
         let saved: String = serde_json::from_str(&saved)
             .with_context(|| format!("{} is not a JSON string of characters", path.display()))?;
-        let ours: String = self.chars.iter().collect();
+        let ours = self.table();
         if saved != ours {
             bail!(
                 "the weights were trained on other characters ({} in {}: {saved:?}) than this text's ({}: {ours:?}): train on the same text",

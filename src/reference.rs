@@ -75,15 +75,13 @@ impl PlainConfig {
     /// (SGD momentum, a learning-rate schedule, the other optimizers): a check must not
     /// compare against a reference that silently trains differently.
     pub fn from_args(args: &TrainArgs) -> Result<Self, String> {
+        let (beta1, beta2) = args.adam_betas();
         let optimizer = match args.optimizer {
             OptimizerKind::Sgd if args.sgd_momentum() == 0.0 => PlainOptimizer::Sgd,
-            OptimizerKind::Adamw => PlainOptimizer::AdamW {
-                beta1: args.adam_betas().0,
-                beta2: args.adam_betas().1,
-            },
+            OptimizerKind::Adamw => PlainOptimizer::AdamW { beta1, beta2 },
             OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
-                beta1: args.adam_betas().0,
-                beta2: args.adam_betas().1,
+                beta1,
+                beta2,
                 min_size: args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE),
             },
             OptimizerKind::Adafactor => PlainOptimizer::Adafactor {

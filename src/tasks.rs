@@ -83,7 +83,8 @@ impl TrainTask for NextToken {
                     model.block_size()
                 )));
             }
-            check_classes(part, "token", windows.tokens(), model.vocab_size())?;
+            let tokens = windows.tokens().iter().copied();
+            check_classes(part, "token", tokens, model.vocab_size())?;
         }
         Ok(())
     }
@@ -334,8 +335,8 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
                     .check_ids(ids)
                     .map_err(|e| TrainError::InvalidData(format!("{part} sequence {i}: {e}")))?;
             }
-            let labels: Vec<i64> = rows.iter().map(|(_, label)| *label).collect();
-            check_classes(part, "label", &labels, num_labels)?;
+            let labels = rows.iter().map(|(_, label)| *label);
+            check_classes(part, "label", labels, num_labels)?;
         }
         Ok(())
     }
@@ -364,9 +365,14 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
 
 /// `Ok` if every value (a token id, a class label) of `part` is one of `classes`; else an
 /// error naming the first that is not.
-fn check_classes(part: &str, what: &str, values: &[i64], classes: usize) -> Result<(), TrainError> {
+fn check_classes(
+    part: &str,
+    what: &str,
+    values: impl IntoIterator<Item = i64>,
+    classes: usize,
+) -> Result<(), TrainError> {
     match values
-        .iter()
+        .into_iter()
         .enumerate()
         .find(|(_, v)| !(0..classes as i64).contains(v))
     {

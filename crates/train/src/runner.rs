@@ -106,7 +106,8 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
-    // Before the memory plan's probe, which trains a step on the examples.
+    // Once for every rank of this process (each trains on a copy of `task`), and before the
+    // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
@@ -189,6 +190,8 @@ pub fn train_on<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
+    // Each rank checks the examples it was given, before its first collective.
+    task.check(&model)?;
     train_rank(comm, model, task, args, device, Planned::default())
 }
 
@@ -233,8 +236,6 @@ fn run_rank<T: TrainTask>(
     planned: Planned,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
-    // Each rank checks the examples it was given, before its first collective.
-    task.check(&model)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     if args.strategy == Strategy::Single && world > 1 {
         return Err(TrainError::InvalidArgs(format!(
