@@ -77,21 +77,35 @@ fn splitmix64(mut z: u64) -> u64 {
 }
 
 /// Which elements of a tensor of `shape` on `device` drop, each with probability `1 - keep`:
-/// a 31-bit hash of (element index, `key`) at or above `keep`'s share of its range. Drawn
-/// by tensor ops where the activations live, so a GPU draws its own masks and nothing
-/// crosses from the host.
+/// its 31-bit hash ([`hashed`]) at or above `keep`'s share of its range. Drawn by tensor ops
+/// where the activations live, so a GPU draws its own masks and nothing crosses from the host.
 fn dropped<const D: usize>(shape: Shape, keep: f64, key: u64, device: &Device) -> Tensor<D, Bool> {
+    let threshold = (keep * (1u64 << 31) as f64) as i64;
+    hashed::<D>(&shape, key, device).greater_equal_elem(threshold)
+}
+
+/// Values uniform in `[0, 1)` for a tensor of `shape` on `device`, each its element's 31-bit
+/// hash ([`hashed`]) under `key` (spread by SplitMix64, so that neighbouring keys give
+/// unrelated values): random-looking values that leave the backend's one generator alone (a
+/// caller may have seeded it for its own model; a probe that measures the device must not
+/// move it) and are the same on every backend.
+pub fn uniform<const D: usize>(shape: Shape, key: u64, device: &Device) -> Tensor<D> {
+    hashed::<D>(&shape, splitmix64(key), device)
+        .float()
+        .div_scalar((1u64 << 31) as f64)
+}
+
+/// A 31-bit hash of (element index, `key`) for each element of a tensor of `shape`.
+fn hashed<const D: usize>(shape: &Shape, key: u64, device: &Device) -> Tensor<D, Int> {
     let n = shape.num_elements();
     assert!(
         n <= LOW_31 as usize,
-        "dropout on {n} elements: more than a 31-bit index can count"
+        "{n} elements: more than a 31-bit index can count"
     );
-    let bits = hash31(
-        hash31(element_index::<D>(&shape, device).bitwise_xor_scalar(key & LOW_31))
+    hash31(
+        hash31(element_index::<D>(shape, device).bitwise_xor_scalar(key & LOW_31))
             .bitwise_xor_scalar((key >> 31) & LOW_31),
-    );
-    let threshold = (keep * (1u64 << 31) as f64) as i64;
-    bits.greater_equal_elem(threshold)
+    )
 }
 
 const LOW_31: u64 = (1 << 31) - 1;

@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use burn::prelude::*;
-use burn::tensor::{Distribution, FloatDType};
+use burn::tensor::FloatDType;
 
 use crate::accelerator::Accelerator;
 
@@ -47,10 +47,7 @@ fn measure(device: &Device, dtype: FloatDType, on: Accelerator, cublas: bool) ->
         true => (8192, 8),
         false => (1024, 1),
     };
-    // The scale keeps the values where they started along the chain.
-    let scale = 1.0 / (side as f64).sqrt();
-    let w = Tensor::<2>::random([side, side], Distribution::Normal(0.0, scale), device).cast(dtype);
-    let x = Tensor::<2>::random([side, side], Distribution::Normal(0.0, 1.0), device).cast(dtype);
+    let (x, w) = operands(side, dtype, device);
     let run = |products: usize| {
         let start = Instant::now();
         let mut y = x.clone();
@@ -79,9 +76,49 @@ fn measure(device: &Device, dtype: FloatDType, on: Accelerator, cublas: bool) ->
     (many >= 0.5 * chained as f64 * one).then(|| flops(chained - 1) / (many - one))
 }
 
+/// The probe's `side`² operands in `dtype`: `x` of variance 1 and `w` of variance 1/`side`, which
+/// keeps the values where they started along the chain. Hashed from the element indices, not
+/// drawn from the backend's generator: a run's first probe comes after the caller seeded that
+/// generator for its own use (tests running at once build their models from it; one
+/// built while a probe drew got other weights).
+fn operands(side: usize, dtype: FloatDType, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    // Uniform on [-√3, √3) has variance 1.
+    let draw = |key: u64, std: f64| {
+        (burnscale_nn::dropout::uniform::<2>(Shape::new([side, side]), key, device) - 0.5)
+            .mul_scalar(12f64.sqrt() * std)
+            .cast(dtype)
+    };
+    (draw(1, 1.0), draw(2, 1.0 / (side as f64).sqrt()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The operands are the same on every call whatever else draws from the backend's
+    /// generator meanwhile (tests on other threads do), and spread as the chain needs.
+    #[test]
+    fn operands_leave_the_generator_alone() {
+        let device = Device::default();
+        let values = |t: Tensor<2>| -> Vec<f32> { t.into_data().try_into_vec().unwrap() };
+        let (x, w) = operands(256, FloatDType::F32, &device);
+        let (x, w) = (values(x), values(w));
+        let (again, _) = operands(256, FloatDType::F32, &device);
+        assert!(x == values(again), "the operands differ between calls");
+        for (name, v, var) in [("x", &x, 1f64), ("w", &w, 1.0 / 256.0)] {
+            let n = v.len() as f64;
+            let mean = v.iter().map(|a| *a as f64).sum::<f64>() / n;
+            let var_found = v.iter().map(|a| (*a as f64 - mean).powi(2)).sum::<f64>() / n;
+            assert!(mean.abs() < 0.01 * var.sqrt(), "{name}: mean {mean}");
+            assert!(
+                (var_found / var - 1.0).abs() < 0.02,
+                "{name}: variance {var_found}, not {var}"
+            );
+        }
+        let correlation =
+            x.iter().zip(&w).map(|(a, b)| (a * b) as f64).sum::<f64>() / (x.len() as f64 / 16.0);
+        assert!(correlation.abs() < 0.01, "x and w correlate: {correlation}");
+    }
 
     /// No x86-64 core does more than 64 f32 FLOP a cycle (two AVX-512 FMA units), nor runs
     /// above 6 GHz: a probe reading faster than that timed less work than it counts.
