@@ -59,8 +59,9 @@ fn a_rank_that_never_comes_times_out_the_others() {
     let timeout = Duration::from_millis(300);
     let results = ThreadComm::run(3, timeout, |comm| {
         if comm.rank() == 2 {
-            // Slow, not dead: it arrives after the others gave up, and fails too.
-            std::thread::sleep(Duration::from_millis(800));
+            // Slow, not dead: it arrives after the others gave up, and fails too (long after:
+            // a loaded machine may start the others' wait late).
+            std::thread::sleep(Duration::from_millis(3000));
         }
         comm.barrier()
     });
