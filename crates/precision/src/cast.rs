@@ -1,6 +1,8 @@
 //! Module-wide dtype changes that keep parameter ids, so gradients and optimizer state stay
 //! addressable by parameter.
 
+use std::sync::{Arc, OnceLock};
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
 use burn::tensor::{DType, FloatDType};
@@ -37,6 +39,24 @@ pub fn init_in<M: Module>(module: M, dtype: FloatDType) -> M {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let dtype = self.0;
             param.init_mapper(move |t| t.cast(dtype))
+        }
+    }
+    module.map(&mut InitIn(dtype))
+}
+
+/// [`init_in`] a dtype chosen after `module` is built (`--strategy auto` on a device settles
+/// the precision once its ranks have planned): each lazy parameter is cast, as its
+/// initialiser runs, to the dtype `dtype` holds by then, and left as initialised where it
+/// holds none. Parameters already initialised are left as they are.
+pub fn init_in_later<M: Module>(module: M, dtype: Arc<OnceLock<FloatDType>>) -> M {
+    struct InitIn(Arc<OnceLock<FloatDType>>);
+    impl ModuleMapper for InitIn {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let dtype = self.0.clone();
+            param.init_mapper(move |t| match dtype.get() {
+                Some(&dtype) => t.cast(dtype),
+                None => t,
+            })
         }
     }
     module.map(&mut InitIn(dtype))
@@ -79,6 +99,26 @@ mod tests {
             .grad(&grads)
             .expect("a leaf that requires grad");
         assert_eq!(grad.dtype(), DType::BF16);
+    }
+
+    /// The dtype is read as each parameter initialises: set after the model was built, it is
+    /// the one the parameters are created in; never set, they keep their initialiser's.
+    #[test]
+    fn init_in_later_creates_parameters_in_the_dtype_set_by_then() {
+        let device = Device::default();
+        let chosen = Arc::new(OnceLock::new());
+        let linear: Linear = init_in_later(LinearConfig::new(4, 3).init(&device), chosen.clone());
+        assert!(
+            !linear.weight.is_initialized(),
+            "init_in_later must stay lazy"
+        );
+        chosen.set(FloatDType::BF16).unwrap();
+        assert_eq!(param_dtypes(&linear), vec![DType::BF16]);
+        let unset: Linear = init_in_later(
+            LinearConfig::new(4, 3).init(&device),
+            Arc::new(OnceLock::new()),
+        );
+        assert_eq!(param_dtypes(&unset), vec![DType::F32]);
     }
 
     #[test]

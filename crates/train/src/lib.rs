@@ -18,6 +18,7 @@ pub mod memory;
 mod offload;
 mod optim;
 pub mod plan;
+mod prepare;
 mod report;
 mod runner;
 pub mod speed;

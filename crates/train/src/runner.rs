@@ -24,6 +24,7 @@ use crate::cli::{Offload, Strategy};
 use crate::fault;
 use crate::optim::{LrSchedule, ParamOptimizer};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
+use crate::prepare::Prepare;
 use crate::report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
@@ -116,17 +117,8 @@ pub fn train<T: TrainTask>(
         choice,
     } = auto::resolve(&model, task, args, device)?;
     let args = &args;
-    let model = if args.init_on_device {
-        burnscale_precision::init_in(model, args.precision.param_dtype())
-    } else {
-        model
-    };
-    // Under zero3 rank 0 initialises a lazy model one parameter at a time as it shards it
-    // (and no rank holds it whole); otherwise ranks on threads would race for the backend's
-    // one random generator, so the parameters are initialised here, in visit order.
-    if args.strategy != Strategy::Zero3 {
-        burnscale_shard::params::materialize(&model);
-    }
+    let prepare = Prepare::new(args);
+    let model = prepare.before_ranks(model, args);
     // What this thread queued to build the model runs now: Burn's fusion queues each thread's
     // operations apart, and a rank's plan (a dry run, on cubecl) would drop what it resolves.
     if args.plans_device() {
@@ -151,14 +143,10 @@ pub fn train<T: TrainTask>(
         };
         let model = model.expect("one model per rank of this process");
         let device = accelerator.device(device, local);
-        // Under zero3 only rank 0's values are read, where they are.
-        let model = match args.strategy {
-            Strategy::Zero3 => model,
-            _ => model.fork(&device),
-        };
         let planned = Planned {
             probe,
             choice: choice.as_ref(),
+            prepare: Some(&prepare),
         };
         train_rank(comm, model, &mut task.clone(), args, &device, planned)
     })?;
@@ -202,6 +190,9 @@ struct Planned<'a> {
     probe: Option<Probe>,
     /// What `--strategy auto` chose, and why.
     choice: Option<&'a AutoChoice>,
+    /// How the model given to [`train`] is made ready on the rank (none for [`train_on`]'s,
+    /// which its caller made ready).
+    prepare: Option<&'a Prepare>,
 }
 
 /// One rank's training, with the memory plan when `planned` has the backend's terms.
@@ -260,6 +251,10 @@ fn run_rank<T: TrainTask>(
         None => (args.clone(), None, planned.choice.cloned()),
     };
     let args = &args;
+    let model = match planned.prepare {
+        Some(prepare) => prepare.on_rank(model, args, comm, device)?,
+        None => model,
+    };
     if let Some(choice) = choice.as_ref().filter(|_| rank == 0) {
         eprintln!("{}", choice.explain());
     }
