@@ -129,29 +129,30 @@ fn a_budget_below_the_fastest_plan_moves_auto_to_a_leaner_configuration() {
 }
 
 /// Under `auto` on a device the ranks' dry runs choose, and the model is made ready only
-/// then: sharded from the lazy model where zero3 is chosen (never whole on a device), whole on
-/// each rank otherwise, created in the chosen precision with `--init-on-device`. Either way
-/// the run trains as its choice given does.
+/// then (crates/train/src/prepare.rs): whole on each rank, or sharded from the lazy model
+/// where zero3 is chosen, and with `--init-on-device` created in the chosen precision. Either
+/// way the run trains as its choice given does.
 #[test]
 fn auto_on_two_ranks_trains_as_its_choice_given() {
     let _device = DEVICE
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let common = ["--devices", "2", "--init-on-device", "--strategy", "auto"];
     // Unbounded, the fastest (ddp); `--offload params` leaves zero3's candidates alone.
     for (extra, chosen_strategy) in [
         (&[][..], "--strategy ddp"),
-        (&["--offload", "params"][..], "--strategy zero3"),
+        (&["--init-on-device"][..], "--strategy ddp"),
+        (
+            &["--init-on-device", "--offload", "params"][..],
+            "--strategy zero3",
+        ),
     ] {
-        let summary = run(&[&common[..], &["--precision", "bf16-true"], extra].concat());
+        let given = [&["--devices", "2"][..], extra].concat();
+        let flags = ["--strategy", "auto", "--precision", "bf16-true"];
+        let summary = run(&[&given[..], &flags].concat());
         let chosen = &summary.auto.as_ref().expect("auto chose").chosen.flags;
         assert!(chosen.starts_with(chosen_strategy), "{chosen}");
         // The choice names its strategy and precision.
-        let given: Vec<&str> = ["--devices", "2", "--init-on-device"]
-            .into_iter()
-            .chain(extra.iter().copied())
-            .chain(chosen.split(' '))
-            .collect();
+        let given: Vec<&str> = given.into_iter().chain(chosen.split(' ')).collect();
         assert_eq!(losses(&summary), losses(&run(&given)), "{chosen}");
     }
 }

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod autocast;
 mod blocks;
 pub mod config;
+pub mod counter_random;
 #[cfg(feature = "cublas")]
 mod cublas;
 pub mod device_cache;

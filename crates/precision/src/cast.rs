@@ -12,22 +12,43 @@ use burnscale_nn::autodiff_on;
 /// original) on the same kind of device, requiring grad if the original did: the compute copy of mixed precision,
 /// whose gradients arrive under the same ids, or a model's storage for `*-true`.
 pub fn cast<M: Module>(module: M, dtype: FloatDType) -> M {
-    struct Cast(FloatDType);
-    impl ModuleMapper for Cast {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, tensor, mapper) = param.consume();
-            let (autodiff, require_grad) = (tensor.is_autodiff(), tensor.is_require_grad());
-            let device = tensor.device();
-            let plain = tensor.inner().cast(self.0);
-            let tensor = match (autodiff, require_grad) {
-                (false, _) => plain,
-                (true, false) => autodiff_on(plain, &device),
-                (true, true) => autodiff_on(plain, &device).require_grad(),
-            };
-            Param::from_mapped_value(id, tensor, mapper)
+    module.map(&mut Cast {
+        dtype,
+        lazy_too: true,
+    })
+}
+
+/// [`cast`] of the parameters already initialised; lazy ones are left as they are (and
+/// initialise as their initialisers say).
+pub fn cast_initialized<M: Module>(module: M, dtype: FloatDType) -> M {
+    module.map(&mut Cast {
+        dtype,
+        lazy_too: false,
+    })
+}
+
+struct Cast {
+    dtype: FloatDType,
+    /// Whether a lazy parameter is initialised to be cast, or left lazy.
+    lazy_too: bool,
+}
+
+impl ModuleMapper for Cast {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !self.lazy_too && !param.is_initialized() {
+            return param;
         }
+        let (id, tensor, mapper) = param.consume();
+        let (autodiff, require_grad) = (tensor.is_autodiff(), tensor.is_require_grad());
+        let device = tensor.device();
+        let plain = tensor.inner().cast(self.dtype);
+        let tensor = match (autodiff, require_grad) {
+            (false, _) => plain,
+            (true, false) => autodiff_on(plain, &device),
+            (true, true) => autodiff_on(plain, &device).require_grad(),
+        };
+        Param::from_mapped_value(id, tensor, mapper)
     }
-    module.map(&mut Cast(dtype))
 }
 
 /// `module` whose not-yet-initialised parameters will be created in `dtype`: each is cast
@@ -47,7 +68,8 @@ pub fn init_in<M: Module>(module: M, dtype: FloatDType) -> M {
 /// [`init_in`] a dtype chosen after `module` is built (`--strategy auto` on a device settles
 /// the precision once its ranks have planned): each lazy parameter is cast, as its
 /// initialiser runs, to the dtype `dtype` holds by then, and left as initialised where it
-/// holds none. Parameters already initialised are left as they are.
+/// holds none. Parameters already initialised are left as they are ([`cast_initialized`]
+/// casts them once the dtype is known).
 pub fn init_in_later<M: Module>(module: M, dtype: Arc<OnceLock<FloatDType>>) -> M {
     struct InitIn(Arc<OnceLock<FloatDType>>);
     impl ModuleMapper for InitIn {
@@ -114,6 +136,23 @@ mod tests {
         );
         chosen.set(FloatDType::BF16).unwrap();
         assert_eq!(param_dtypes(&linear), vec![DType::BF16]);
+        let loaded: Linear = LinearConfig::new(4, 3).with_bias(false).init(&device);
+        let _ = loaded.weight.val();
+        let loaded = init_in_later(loaded, Arc::new(OnceLock::new()));
+        assert_eq!(
+            param_dtypes(&loaded),
+            vec![DType::F32],
+            "initialised: left as it is"
+        );
+        assert_eq!(
+            param_dtypes(&cast_initialized(loaded, FloatDType::BF16)),
+            vec![DType::BF16]
+        );
+        let lazy = cast_initialized(LinearConfig::new(4, 3).init(&device), FloatDType::F16);
+        assert!(
+            !lazy.weight.is_initialized(),
+            "cast_initialized leaves lazy ones lazy"
+        );
         let unset: Linear = init_in_later(
             LinearConfig::new(4, 3).init(&device),
             Arc::new(OnceLock::new()),

@@ -18,7 +18,7 @@
 mod cast;
 mod scaler;
 
-pub use cast::{cast, init_in, init_in_later, param_dtypes};
+pub use cast::{cast, cast_initialized, init_in, init_in_later, param_dtypes};
 pub use scaler::{LossScaler, ScalerConfig};
 
 use burn::prelude::*;

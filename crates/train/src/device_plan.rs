@@ -90,7 +90,7 @@ mod dry {
     use crate::auto::{self, Budget};
     use crate::optim::ParamOptimizer;
     use crate::runner::{self, BatchPart, TrainTask, gather_u64s};
-    use crate::{TrainArgs, TrainError};
+    use crate::{Strategy, TrainArgs, TrainError};
 
     /// Plans `model`'s run on this rank of `comm`: `args`' configuration, or under `auto` the
     /// first of its candidates planned within the budget on every rank (an error naming each
@@ -194,7 +194,7 @@ mod dry {
             // this device come off the readings.
             let held = bytes_on(model, device);
             let copy = device.memory_persistent_allocations(model.clone(), |model| {
-                zeros_like(model, lazy_dtype(args), device)
+                zeros_like(model, init_dtypes(args), device)
             });
             let mut optim = ParamOptimizer::new(args, part.rank, &copy)?;
             let mut engine = runner::build_engine(copy, args, comm, device)?;
@@ -261,25 +261,29 @@ mod dry {
             .map_or(0, |usage| usage.bytes_reserved as usize)
     }
 
-    /// The dtype a lazy parameter initialises in (`--init-on-device` casts it as it does).
-    fn lazy_dtype(args: &TrainArgs) -> DType {
+    /// The dtype a lazy parameter initialises in (`--init-on-device` casts it as it does), and
+    /// the one a parameter given initialised is in when the engine takes it, where it is not
+    /// its own: `--init-on-device` casts it first, except under zero3, whose engine casts its
+    /// shards (crate::prepare).
+    fn init_dtypes(args: &TrainArgs) -> (DType, Option<DType>) {
+        let dtype: DType = args.precision.param_dtype().into();
         match args.init_on_device {
-            true => args.precision.param_dtype().into(),
-            false => DType::F32,
+            true => (dtype, (args.strategy != Strategy::Zero3).then_some(dtype)),
+            false => (DType::F32, None),
         }
     }
 
     /// `module` on `device` with every parameter replaced by zeros of its shape and dtype,
-    /// under the same id; a lazy one stays lazy (initialised in `lazy`, never through the
-    /// original's initialiser, which it would share). Under a dry run the zeros are never
-    /// written.
-    fn zeros_like<M: Module>(module: M, lazy: DType, device: &Device) -> M {
-        struct Zeros<'a>(DType, &'a Device);
+    /// under the same id; a lazy one stays lazy (initialised in `dtypes.0`, never through the
+    /// original's initialiser, which it would share), an initialised one takes `dtypes.1`
+    /// where given. Under a dry run the zeros are never written.
+    fn zeros_like<M: Module>(module: M, dtypes: (DType, Option<DType>), device: &Device) -> M {
+        struct Zeros<'a>((DType, Option<DType>), &'a Device);
         impl ModuleMapper for Zeros<'_> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
                 let shape = param.lazy_shape();
                 if !param.is_initialized() {
-                    let (dtype, dims) = (self.0, shape.clone());
+                    let (dtype, dims) = (self.0.0, shape.clone());
                     // Initialised where burn-nn's initialisers put parameters.
                     let init = move |device: &Device, require_grad: bool| {
                         let zeros = device.memory_persistent_allocations(dims, |dims| {
@@ -292,10 +296,11 @@ mod dry {
                     };
                     return Param::uninitialized(param.id, init, self.1.clone(), true, shape);
                 }
-                let zeros = Tensor::zeros(shape, (self.1, param.val().dtype())).require_grad();
+                let dtype = self.0.1.unwrap_or_else(|| param.val().dtype());
+                let zeros = Tensor::zeros(shape, (self.1, dtype)).require_grad();
                 Param::initialized(param.id, zeros)
             }
         }
-        module.map(&mut Zeros(lazy, device))
+        module.map(&mut Zeros(dtypes, device))
     }
 }

@@ -6,7 +6,8 @@
 //!
 //! Where the ranks' dry runs settle `--strategy auto` on their devices, the model waits for
 //! their choice ([`Prepare::AfterPlan`]): made ready before it, a model for which zero3 is
-//! then chosen would have been whole, initialised, on every rank's device.
+//! then chosen would have been whole, initialised, on every rank's device. A lazy model then
+//! draws its values from the backend's generator after the dry runs, not when `train` starts.
 
 use std::sync::{Arc, OnceLock};
 
@@ -14,7 +15,7 @@ use burn::module::Module;
 use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burnscale_collective::Communicator;
-use burnscale_precision::{init_in, init_in_later};
+use burnscale_precision::{cast_initialized, init_in, init_in_later};
 use burnscale_shard::params::materialize;
 
 use crate::cli::Strategy;
@@ -60,7 +61,8 @@ impl Prepare {
     }
 
     /// This rank's model on its `device`, under the settled configuration `args`. Every rank
-    /// calls it together (after its device plan, where there is one).
+    /// calls it at the same point (after its device plan, where there is one): after `auto`'s
+    /// choice of a strategy that keeps the model whole it is a collective.
     pub(crate) fn on_rank<M: Module>(
         &self,
         model: M,
@@ -68,24 +70,43 @@ impl Prepare {
         comm: &dyn Communicator,
         device: &Device,
     ) -> Result<M, TrainError> {
-        if let Prepare::AfterPlan(dtype) = self {
-            // Every rank of the process sets the same: they agreed on the choice.
-            let _ = dtype.set(args.precision.param_dtype());
-            if args.strategy != Strategy::Zero3 {
-                // Rank 0 draws first, in visit order; the other ranks of its process then find
-                // the values drawn, and a process of its own draws its own, which rank 0's
-                // broadcast replaces.
-                if comm.rank() == 0 {
+        let model = match self {
+            Prepare::Now => model,
+            Prepare::AfterPlan(dtype) => {
+                let chosen = args.precision.param_dtype();
+                // The ranks of a process share the cell, and agreed on the choice.
+                let set = *dtype.get_or_init(|| chosen);
+                if set != chosen {
+                    return Err(TrainError::DryRun(format!(
+                        "the ranks chose different precisions (weights in {chosen:?} here, {set:?} on another rank of this process)"
+                    )));
+                }
+                if args.strategy != Strategy::Zero3 {
+                    // Rank 0 draws first, in visit order; the other ranks of its process then
+                    // find the values drawn, and a process of its own draws its own, which
+                    // rank 0's broadcast replaces.
+                    if comm.rank() == 0 {
+                        materialize(&model);
+                    }
+                    comm.barrier()?;
                     materialize(&model);
                 }
-                comm.barrier()?;
-                materialize(&model);
+                model
             }
+        };
+        // Under zero3 only rank 0's values are read, where they are (the engine casts its
+        // shards).
+        if args.strategy == Strategy::Zero3 {
+            return Ok(model);
         }
-        // Under zero3 only rank 0's values are read, where they are.
-        Ok(match args.strategy {
-            Strategy::Zero3 => model,
-            _ => model.fork(device),
+        let model = model.fork(device);
+        // Parameters given initialised take `--init-on-device`'s dtype once it is chosen
+        // (lazy ones were created in it), on the rank's own device.
+        Ok(match self {
+            Prepare::AfterPlan(_) if args.init_on_device => {
+                cast_initialized(model, args.precision.param_dtype())
+            }
+            _ => model,
         })
     }
 }

@@ -84,7 +84,7 @@ fn measure(device: &Device, dtype: FloatDType, on: Accelerator, cublas: bool) ->
 fn operands(side: usize, dtype: FloatDType, device: &Device) -> (Tensor<2>, Tensor<2>) {
     // Uniform on [-√3, √3) has variance 1.
     let draw = |key: u64, std: f64| {
-        (burnscale_nn::dropout::uniform::<2>(Shape::new([side, side]), key, device) - 0.5)
+        (burnscale_nn::counter_random::uniform::<2>(Shape::new([side, side]), key, device) - 0.5)
             .mul_scalar(12f64.sqrt() * std)
             .cast(dtype)
     };
