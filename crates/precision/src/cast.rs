@@ -55,21 +55,14 @@ impl ModuleMapper for Cast {
 /// as its initialiser runs, one parameter at a time, so no full-precision copy of the model
 /// ever exists (the `init_module` of Fabric). Parameters already initialised are cast now.
 pub fn init_in<M: Module>(module: M, dtype: FloatDType) -> M {
-    struct InitIn(FloatDType);
-    impl ModuleMapper for InitIn {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let dtype = self.0;
-            param.init_mapper(move |t| t.cast(dtype))
-        }
-    }
-    module.map(&mut InitIn(dtype))
+    init_in_later(module, Arc::new(OnceLock::from(dtype)))
 }
 
 /// [`init_in`] a dtype chosen after `module` is built (`--strategy auto` on a device settles
 /// the precision once its ranks have planned): each lazy parameter is cast, as its
 /// initialiser runs, to the dtype `dtype` holds by then, and left as initialised where it
-/// holds none. Parameters already initialised are left as they are ([`cast_initialized`]
-/// casts them once the dtype is known).
+/// holds none. Parameters already initialised are cast now if `dtype` is set, else left as
+/// they are ([`cast_initialized`] casts them once the dtype is known).
 pub fn init_in_later<M: Module>(module: M, dtype: Arc<OnceLock<FloatDType>>) -> M {
     struct InitIn(Arc<OnceLock<FloatDType>>);
     impl ModuleMapper for InitIn {
