@@ -20,7 +20,8 @@
 //! The ranks plan each configuration `--strategy auto` weighs ([`crate::auto`]'s candidates,
 //! fastest first; the given one alone otherwise) and run the first whose largest plan over
 //! the ranks fits the budget, so that every rank chooses alike. The budget is
-//! `--memory-budget`, and never more than the device's memory, which cubecl's runtime reads:
+//! `--memory-budget`, and never more than the device's memory, which cubecl's runtime reads
+//! (divided among the ranks that draw on one, as every rank on a host does on the CPU runtime):
 //! a plan above it stops before the first step, as it could not run.
 
 #[cfg(feature = "cube")]
@@ -75,8 +76,22 @@ pub struct Resolved {
     pub choice: Option<AutoChoice>,
 }
 
+/// Each rank's share of its device's memory, from every rank's (capacity, memory key):
+/// ranks with one key draw on one memory, which they divide; and the most that share one.
+#[cfg(any(feature = "cube", test))]
+fn shares(ranks: &[Vec<u64>]) -> (Vec<usize>, usize) {
+    let sharing = |key: u64| ranks.iter().filter(|other| other[1] == key).count();
+    let shares = ranks
+        .iter()
+        .map(|rank| rank[0] as usize / sharing(rank[1]))
+        .collect();
+    let most = ranks.iter().map(|rank| sharing(rank[1])).max();
+    (shares, most.unwrap_or(1))
+}
+
 #[cfg(feature = "cube")]
 mod dry {
+    use std::hash::{DefaultHasher, Hash, Hasher};
     use std::time::Instant;
 
     use burn::backend::DispatchDevice;
@@ -105,13 +120,16 @@ mod dry {
         device: &Device,
         part: BatchPart,
     ) -> Result<Resolved, TrainError> {
-        // The smallest device of any rank bounds them all, so that all weigh one budget.
-        let capacities = gather_u64s(comm, &[capacity(device).map_or(0, |b| b as u64)])?;
-        let smallest = capacities
-            .iter()
-            .map(|rank| rank[0] as usize)
-            .filter(|&bytes| bytes > 0)
-            .min();
+        // The smallest share of any rank bounds them all, so that all weigh one budget.
+        let mine = [capacity(device).map_or(0, |b| b as u64), memory_key(device)];
+        let ranks = gather_u64s(comm, &mine)?;
+        let (shares, sharing) = super::shares(&ranks);
+        if sharing > 1 && comm.rank() == 0 {
+            eprintln!(
+                "memory plan: up to {sharing} ranks draw on one device's memory (cubecl's CPU runtime gives each rank its host's), and each plans within its share"
+            );
+        }
+        let smallest = shares.into_iter().filter(|&bytes| bytes > 0).min();
         let Some(budget) = Budget::on_device(args, smallest)? else {
             let plan = dry_run(model, task, args, comm, device, part)?;
             return Ok(Resolved {
@@ -147,6 +165,18 @@ mod dry {
                 .map(|bytes| bytes as usize),
             _ => None,
         }
+    }
+
+    /// Which memory `device` draws on: equal on ranks that share it (one host's, for cubecl's
+    /// CPU runtime; one GPU's), different otherwise.
+    fn memory_key(device: &Device) -> u64 {
+        let host = ["/proc/sys/kernel/hostname", "/etc/hostname"]
+            .iter()
+            .find_map(|path| std::fs::read_to_string(path).ok())
+            .unwrap_or_default();
+        let mut hasher = DefaultHasher::new();
+        (host.trim(), format!("{device:?}")).hash(&mut hasher);
+        hasher.finish()
     }
 
     /// Plans `args`' run on this rank of `comm` by training a zero-valued copy of `model` for
@@ -302,5 +332,20 @@ mod dry {
             }
         }
         module.map(&mut Zeros(dtypes, device))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shares;
+
+    #[test]
+    fn ranks_drawing_on_one_memory_divide_it() {
+        // Three ranks on one host's CPU runtime (key 7), one on a GPU of its own (key 9).
+        let ranks = [vec![96, 7], vec![96, 7], vec![40, 9], vec![96, 7]];
+        assert_eq!(shares(&ranks), (vec![32, 32, 40, 32], 3));
+        // One GPU per rank: each has the whole of its own.
+        let ranks = [vec![80, 1], vec![80, 2]];
+        assert_eq!(shares(&ranks), (vec![80, 80], 1));
     }
 }
