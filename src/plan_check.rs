@@ -4,7 +4,8 @@
 //! one-rank configurations in-process; `examples/plan_check.rs` runs the sharded ones under
 //! mpirun, where each rank is a process and measures its own peak. (Ranks on threads share
 //! one process, whose peak moves by a few percent with how their backward passes
-//! interleave; the tests check two of them where the gradient reduction sets the peak.)
+//! interleave; the tests check three of them, where the gradient reduction or backward's
+//! temporaries set the peak.)
 
 use burn::prelude::*;
 use burnscale_bert::{Bert, BertConfig, BertHead, BertInput};
