@@ -815,9 +815,10 @@ impl MemoryPlan {
             .expect("a plan has phases");
         // Thread ranks' peaks meet, brief temporaries included: the collectives keep them in
         // step through backward (ZeRO-3's gathers unit by unit, the buckets' reductions).
-        // (Counted as one rank's temporaries at a time, 4 ranks of ZeRO-3 with checkpointing
-        // measured 17-19% above the plan; counted so, 1-3% below it, and 4 ranks of ddp 4-8%
-        // below: between buckets its ranks drift apart.)
+        // So the plan bounds the process from above. (Counted as one rank's temporaries at a
+        // time, 4 ranks of ZeRO-3 with checkpointing measured 17-19% above the plan, and 21-24%
+        // in bf16-true; counted so, 1-3% and 9-13% below it, and ddp 4-8% below: ranks that
+        // run apart between collectives miss each other's temporaries.)
         let process_peak = probe.baseline + ranks_in_process * (probe.task + rank_peak);
         Ok(Self {
             world,
