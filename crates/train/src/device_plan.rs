@@ -21,8 +21,8 @@
 //! fastest first; the given one alone otherwise) and run the first whose largest plan over
 //! the ranks fits the budget, so that every rank chooses alike. The budget is
 //! `--memory-budget`, and never more than the device's memory, which cubecl's runtime reads
-//! (divided among the ranks that draw on one, as every rank on a host does on the CPU runtime):
-//! a plan above it stops before the first step, as it could not run.
+//! (divided among the processes that draw on one, as every process on a host does on the CPU
+//! runtime): a plan above it stops before the first step, as it could not run.
 
 #[cfg(feature = "cube")]
 pub use dry::resolve;
@@ -76,16 +76,27 @@ pub struct Resolved {
     pub choice: Option<AutoChoice>,
 }
 
-/// Each rank's share of its device's memory, from every rank's (capacity, memory key):
-/// ranks with one key draw on one memory, which they divide; and the most that share one.
+/// Each rank's share of its device's memory, from every rank's (capacity, memory, process):
+/// the processes that draw on one memory divide it, and the most that share one. cubecl's
+/// CPU runtime gives every process on a host the host's memory; within a process its ranks
+/// share one device, whose pools each rank's plan reads whole, so they do not divide it again.
 #[cfg(any(feature = "cube", test))]
-fn shares(ranks: &[Vec<u64>]) -> (Vec<usize>, usize) {
-    let sharing = |key: u64| ranks.iter().filter(|other| other[1] == key).count();
+fn shares(ranks: &[[u64; 3]]) -> (Vec<usize>, usize) {
+    let sharing = |memory: u64| {
+        let mut processes: Vec<u64> = ranks
+            .iter()
+            .filter(|&&[_, other, _]| other == memory)
+            .map(|&[_, _, process]| process)
+            .collect();
+        processes.sort_unstable();
+        processes.dedup();
+        processes.len()
+    };
     let shares = ranks
         .iter()
-        .map(|rank| rank[0] as usize / sharing(rank[1]))
+        .map(|&[capacity, memory, _]| capacity as usize / sharing(memory))
         .collect();
-    let most = ranks.iter().map(|rank| sharing(rank[1])).max();
+    let most = ranks.iter().map(|&[_, memory, _]| sharing(memory)).max();
     (shares, most.unwrap_or(1))
 }
 
@@ -121,12 +132,19 @@ mod dry {
         part: BatchPart,
     ) -> Result<Resolved, TrainError> {
         // The smallest share of any rank bounds them all, so that all weigh one budget.
-        let mine = [capacity(device).map_or(0, |b| b as u64), memory_key(device)];
-        let ranks = gather_u64s(comm, &mine)?;
+        let mine = [
+            capacity(device).map_or(0, |b| b as u64),
+            memory_key(device),
+            std::process::id() as u64,
+        ];
+        let ranks: Vec<[u64; 3]> = gather_u64s(comm, &mine)?
+            .into_iter()
+            .map(|rank| [rank[0], rank[1], rank[2]])
+            .collect();
         let (shares, sharing) = super::shares(&ranks);
         if sharing > 1 && comm.rank() == 0 {
             eprintln!(
-                "memory plan: up to {sharing} ranks draw on one device's memory (cubecl's CPU runtime gives each rank its host's), and each plans within its share"
+                "memory plan: {sharing} processes on a host draw on its memory (cubecl's CPU runtime), and each plans within its share"
             );
         }
         let smallest = shares.into_iter().filter(|&bytes| bytes > 0).min();
@@ -167,16 +185,31 @@ mod dry {
         }
     }
 
-    /// Which memory `device` draws on: equal on ranks that share it (one host's, for cubecl's
-    /// CPU runtime; one GPU's), different otherwise.
+    /// Which memory `device` draws on: its host's for cubecl's CPU runtime, equal on every
+    /// process of the host; else the device's own (one GPU per rank). A host whose name
+    /// cannot be read is taken as not shared. (Hashed alike on every rank: they run one
+    /// binary.)
     fn memory_key(device: &Device) -> u64 {
         let host = ["/proc/sys/kernel/hostname", "/etc/hostname"]
             .iter()
             .find_map(|path| std::fs::read_to_string(path).ok())
-            .unwrap_or_default();
+            .map(|name| name.trim().to_string())
+            .filter(|name| !name.is_empty() && on_host_memory(device));
         let mut hasher = DefaultHasher::new();
-        (host.trim(), format!("{device:?}")).hash(&mut hasher);
+        match host {
+            Some(host) => host.hash(&mut hasher),
+            None => (std::process::id(), format!("{device:?}")).hash(&mut hasher),
+        }
         hasher.finish()
+    }
+
+    /// Whether `device` is cubecl's CPU runtime, whose memory is its host's.
+    fn on_host_memory(device: &Device) -> bool {
+        #[cfg(feature = "cubecl-cpu")]
+        let host = Some(Device::cpu());
+        #[cfg(not(feature = "cubecl-cpu"))]
+        let host: Option<Device> = None;
+        host.is_some_and(|cpu| device.clone().without_autodiff() == cpu)
     }
 
     /// Plans `args`' run on this rank of `comm` by training a zero-valued copy of `model` for
@@ -340,12 +373,16 @@ mod tests {
     use super::shares;
 
     #[test]
-    fn ranks_drawing_on_one_memory_divide_it() {
-        // Three ranks on one host's CPU runtime (key 7), one on a GPU of its own (key 9).
-        let ranks = [vec![96, 7], vec![96, 7], vec![40, 9], vec![96, 7]];
-        assert_eq!(shares(&ranks), (vec![32, 32, 40, 32], 3));
+    fn processes_drawing_on_one_memory_divide_it() {
+        // On one host's CPU runtime (memory 7): process 1's two thread ranks, processes 2 and
+        // 3; and a GPU of its own (memory 9).
+        let ranks = [[96, 7, 1], [96, 7, 1], [96, 7, 2], [96, 7, 3], [40, 9, 4]];
+        assert_eq!(shares(&ranks), (vec![32, 32, 32, 32, 40], 3));
+        // Thread ranks of one process share its device's pools, which each one's plan reads.
+        let ranks = [[96, 7, 1], [96, 7, 1]];
+        assert_eq!(shares(&ranks), (vec![96, 96], 1));
         // One GPU per rank: each has the whole of its own.
-        let ranks = [vec![80, 1], vec![80, 2]];
+        let ranks = [[80, 1, 5], [80, 2, 6]];
         assert_eq!(shares(&ranks), (vec![80, 80], 1));
     }
 }

@@ -333,7 +333,7 @@ pub struct MemoryPlan {
 }
 
 /// One rank's bytes in a phase, of which `transient` only for a moment (backward's
-/// temporaries through one block).
+/// temporaries through one block): shown beside the phase, counted in it in full.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct PhaseBytes {
     pub phase: Phase,
@@ -813,12 +813,12 @@ impl MemoryPlan {
             .map(|p| (p.phase, p.bytes))
             .max_by_key(|&(_, b)| b)
             .expect("a plan has phases");
-        // Thread ranks' peaks meet, brief temporaries included: the collectives keep them in
-        // step through backward (ZeRO-3's gathers unit by unit, the buckets' reductions).
-        // So the plan bounds the process from above. (Counted as one rank's temporaries at a
-        // time, 4 ranks of ZeRO-3 with checkpointing measured 17-19% above the plan, and 21-24%
-        // in bf16-true; counted so, 1-3% and 9-13% below it, and ddp 4-8% below: ranks that
-        // run apart between collectives miss each other's temporaries.)
+        // Thread ranks' peaks meet, backward's temporaries included: the collectives keep
+        // them in step through backward (ZeRO-3's gathers unit by unit, the buckets'
+        // reductions). 4 ranks of ZeRO-3 with checkpointing measured 17-19% above a plan that
+        // counted one rank's temporaries at a time (21-24% in bf16-true), and measure 1% above
+        // to 3% below this one (9-13% below in bf16-true; ddp 4-8% below): ranks that run apart
+        // between collectives miss part of each other's temporaries.
         let process_peak = probe.baseline + ranks_in_process * (probe.task + rank_peak);
         Ok(Self {
             world,
@@ -887,7 +887,7 @@ impl MemoryPlan {
             rows.push((
                 format!("phase {:?}", p.phase),
                 format!(
-                    "{} (of which {} brief)",
+                    "{} (of which {} temporaries)",
                     human_bytes(p.bytes),
                     human_bytes(p.transient)
                 ),
