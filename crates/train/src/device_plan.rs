@@ -82,7 +82,7 @@ pub struct Resolved {
 /// share one device, whose pools each rank's plan reads whole, so they do not divide it again.
 #[cfg(any(feature = "cube", test))]
 fn shares(ranks: &[[u64; 3]]) -> (Vec<usize>, usize) {
-    let sharing = |memory: u64| {
+    let processes_on = |memory: u64| {
         let mut processes: Vec<u64> = ranks
             .iter()
             .filter(|&&[_, other, _]| other == memory)
@@ -92,12 +92,16 @@ fn shares(ranks: &[[u64; 3]]) -> (Vec<usize>, usize) {
         processes.dedup();
         processes.len()
     };
+    let sharing: Vec<usize> = ranks
+        .iter()
+        .map(|&[_, memory, _]| processes_on(memory))
+        .collect();
     let shares = ranks
         .iter()
-        .map(|&[capacity, memory, _]| capacity as usize / sharing(memory))
+        .zip(&sharing)
+        .map(|(&[capacity, ..], &processes)| capacity as usize / processes)
         .collect();
-    let most = ranks.iter().map(|&[_, memory, _]| sharing(memory)).max();
-    (shares, most.unwrap_or(1))
+    (shares, sharing.into_iter().max().unwrap_or(1))
 }
 
 #[cfg(feature = "cube")]
@@ -190,11 +194,16 @@ mod dry {
     /// cannot be read is taken as not shared. (Hashed alike on every rank: they run one
     /// binary.)
     fn memory_key(device: &Device) -> u64 {
-        let host = ["/proc/sys/kernel/hostname", "/etc/hostname"]
-            .iter()
-            .find_map(|path| std::fs::read_to_string(path).ok())
+        let names = ["/proc/sys/kernel/hostname", "/etc/hostname"];
+        let host = on_host_memory(device)
+            .then(|| {
+                names
+                    .iter()
+                    .find_map(|path| std::fs::read_to_string(path).ok())
+            })
+            .flatten()
             .map(|name| name.trim().to_string())
-            .filter(|name| !name.is_empty() && on_host_memory(device));
+            .filter(|name| !name.is_empty());
         let mut hasher = DefaultHasher::new();
         match host {
             Some(host) => host.hash(&mut hasher),
