@@ -10,9 +10,7 @@
 use burn::prelude::*;
 use burnscale_bert::{Bert, BertConfig, BertHead, BertInput};
 use burnscale_mingpt::{Gpt, GptConfig};
-use burnscale_train::{
-    Batch, BatchPart, Logits, RunSummary, TrainArgs, TrainError, TrainTask, train,
-};
+use burnscale_train::{Batch, BatchPart, RunSummary, Score, TrainArgs, TrainTask, train};
 
 use crate::tasks::{NextToken, TextClassification};
 
@@ -256,14 +254,22 @@ impl TrainTask for MaskedTokens {
         true
     }
 
-    fn evaluate(
-        &mut self,
-        logits: &mut Logits<'_, Bert>,
-        device: &Device,
-    ) -> Result<(f64, Option<f64>), TrainError> {
-        let (input, targets) = self.next_batch(device, BatchPart::WHOLE);
-        let loss = burnscale_nn::cross_entropy(logits(input)?, targets);
-        Ok((loss.into_scalar::<f32>() as f64, None))
+    fn eval_batches(&self) -> usize {
+        1
+    }
+
+    fn eval_batch(&mut self, _k: usize, device: &Device) -> Batch<Bert> {
+        self.next_batch(device, BatchPart::WHOLE)
+    }
+
+    fn score(&self, logits: Tensor<2>, targets: Tensor<1, Int>) -> Score {
+        let tokens = targets.dims()[0];
+        let mean = burnscale_nn::cross_entropy(logits, targets).into_scalar::<f32>() as f64;
+        Score {
+            loss: mean * tokens as f64,
+            items: tokens,
+            correct: None,
+        }
     }
 }
 

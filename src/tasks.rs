@@ -8,7 +8,7 @@ use burnscale_bigbird::BigBird;
 use burnscale_mingpt::{Gpt, cross_entropy};
 use burnscale_nn::BlockModel;
 use burnscale_train::data::TokenWindows;
-use burnscale_train::{Batch, BatchPart, Logits, TrainError, TrainTask};
+use burnscale_train::{Batch, BatchPart, Score, TrainError, TrainTask};
 use burnscale_vit::Vit;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -89,22 +89,30 @@ impl TrainTask for NextToken {
         Ok(())
     }
 
-    /// Mean validation loss, or NaN without a validation stream.
-    fn evaluate(
-        &mut self,
-        logits: &mut Logits<'_, Gpt>,
-        device: &Device,
-    ) -> Result<(f64, Option<f64>), TrainError> {
-        let Some((windows, batches)) = &mut self.val else {
-            return Ok((f64::NAN, None));
-        };
+    fn eval_batches(&self) -> usize {
+        self.val.as_ref().map_or(0, |(_, batches)| *batches)
+    }
+
+    /// The k-th batch of validation windows drawn from the seed: the same batches at every
+    /// evaluation.
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Gpt> {
+        let (windows, _) = self
+            .val
+            .as_mut()
+            .expect("eval_batch is asked only with validation data");
         windows.reseed(self.seed);
-        let mut total = 0.0;
-        for _ in 0..*batches {
-            let (x, y) = windows.batch(self.batch, BatchPart::WHOLE, device);
-            total += cross_entropy(logits(x)?, y).into_scalar::<f32>() as f64;
+        windows.skip(k, self.batch);
+        windows.batch(self.batch, BatchPart::WHOLE, device)
+    }
+
+    fn score(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Score {
+        let tokens = targets.shape().num_elements();
+        let mean = cross_entropy(logits, targets).into_scalar::<f32>() as f64;
+        Score {
+            loss: mean * tokens as f64,
+            items: tokens,
+            correct: None,
         }
-        Ok((total / *batches as f64, None))
     }
 }
 
@@ -172,22 +180,19 @@ impl TrainTask for ImageClassification {
         false
     }
 
-    /// Mean test loss and accuracy over the whole test set.
-    fn evaluate(
-        &mut self,
-        logits: &mut Logits<'_, Vit>,
-        device: &Device,
-    ) -> Result<(f64, Option<f64>), TrainError> {
-        let indices: Vec<usize> = (0..self.test.len()).collect();
-        let (mut loss, mut correct) = (0.0, 0i64);
-        for chunk in indices.chunks(self.eval_batch) {
-            let (x, y) = self.test.batch(chunk, &self.prep, device);
-            let (l, c) = loss_and_correct(logits(x)?, y);
-            loss += l;
-            correct += c;
-        }
-        let n = self.test.len() as f64;
-        Ok((loss / n, Some(correct as f64 / n)))
+    /// The whole test set, in batches of `--eval-batch`.
+    fn eval_batches(&self) -> usize {
+        self.test.len().div_ceil(self.eval_batch)
+    }
+
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Vit> {
+        let start = k * self.eval_batch;
+        let chunk: Vec<usize> = (start..(start + self.eval_batch).min(self.test.len())).collect();
+        self.test.batch(&chunk, &self.prep, device)
+    }
+
+    fn score(&self, logits: Tensor<2>, labels: Tensor<1, Int>) -> Score {
+        classified(logits, labels)
     }
 }
 
@@ -345,21 +350,23 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
         false
     }
 
-    fn evaluate(
-        &mut self,
-        logits: &mut Logits<'_, M>,
-        device: &Device,
-    ) -> Result<(f64, Option<f64>), TrainError> {
-        let (mut loss, mut correct) = (0.0, 0i64);
-        let rows: Vec<&(Vec<i64>, i64)> = self.test.iter().collect();
-        for chunk in rows.chunks(self.batch.max(1)) {
-            let (x, y) = self.batch_of(chunk, device);
-            let (l, c) = loss_and_correct(logits(x)?, y);
-            loss += l;
-            correct += c;
-        }
-        let n = self.test.len() as f64;
-        Ok((loss / n, Some(correct as f64 / n)))
+    /// The whole test set, in batches of `--batch-size`.
+    fn eval_batches(&self) -> usize {
+        self.test.len().div_ceil(self.batch.max(1))
+    }
+
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<M> {
+        let rows: Vec<&(Vec<i64>, i64)> = self
+            .test
+            .iter()
+            .skip(k * self.batch.max(1))
+            .take(self.batch.max(1))
+            .collect();
+        self.batch_of(&rows, device)
+    }
+
+    fn score(&self, logits: Tensor<2>, labels: Tensor<1, Int>) -> Score {
+        classified(logits, labels)
     }
 }
 
@@ -384,15 +391,16 @@ fn check_classes(
     }
 }
 
-/// Summed cross-entropy and the number of right answers of a batch of class logits.
-fn loss_and_correct(logits: Tensor<2>, labels: Tensor<1, Int>) -> (f64, i64) {
+/// A batch of class logits' summed cross-entropy and right answers.
+fn classified(logits: Tensor<2>, labels: Tensor<1, Int>) -> Score {
     let [n, _] = logits.dims();
     let loss = burnscale_nn::cross_entropy(logits.clone(), labels.clone()) * n as f32;
     let correct = logits.argmax(1).reshape([n]).equal(labels).int().sum();
-    (
-        loss.into_scalar::<f32>() as f64,
-        correct.into_scalar::<i64>(),
-    )
+    Score {
+        loss: loss.into_scalar::<f32>() as f64,
+        items: n,
+        correct: Some(correct.into_scalar::<i64>() as usize),
+    }
 }
 
 /// A seeded epoch order over `len` items, reshuffled at each epoch's end: every rank

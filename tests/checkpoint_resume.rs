@@ -15,7 +15,7 @@ use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::Checkpoint;
 use burnscale::train::{
-    Batch, BatchPart, Logits, RunSummary, TrainArgs, TrainError, TrainTask, train,
+    Batch, BatchPart, RunSummary, Score, TrainArgs, TrainError, TrainTask, train,
 };
 use common::seeded_model;
 
@@ -438,12 +438,14 @@ impl TrainTask for DiesAt {
     fn counts_tokens(&self) -> bool {
         self.task.counts_tokens()
     }
-    fn evaluate(
-        &mut self,
-        logits: &mut Logits<'_, Gpt>,
-        device: &Device,
-    ) -> Result<(f64, Option<f64>), TrainError> {
-        self.task.evaluate(logits, device)
+    fn eval_batches(&self) -> usize {
+        self.task.eval_batches()
+    }
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Gpt> {
+        self.task.eval_batch(k, device)
+    }
+    fn score(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Score {
+        self.task.score(logits, targets)
     }
 }
 

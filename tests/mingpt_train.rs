@@ -5,7 +5,7 @@ use std::sync::Mutex;
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
-use burnscale::train::{RunSummary, TrainArgs, train};
+use burnscale::train::{RunSummary, Score, TrainArgs, TrainTask, train};
 
 fn args(extra: &[&str]) -> TrainArgs {
     let base = ["--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
@@ -14,6 +14,15 @@ fn args(extra: &[&str]) -> TrainArgs {
 
 /// Trains a dropout-free tiny model (dropout would make runs with different call patterns
 /// draw different masks).
+/// A repeating pattern a model can learn in a few steps, in micro-batches of `batch`, with
+/// 3 validation batches of its windows.
+fn task(batch: usize) -> NextToken {
+    let tokens: Vec<i64> = (0..2000).map(|i| (i * 7 % 11) as i64).collect();
+    NextToken::new(tokens.clone(), 8, batch, 7)
+        .and_then(|t| t.with_validation(tokens, 8, 3))
+        .unwrap()
+}
+
 fn run(extra: &[&str]) -> (Gpt, RunSummary) {
     // Flex seeds one process-wide generator: runs on parallel test threads would interleave
     // their draws, so each run holds the generator for its whole init and training.
@@ -24,11 +33,7 @@ fn run(extra: &[&str]) -> (Gpt, RunSummary) {
     let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
     let mut args = args(extra);
     args.gather_model = true;
-    // A repeating pattern a model can learn in a few steps.
-    let tokens: Vec<i64> = (0..2000).map(|i| (i * 7 % 11) as i64).collect();
-    let mut task = NextToken::new(tokens.clone(), 8, args.batch_size, 7)
-        .and_then(|t| t.with_validation(tokens, 8, 1))
-        .unwrap();
+    let mut task = task(args.batch_size);
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
     (model.expect("asked for the whole model"), summary)
 }
@@ -248,20 +253,44 @@ fn clipping_scales_the_whole_update_by_one_factor() {
     );
 }
 
-/// The validation loss is the model's whatever holds its parameters: gathered one unit at a
-/// time under ZeRO-3, whole on each rank under DDP and ZeRO-1/2 (2 ranks, the same batches).
+/// The validation loss is the trained model's on the whole validation set, whatever holds
+/// its parameters and however many ranks split the evaluation. On 2 ranks the 3 batches go
+/// 2 to rank 0 and 1 to rank 1, which under ZeRO-3 joins the gathers of rank 0's second
+/// forward without computing; on 4, rank 3 has none. Each run's figure is what the plain
+/// model it returned scores on all 3 batches.
 #[test]
-fn evaluation_is_the_same_under_every_strategy() {
-    let on_two = |strategy: &str| {
-        let flags = ["--max-steps", "3", "--strategy", strategy, "--devices", "2"];
-        run(&flags).1.val_loss
-    };
-    let ddp = on_two("ddp");
-    for strategy in ["zero1", "zero2", "zero3"] {
-        let val_loss = on_two(strategy);
+fn evaluation_is_split_among_the_ranks_under_every_strategy() {
+    let runs = [
+        ("ddp", "2"),
+        ("zero1", "2"),
+        ("zero2", "2"),
+        ("zero3", "2"),
+        ("zero3", "4"),
+    ];
+    for (strategy, ranks) in runs {
+        let flags = [
+            "--max-steps",
+            "3",
+            "--strategy",
+            strategy,
+            "--devices",
+            ranks,
+        ];
+        let (model, summary) = run(&flags);
+        let (mut task, device) = (task(8), Device::default());
+        let model = model.valid();
+        let scores: Vec<Score> = (0..task.eval_batches())
+            .map(|k| {
+                let (x, y) = task.eval_batch(k, &device);
+                task.score(model.forward(x), y)
+            })
+            .collect();
+        let plain = scores.iter().map(|s| s.loss).sum::<f64>()
+            / scores.iter().map(|s| s.items).sum::<usize>() as f64;
         assert!(
-            (val_loss - ddp).abs() <= 1e-5 * ddp,
-            "{strategy}: val loss {val_loss} against DDP's {ddp}"
+            (summary.val_loss - plain).abs() <= 1e-5 * plain,
+            "{strategy} on {ranks} ranks: val loss {} against the model's {plain}",
+            summary.val_loss
         );
     }
 }

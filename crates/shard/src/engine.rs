@@ -390,21 +390,28 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// The model's logits for `input` (built on [`Sharded::eval_device`]) in evaluation mode
     /// (no dropout, no graph), computed as training computes (a mixed policy's 16-bit copy,
     /// with autocast). Sharded parameters are gathered one unit at a time, as for training:
-    /// an evaluation never holds the whole model.
-    pub fn eval_logits(&self, input: M::Input) -> Result<M::Logits, ShardError> {
+    /// an evaluation never holds the whole model. Without `input` it only takes part in the
+    /// gathers (`None`): what a rank whose share of a distributed evaluation is done does
+    /// while the others compute, since every rank joins each of ZeRO-3's gathers.
+    pub fn eval_logits(&self, input: Option<M::Input>) -> Result<Option<M::Logits>, ShardError> {
         let _autocast = autocast::scope(self.precision.is_mixed());
         let model = self.model.as_ref().expect(PRESENT);
         if !self.sharding.parameters {
-            return Ok(self.compute(model.valid()).logits_of(input));
+            return Ok(input.map(|input| self.compute(model.valid()).logits_of(input)));
         }
         let mut root = model.valid();
         let blocks = root.take_blocks();
-        let (mut x, mask) = self.unit(&root, &[EMBEDDINGS], false)?.valid().embed(input);
+        let mut x = {
+            // Gathered only while it embeds: freed before the blocks are.
+            let embeddings = self.unit(&root, &[EMBEDDINGS], false)?.valid();
+            input.map(|input| embeddings.embed(input))
+        };
         for (i, block) in blocks.iter().enumerate() {
             let block = self.unit(block, &[FIRST_BLOCK + i], false)?.valid();
-            x = root.block_forward(&block, x, &mask);
+            x = x.map(|(x, mask)| (root.block_forward(&block, x, &mask), mask));
         }
-        Ok(self.unit(&root, &self.head_units, false)?.valid().logits(x))
+        let head = self.unit(&root, &self.head_units, false)?.valid();
+        Ok(x.map(|(x, _)| head.logits(x)))
     }
 
     /// The positions every block runs for `input` ([`BlockModel::positions`]).

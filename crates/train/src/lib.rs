@@ -33,4 +33,4 @@ pub use optim::{LrSchedule, ParamOptimizer, eight_bit_paths};
 pub use report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
-pub use runner::{Batch, BatchPart, Logits, StepMetrics, TrainTask, train, train_on};
+pub use runner::{Batch, BatchPart, Score, StepMetrics, TrainTask, train, train_on};

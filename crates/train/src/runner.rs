@@ -14,7 +14,7 @@ use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
-use burnscale_shard::{ShardError, Sharded, StepOutcome};
+use burnscale_shard::{Sharded, StepOutcome};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::accelerator::Accelerator;
@@ -33,10 +33,16 @@ use crate::{TrainArgs, TrainError, memory, speed};
 /// A micro-batch: what the model's embeddings read, and what its loss compares against.
 pub type Batch<M> = (<M as BlockModel>::Input, <M as BlockModel>::Target);
 
-/// The trained model's logits for a batch, in evaluation mode (the engine's
-/// [`Sharded::eval_logits`]: under ZeRO-3 one unit gathered at a time).
-pub type Logits<'a, M> =
-    dyn FnMut(<M as BlockModel>::Input) -> Result<<M as BlockModel>::Logits, ShardError> + 'a;
+/// What a validation batch scored, summed over its items.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Score {
+    /// The loss summed over the batch's items.
+    pub loss: f64,
+    /// The items scored: samples, or a language model's tokens.
+    pub items: usize,
+    /// Right answers, for a classifier.
+    pub correct: Option<usize>,
+}
 
 /// Which slice of every global batch a rank reads (a distributed sampler): all ranks draw
 /// the same global batch and keep rows `[rank·b, (rank+1)·b)`, so N ranks with micro-batch
@@ -62,13 +68,17 @@ pub trait TrainTask: Clone + Send + Sync {
     fn items(&self, input: &<Self::Model as BlockModel>::Input) -> usize;
     /// Whether `items` counts tokens (else samples).
     fn counts_tokens(&self) -> bool;
-    /// Validation: (loss, accuracy if any), from the model's `logits` for batches built on
-    /// `device`.
-    fn evaluate(
-        &mut self,
-        logits: &mut Logits<'_, Self::Model>,
-        device: &Device,
-    ) -> Result<(f64, Option<f64>), TrainError>;
+    /// Validation batches in all (the whole validation set; 0 without one), the same on every
+    /// rank: N ranks split them, rank r evaluating batches r, r + N, r + 2N, ...
+    fn eval_batches(&self) -> usize;
+    /// Validation batch `k` (below [`TrainTask::eval_batches`]), built on `device`.
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Self::Model>;
+    /// What a validation batch scores, from the model's logits for it.
+    fn score(
+        &self,
+        logits: <Self::Model as BlockModel>::Logits,
+        target: <Self::Model as BlockModel>::Target,
+    ) -> Score;
     /// `Ok` if `model` can read every example: run once before training, on the host, so
     /// that a bad example is an error naming it rather than a failure inside a step. Tasks
     /// whose data cannot mismatch the model (fixed-shape images) keep the default.
@@ -407,8 +417,7 @@ fn run_rank<T: TrainTask>(
             && step.is_multiple_of(args.eval_interval)
             && step < args.max_steps
         {
-            let (val_loss, acc) =
-                task.evaluate(&mut |x| engine.eval_logits(x), &engine.eval_device())?;
+            let (val_loss, acc) = evaluate(comm, &engine, task)?;
             if lead {
                 progress.suspend(|| {
                     eprintln!(
@@ -425,8 +434,7 @@ fn run_rank<T: TrainTask>(
     let elapsed_s = start.elapsed().as_secs_f64();
     let peak_mem = memory::peak_bytes().max(training_peak);
 
-    let (val_loss, accuracy) =
-        task.evaluate(&mut |x| engine.eval_logits(x), &engine.eval_device())?;
+    let (val_loss, accuracy) = evaluate(comm, &engine, task)?;
     device_peak.read();
     let model_state = ModelStateBytes {
         params: engine.param_bytes(),
@@ -673,6 +681,38 @@ fn every_rank_memory(
             planned_device_peak_mem_bytes: (v[4] > 0).then_some(v[4] as usize),
         })
         .collect())
+}
+
+/// The model's mean validation loss per item and, for a classifier, its accuracy, over
+/// the whole validation set (NaN without one). The ranks split it ([`TrainTask::eval_batches`])
+/// and add up their scores exactly (as f64 bits, in rank order), so every rank reports
+/// the same figures, whatever the number of ranks. Every rank runs as many forwards: one
+/// whose share is a batch short joins the last forward's gathers without computing.
+fn evaluate<T: TrainTask>(
+    comm: &dyn Communicator,
+    engine: &Sharded<'_, T::Model>,
+    task: &mut T,
+) -> Result<(f64, Option<f64>), TrainError> {
+    let (rank, world, batches) = (comm.rank(), comm.world_size(), task.eval_batches());
+    let device = engine.eval_device();
+    let (mut loss, mut counts) = (0.0, [0u64; 3]); // items, right answers, items answered
+    for k in (rank..batches.div_ceil(world) * world).step_by(world) {
+        let (input, target) = (k < batches).then(|| task.eval_batch(k, &device)).unzip();
+        if let (Some(logits), Some(target)) = (engine.eval_logits(input)?, target) {
+            let score = task.score(logits, target);
+            loss += score.loss;
+            counts[0] += score.items as u64;
+            if let Some(correct) = score.correct {
+                counts[1] += correct as u64;
+                counts[2] += score.items as u64;
+            }
+        }
+    }
+    let all = gather_u64s(comm, &[loss.to_bits(), counts[0], counts[1], counts[2]])?;
+    let loss: f64 = all.iter().map(|rank| f64::from_bits(rank[0])).sum();
+    let sum = |i: usize| all.iter().map(|rank| rank[i]).sum::<u64>() as f64;
+    let accuracy = (sum(3) > 0.0).then(|| sum(2) / sum(3));
+    Ok((loss / sum(1), accuracy))
 }
 
 /// Every rank's `mine` (the same count on every rank), in rank order: an all-gather.
