@@ -278,6 +278,13 @@ mod dry {
                 runner::micro_steps(&mut engine, &mut task, args, device, part)?;
                 runner::optimizer_step(&mut engine, &mut optim, args.lr, args)?;
             }
+            // An evaluation's forward, on the validation set's first batch (every rank the
+            // same one, each joining ZeRO-3's gathers): at its own batch size it can reserve
+            // more than training.
+            if task.eval_batches() > 0 {
+                let (input, _) = task.eval_batch(0, &engine.eval_device());
+                drop(engine.eval_logits(Some(input))?);
+            }
             // Read as the run's device peak is, with the pages the steps emptied still held.
             drained(device)?;
             comm.barrier()?;

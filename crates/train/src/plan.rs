@@ -64,6 +64,10 @@ pub struct Probe {
     /// elements), above its state.
     pub step: usize,
     pub step_elems: usize,
+    /// The most an evaluation adds above the model: the validation set's first batch (at its
+    /// own batch size, which may be larger than training's) built, run through the model
+    /// outside autodiff and scored; 0 without a validation set.
+    pub eval: usize,
 }
 
 impl Probe {
@@ -87,7 +91,6 @@ impl Probe {
         let mut copy = task.clone();
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.next_batch(device, BatchPart::WHOLE);
-        drop(copy);
         let (baseline, embed, block_bytes, block_output, head, parts) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
@@ -177,7 +180,27 @@ impl Probe {
             embed_backward,
             held_input,
         ] = parts;
-        drop((root, block));
+        // Outside autodiff each block's output takes its input's place: one block stands
+        // for all.
+        let eval = match copy.eval_batches() {
+            0 => 0,
+            _ => {
+                let _autocast = autocast::scope(args.precision.is_mixed());
+                let (root, block) = (root.valid(), block.as_ref().map(Module::valid));
+                let inner = device.clone().inner();
+                let scored = memory::peak_added_by(|| {
+                    let (input, target) = copy.eval_batch(0, &inner);
+                    let (x, mask) = root.embed(input);
+                    let x = match &block {
+                        Some(block) => root.block_forward(block, x, &mask),
+                        None => x,
+                    };
+                    copy.score(root.logits(x), target)
+                });
+                scored.1
+            }
+        };
+        drop((root, block, copy));
         let (step, step_elems) = optimizer_step_bytes(model, args, device)?;
         Ok(Self {
             baseline,
@@ -193,6 +216,7 @@ impl Probe {
             embed_backward,
             step,
             step_elems,
+            eval,
         })
     }
 }
@@ -292,6 +316,9 @@ pub enum Phase {
     /// The optimizer step (each gradient multiplied by the clipping and unscaling factor as
     /// it is stepped).
     Step,
+    /// An evaluation's forward (after a step, the gradients gone), at the validation batch's
+    /// size.
+    Evaluation,
 }
 
 /// One rank's predicted bytes, by kind, at its peak phase; and the process's peak.
@@ -808,6 +835,19 @@ impl MemoryPlan {
             params + optimizer + (step_grads + shard_copy + step_temporaries).max(gather),
             0,
         ));
+        // An evaluation runs on the model states, through a unit at a time under ZeRO-3; a
+        // mixed replica casts the whole model at once.
+        if probe.eval > 0 {
+            let eval_copy = match mixed && !sharding.parameters {
+                true => c * n,
+                false => 0,
+            };
+            phases.push(PhaseBytes::new(
+                Phase::Evaluation,
+                params + optimizer + eval_copy + gathered_unit + probe.eval,
+                probe.eval,
+            ));
+        }
         let (peak_phase, rank_peak) = phases
             .iter()
             .map(|p| (p.phase, p.bytes))

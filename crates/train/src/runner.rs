@@ -432,9 +432,9 @@ fn run_rank<T: TrainTask>(
     }
     progress.finish_and_clear();
     let elapsed_s = start.elapsed().as_secs_f64();
-    let peak_mem = memory::peak_bytes().max(training_peak);
-
     let (val_loss, accuracy) = evaluate(comm, &engine, task)?;
+    // The run's peak, its evaluations' among it (one at a larger batch can set it).
+    let peak_mem = memory::peak_bytes().max(training_peak);
     device_peak.read();
     let model_state = ModelStateBytes {
         params: engine.param_bytes(),
@@ -451,10 +451,7 @@ fn run_rank<T: TrainTask>(
             // allocator (C++, past the counting allocator) is not read (0: none).
             device_peak
                 .bytes()
-                .or_else(|| {
-                    (args.runs_on() == Accelerator::Cpu)
-                        .then(|| memory::peak_bytes().max(training_peak))
-                })
+                .or_else(|| (args.runs_on() == Accelerator::Cpu).then_some(peak_mem))
                 .unwrap_or(0),
             plan.as_ref().map_or(0, |p| p.process_peak),
             device_plan.as_ref().map_or(0, |p| p.peak),
