@@ -73,7 +73,7 @@ pub const ONE_RANK: &[&[&str]] = &[
     &[VIT],
     // The evaluation's forward at batch 128 outweighs training at batch 2.
     &[VIT, "--batch-size", "2", "--checkpoint-activations"],
-    // It runs on a 16-bit copy of the whole model.
+    // A mixed replica evaluates unit by unit, each cast to 16 bits.
     &[
         VIT,
         "--batch-size",

@@ -389,15 +389,16 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
 
     /// The model's logits for `input` (built on [`Sharded::eval_device`]) in evaluation mode
     /// (no dropout, no graph), computed as training computes (a mixed policy's 16-bit copy,
-    /// with autocast). Sharded parameters are gathered one unit at a time, as for training:
-    /// an evaluation never holds the whole model. Without `input` it only takes part in the
-    /// gathers (`None`): what a rank whose share of a distributed evaluation is done does
-    /// while the others compute, since every rank joins each of ZeRO-3's gathers.
+    /// with autocast). It runs unit by unit: sharded parameters are gathered one unit at a
+    /// time, as for training, and a mixed replica casts one unit at a time, so an evaluation
+    /// never holds the whole model twice. Without `input` it only takes part in the gathers
+    /// (`None`): what a rank whose share of a distributed evaluation is done does while the
+    /// others compute, since every rank joins each of ZeRO-3's gathers.
     pub fn eval_logits(&self, input: Option<M::Input>) -> Result<Option<M::Logits>, ShardError> {
         let _autocast = autocast::scope(self.precision.is_mixed());
         let model = self.model.as_ref().expect(PRESENT);
-        if !self.sharding.parameters {
-            return Ok(input.map(|input| self.compute(model.valid()).logits_of(input)));
+        if input.is_none() && !self.sharding.parameters {
+            return Ok(None);
         }
         let mut root = model.valid();
         let blocks = root.take_blocks();

@@ -835,16 +835,18 @@ impl MemoryPlan {
             params + optimizer + (step_grads + shard_copy + step_temporaries).max(gather),
             0,
         ));
-        // An evaluation runs on the model states, through a unit at a time under ZeRO-3; a
-        // mixed replica casts the whole model at once.
+        // An evaluation runs on the model states a unit at a time: gathered under ZeRO-3 (the
+        // root as its units), else cast by a mixed replica (the root whole).
         if probe.eval > 0 {
-            let eval_copy = match mixed && !sharding.parameters {
-                true => c * n,
-                false => 0,
+            let (root, block_elems) = (units.embeddings() + units.head, units.largest_block());
+            let eval_unit = match (gathers, mixed) {
+                (true, _) => c * block_elems.max(units.head_unit()).max(units.embeddings()),
+                (false, true) => c * root.max(block_elems),
+                (false, false) => 0,
             };
             phases.push(PhaseBytes::new(
                 Phase::Evaluation,
-                params + optimizer + eval_copy + gathered_unit + probe.eval,
+                params + optimizer + eval_unit + probe.eval,
                 probe.eval,
             ));
         }
