@@ -216,32 +216,7 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
             Ok(train(model, &mut task, &args, &device)?.1)
         }
         [VIT, flags @ ..] => {
-            let config = VitConfig {
-                image_size: 64,
-                hidden_size: 256,
-                num_hidden_layers: 4,
-                intermediate_size: 1024,
-                ..VitConfig::tiny()
-            }
-            .with_dropout(0.1);
-            let args = check_args("8", flags)?;
-            let device = Device::flex().autodiff();
-            device.seed(1);
-            let model = Vit::new(&config, &device)?;
-            let (train_set, test_set) = images::load("digits", 0.2, 0)?;
-            let prep = Preprocess {
-                size: 64,
-                mean: [0.5; 3],
-                std: [0.5; 3],
-            };
-            let mut task = ImageClassification::new(
-                train_set,
-                test_set,
-                prep,
-                args.batch_size,
-                VIT_EVAL_BATCH,
-                1,
-            )?;
+            let (model, mut task, args, device) = vit(flags)?;
             Ok(train(model, &mut task, &args, &device)?.1)
         }
         _ => {
@@ -257,6 +232,45 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
 const CLASSIFIER_TOKENS: usize = 512;
 const MASKED_LM_TOKENS: usize = 128;
 
+/// The checks' device, the CPU's (see [`PLANNED_ON_CPU`]), seeded alike for every model.
+fn seeded_cpu() -> Device {
+    let device = Device::flex().autodiff();
+    device.seed(1);
+    device
+}
+
+/// The ViT check's model (4 blocks of width 256, 64-pixel images in 8-pixel patches), its
+/// task (the bundled digits, evaluated in batches of [`VIT_EVAL_BATCH`]) and `flags` at
+/// batch 8.
+fn vit(flags: &[&str]) -> anyhow::Result<(Vit, ImageClassification, TrainArgs, Device)> {
+    let config = VitConfig {
+        image_size: 64,
+        hidden_size: 256,
+        num_hidden_layers: 4,
+        intermediate_size: 1024,
+        ..VitConfig::tiny()
+    }
+    .with_dropout(0.1);
+    let args = check_args("8", flags)?;
+    let device = seeded_cpu();
+    let model = Vit::new(&config, &device)?;
+    let (train_set, test_set) = images::load("digits", 0.2, 0)?;
+    let prep = Preprocess {
+        size: 64,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+    };
+    let task = ImageClassification::new(
+        train_set,
+        test_set,
+        prep,
+        args.batch_size,
+        VIT_EVAL_BATCH,
+        1,
+    )?;
+    Ok((model, task, args, device))
+}
+
 /// The BERT checks' model (DistilBERT's 30522-token table, 4 blocks of width 256) with
 /// `head`, and `flags` at batch 1.
 fn bert(head: BertHead, flags: &[&str]) -> anyhow::Result<(Bert, TrainArgs, Device)> {
@@ -270,8 +284,7 @@ fn bert(head: BertHead, flags: &[&str]) -> anyhow::Result<(Bert, TrainArgs, Devi
     .with_dropout(0.1)
     .with_head(head);
     let args = check_args("1", flags)?;
-    let device = Device::flex().autodiff();
-    device.seed(1);
+    let device = seeded_cpu();
     let model = Bert::new(&config, &device)?;
     Ok((model, args, device))
 }
@@ -325,11 +338,7 @@ impl TrainTask for MaskedTokens {
     fn score(&self, logits: Tensor<2>, targets: Tensor<1, Int>) -> Score {
         let tokens = targets.dims()[0];
         let mean = burnscale_nn::cross_entropy(logits, targets).into_scalar::<f32>() as f64;
-        Score {
-            loss: mean * tokens as f64,
-            items: tokens,
-            correct: None,
-        }
+        Score::of_mean(mean, tokens)
     }
 }
 
@@ -358,8 +367,7 @@ pub fn setup(flags: &[&str]) -> anyhow::Result<(Gpt, NextToken, TrainArgs, Devic
     let config = GptConfig::new(layers, 4, 256, vocab, 128).with_dropout(0.1);
     let tokens: Vec<i64> = (0..20_000).map(|i| (i * 31 % vocab) as i64).collect();
     let args = check_args("8", flags)?;
-    let device = Device::flex().autodiff();
-    device.seed(1);
+    let device = seeded_cpu();
     let task = NextToken::new(tokens.clone(), 128, args.batch_size, 1)?.with_validation(
         tokens[..2_000].to_vec(),
         128,

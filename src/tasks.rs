@@ -107,12 +107,10 @@ impl TrainTask for NextToken {
 
     fn score(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Score {
         let tokens = targets.shape().num_elements();
-        let mean = cross_entropy(logits, targets).into_scalar::<f32>() as f64;
-        Score {
-            loss: mean * tokens as f64,
-            items: tokens,
-            correct: None,
-        }
+        Score::of_mean(
+            cross_entropy(logits, targets).into_scalar::<f32>() as f64,
+            tokens,
+        )
     }
 }
 

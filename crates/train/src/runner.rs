@@ -44,6 +44,17 @@ pub struct Score {
     pub correct: Option<usize>,
 }
 
+impl Score {
+    /// A batch of `items` whose loss, without right answers to count, is `mean` per item.
+    pub fn of_mean(mean: f64, items: usize) -> Self {
+        Self {
+            loss: mean * items as f64,
+            items,
+            correct: None,
+        }
+    }
+}
+
 /// Which slice of every global batch a rank reads (a distributed sampler): all ranks draw
 /// the same global batch and keep rows `[rank·b, (rank+1)·b)`, so N ranks with micro-batch
 /// b train on the same data as one rank with N·b.
