@@ -228,7 +228,7 @@ fn worker(cli: &Cli) -> Result<()> {
     let args = train_args(flags, cli.machine())?;
     let device = args.device()?;
     device.seed(1);
-    let (train_set, test_set) = images::load("digits", 0.2, 42)?;
+    let (train_set, test_set) = images::load("digits", None, 42)?;
     let config = VitConfig::preset(preset)?
         .with_image_size(size)
         .with_num_labels(train_set.classes)
@@ -315,7 +315,7 @@ fn classify<M: SequenceClassifier>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<RunSummary> {
-    let mut task = TextClassification::<M>::random_tokens(64, len, args.batch_size)?;
+    let mut task = TextClassification::<M>::random_tokens(&[len; 64], &[len; 2], args.batch_size)?;
     Ok(train(model, &mut task, args, device)?.1)
 }
 

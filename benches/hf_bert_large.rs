@@ -135,7 +135,8 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
     let device = args.device()?;
     device.seed(1);
     let (config, len) = cli.model();
-    let mut task = TextClassification::<Bert>::random_tokens(64, len, args.batch_size)?;
+    let mut task =
+        TextClassification::<Bert>::random_tokens(&[len; 64], &[len; 2], args.batch_size)?;
     let summary = train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1;
     article_table::print_summary(&summary)
 }

@@ -91,7 +91,8 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
                 .with_dropout(0.0);
             let flags = [&common[..], &PLANNED_ON_CPU, &batch("4"), rung_flags].concat();
             let args = TrainArgs::from_flags(&flags)?;
-            let mut task = TextClassification::<Bert>::random_tokens(64, 128, args.batch_size)?;
+            let mut task =
+                TextClassification::<Bert>::random_tokens(&[128; 64], &[128; 2], args.batch_size)?;
             train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1
         }
         other => bail!("--model must be mingpt or bert-large, got {other}"),

@@ -84,7 +84,8 @@ fn worker(cli: &Cli, row: usize) -> Result<()> {
         "2e-5",
     ];
     let args = TrainArgs::from_flags(&[&flags[..], &PLANNED_ON_CPU].concat())?;
-    let mut task = TextClassification::<Bert>::random_tokens(64, len, args.batch_size)?;
+    let mut task =
+        TextClassification::<Bert>::random_tokens(&[len; 64], &[len; 2], args.batch_size)?;
     let summary = train(Bert::new(&config, &device)?, &mut task, &args, &device)?.1;
     article_table::print_summary(&summary)
 }

@@ -68,8 +68,8 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
-    if !(0.0..1.0).contains(&cli.test_fraction) {
-        bail!("--test-fraction {} is not in [0, 1)", cli.test_fraction);
+    if !(cli.test_fraction > 0.0 && cli.test_fraction < 1.0) {
+        bail!("--test-fraction {} is not in (0, 1)", cli.test_fraction);
     }
     let files = pretrained::minilm_files()?;
     let encoder = BertConfig::from_hf_json(&files.config)?;
@@ -138,6 +138,16 @@ fn run() -> Result<()> {
                 num_random_blocks: 2,
                 num_labels: Some(2),
             };
+            // As HF's BigBird, a batch too short for the sparse pattern attends in full.
+            if lead && cli.max_length < config.min_sparse_len() {
+                eprintln!(
+                    "note: block-sparse attention needs sequences of at least {} tokens (blocks of {}, {} random); at --max-length {} every batch attends in full, as HF's BigBird does below that length",
+                    config.min_sparse_len(),
+                    config.block_size,
+                    config.num_random_blocks,
+                    cli.max_length
+                );
+            }
             let model = burnscale::bigbird::loader::load(
                 Path::new(&files.weights),
                 &config,

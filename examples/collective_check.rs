@@ -47,6 +47,18 @@ struct Cli {
 /// Prints this rank's results; returns how many failed.
 fn report(comm: &dyn Communicator, engine: &str, cli: &Cli, device: &Device) -> usize {
     if cli.panic_rank.is_some() || cli.leave_rank.is_some() {
+        if let Some(rank) = [cli.panic_rank, cli.leave_rank]
+            .into_iter()
+            .flatten()
+            .find(|&r| r >= comm.world_size())
+        {
+            println!(
+                "FAIL [{engine} rank {}] no rank {rank} to inject a fault into: the world has {}",
+                comm.rank(),
+                comm.world_size()
+            );
+            return 1;
+        }
         if let Err(e) = comm.barrier() {
             println!("FAIL [{engine} rank {}] barrier: {e}", comm.rank());
             return 1;

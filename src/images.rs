@@ -29,6 +29,10 @@ pub enum ImageDataError {
         "unknown --data `{0}`: use `digits` or `cifar10:DIR` (DIR holds CIFAR-10's data_batch_*.bin and test_batch.bin)"
     )]
     UnknownSource(String),
+    #[error("--test-fraction {0} is not in (0, 1)")]
+    TestFraction(f64),
+    #[error("--test-fraction splits a dataset without a test split; CIFAR-10 has its own")]
+    OwnTestSplit,
 }
 
 /// Images of one size, `[n, channels, side, side]` with values in [0, 1], and class ids.
@@ -217,16 +221,26 @@ pub fn read_cifar10_batch(path: &Path) -> Result<(Vec<f32>, Vec<i64>), ImageData
     Ok((pixels, labels))
 }
 
-/// `(train, test)` for a `--data` value: `digits` (split with `test_fraction`, seeded) or
-/// `cifar10:DIR` (its own test batch).
+/// The share of `digits` held out for testing when `--test-fraction` is not given.
+pub const TEST_FRACTION: f64 = 0.2;
+
+/// `(train, test)` for a `--data` value: `digits` (split with `test_fraction`, by default
+/// [`TEST_FRACTION`], seeded) or `cifar10:DIR` (its own test batch: a fraction is refused).
 pub fn load(
     source: &str,
-    test_fraction: f64,
+    test_fraction: Option<f64>,
     seed: u64,
 ) -> Result<(ImageSet, ImageSet), ImageDataError> {
-    match source.split_once(':') {
-        None if source == "digits" => Ok(ImageSet::digits()?.split(test_fraction, seed)),
-        Some(("cifar10", dir)) => ImageSet::cifar10(&expand_home(dir)),
+    match (source.split_once(':'), test_fraction) {
+        (None, f) if source == "digits" => {
+            let f = f.unwrap_or(TEST_FRACTION);
+            if !(f > 0.0 && f < 1.0) {
+                return Err(ImageDataError::TestFraction(f));
+            }
+            Ok(ImageSet::digits()?.split(f, seed))
+        }
+        (Some(("cifar10", _)), Some(_)) => Err(ImageDataError::OwnTestSplit),
+        (Some(("cifar10", dir)), None) => ImageSet::cifar10(&expand_home(dir)),
         _ => Err(ImageDataError::UnknownSource(source.to_string())),
     }
 }
@@ -321,6 +335,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("data_batch_1.bin"), "{err}");
-        assert!(load("mnist", 0.2, 0).is_err());
+        assert!(load("mnist", None, 0).is_err());
+        let own = load(&format!("cifar10:{}", dir.path().display()), Some(0.5), 0);
+        assert!(
+            own.unwrap_err()
+                .to_string()
+                .contains("CIFAR-10 has its own")
+        );
+        let none = load("digits", Some(0.0), 0).unwrap_err().to_string();
+        assert!(
+            none.contains("--test-fraction 0 is not in (0, 1)"),
+            "{none}"
+        );
     }
 }

@@ -48,7 +48,8 @@ impl NextToken {
         block: usize,
         batches: usize,
     ) -> Result<Self, TrainError> {
-        self.val = Some((TokenWindows::new(tokens, block, self.seed)?, batches.max(1)));
+        let batches = at_least_one("validation batches (--eval-batches)", batches)?;
+        self.val = Some((TokenWindows::new(tokens, block, self.seed)?, batches));
         Ok(self)
     }
 }
@@ -141,7 +142,7 @@ impl ImageClassification {
             test,
             prep,
             batch,
-            eval_batch: eval_batch.max(1),
+            eval_batch: at_least_one("images per evaluation batch (--eval-batch)", eval_batch)?,
         })
     }
 }
@@ -253,19 +254,25 @@ impl<M> Clone for TextClassification<M> {
 }
 
 impl<M> TextClassification<M> {
-    /// The HF article's data for memory and speed benchmarks: `rows` sequences of `len`
-    /// token ids spread over [100, 30000) (BERT's vocabulary past its special tokens),
-    /// labels alternating, and two such test rows; fixed, so every run sees the same batches.
-    pub fn random_tokens(rows: usize, len: usize, batch: usize) -> Result<Self, TrainError> {
-        let make = |n: usize| -> Vec<(Vec<i64>, i64)> {
-            (0..n)
-                .map(|i| {
+    /// The HF article's data for memory and speed benchmarks: training and test sequences of
+    /// the lengths given, of token ids spread over [100, 30000) (BERT's vocabulary past its
+    /// special tokens), labels alternating; fixed, so every run sees the same batches.
+    pub fn random_tokens(
+        train: &[usize],
+        test: &[usize],
+        batch: usize,
+    ) -> Result<Self, TrainError> {
+        let make = |lengths: &[usize]| -> Vec<(Vec<i64>, i64)> {
+            lengths
+                .iter()
+                .enumerate()
+                .map(|(i, &len)| {
                     let ids = (0..len).map(|j| ((i * 131 + j * 7919) % 29900 + 100) as i64);
                     (ids.collect(), (i % 2) as i64)
                 })
                 .collect()
         };
-        Self::new(make(rows), make(2), 0, batch, 1)
+        Self::new(make(train), make(test), 0, batch, 1)
     }
 
     pub fn new(
@@ -280,7 +287,7 @@ impl<M> TextClassification<M> {
             train,
             test,
             pad_id,
-            batch,
+            batch: at_least_one("sequences per batch (--batch-size)", batch)?,
             model: PhantomData,
         })
     }
@@ -350,22 +357,54 @@ impl<M: SequenceClassifier> TrainTask for TextClassification<M> {
 
     /// The whole test set, in batches of `--batch-size`.
     fn eval_batches(&self) -> usize {
-        self.test.len().div_ceil(self.batch.max(1))
+        self.test.len().div_ceil(self.batch)
     }
 
     fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<M> {
         let rows: Vec<&(Vec<i64>, i64)> = self
             .test
             .iter()
-            .skip(k * self.batch.max(1))
-            .take(self.batch.max(1))
+            .skip(k * self.batch)
+            .take(self.batch)
             .collect();
         self.batch_of(&rows, device)
+    }
+
+    /// Each batch pads to its longest sequence: the one that holds the longest takes
+    /// `--batch-size` rows of its length.
+    fn largest_batch(&mut self, device: &Device, _part: BatchPart) -> Batch<M> {
+        self.batch_of(&longest(&self.train, self.batch), device)
+    }
+
+    /// As many rows as the first validation batch, as long as the longest: no validation
+    /// batch takes more.
+    fn largest_eval_batch(&mut self, device: &Device) -> Batch<M> {
+        self.batch_of(
+            &longest(&self.test, self.batch.min(self.test.len())),
+            device,
+        )
     }
 
     fn score(&self, logits: Tensor<2>, labels: Tensor<1, Int>) -> Score {
         classified(logits, labels)
     }
+}
+
+/// `n`, if it is at least 1; else an error naming `what` it counts.
+fn at_least_one(what: &str, n: usize) -> Result<usize, TrainError> {
+    match n {
+        0 => Err(TrainError::InvalidArgs(format!(
+            "{what} must be at least 1, got 0"
+        ))),
+        n => Ok(n),
+    }
+}
+
+/// `n` rows, each the longest of `rows` (none when `rows` is empty): padded, no batch of `n`
+/// drawn from them is longer.
+fn longest(rows: &[(Vec<i64>, i64)], n: usize) -> Vec<&(Vec<i64>, i64)> {
+    let longest = rows.iter().max_by_key(|(ids, _)| ids.len());
+    longest.map(|row| vec![row; n]).unwrap_or_default()
 }
 
 /// `Ok` if every value (a token id, a class label) of `part` is one of `classes`; else an
@@ -489,5 +528,40 @@ mod tests {
         assert!(refused(&task(2), &bert).contains("training label 1 is 2"));
         let bare = Bert::new(&BertConfig::tiny().with_head(BertHead::Base), &device).unwrap();
         assert!(refused(&task(1), &bare).contains("no sequence-classification head"));
+    }
+
+    #[test]
+    fn the_largest_text_batches_pad_to_the_longest_sequences() {
+        let device = Device::default();
+        let rows = |lengths: &[usize]| -> Vec<(Vec<i64>, i64)> {
+            lengths.iter().map(|&n| (vec![5; n], 0)).collect()
+        };
+        let mut task =
+            TextClassification::<Bert>::new(rows(&[3, 7, 5, 2]), rows(&[4, 1, 9]), 0, 2, 0)
+                .unwrap();
+        let part = BatchPart { rank: 1, world: 2 };
+        let (input, labels) = task.largest_batch(&device, part);
+        assert_eq!(input.input_ids.dims(), [2, 7]);
+        assert_eq!(labels.dims(), [2]);
+        // The validation batches are [4, 1] and [9]: no batch of two is longer than 9.
+        assert_eq!(task.eval_batch(0, &device).0.input_ids.dims(), [2, 4]);
+        assert_eq!(task.largest_eval_batch(&device).0.input_ids.dims(), [2, 9]);
+        // A batch larger than the training set repeats its rows, as the sampler draws them.
+        let mut small = TextClassification::<Bert>::new(rows(&[3]), rows(&[4]), 0, 3, 0).unwrap();
+        let drawn = small
+            .next_batch(&device, BatchPart::WHOLE)
+            .0
+            .input_ids
+            .dims();
+        assert_eq!(drawn, [3, 3]);
+        assert_eq!(
+            small
+                .largest_batch(&device, BatchPart::WHOLE)
+                .0
+                .input_ids
+                .dims(),
+            drawn
+        );
+        assert_eq!(small.largest_eval_batch(&device).0.input_ids.dims(), [1, 4]);
     }
 }

@@ -358,6 +358,15 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         .to_string();
     assert!(err.contains("seed 42, this run 7"), "{err}");
 
+    // Another --accumulate: the data position is saved in micro-batches.
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume", "--accumulate", "2"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("micro-batches per optimizer step (--accumulate) 1, this run 2"),
+        "{err}"
+    );
+
     // An interrupted save (no meta.json) is not a checkpoint, and the next save clears it.
     fs::create_dir_all(dir.join(".step-00000006.partial")).unwrap();
     fs::create_dir_all(dir.join("step-00000006")).unwrap();

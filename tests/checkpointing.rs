@@ -115,7 +115,7 @@ fn mingpt() {
 
 #[test]
 fn vit() {
-    let (train_set, test_set) = images::load("digits", 0.2, 0).unwrap();
+    let (train_set, test_set) = images::load("digits", None, 0).unwrap();
     let prep = Preprocess {
         size: 32,
         mean: [0.5; 3],

@@ -127,8 +127,18 @@ fn bad_flags_are_named() {
         &["--data", "/nonexistent/text.txt"],
         "/nonexistent/text.txt",
     );
-    // A setting the optimizer would not read.
+    // A setting the optimizer would not read, or could not step with.
     fails_with(&["--momentum", "0.5"], "--momentum is not read");
+    fails_with(&["--beta2", "1"], "--beta2 must be in [0, 1), got 1");
+    // A flag with nothing to act on.
+    fails_with(
+        &["--grad-reduce-dtype", "bf16"],
+        "--grad-reduce-dtype bf16 is the dtype gradients are reduced in over the ranks, but the world has one rank",
+    );
+    fails_with(
+        &["--eval-batches", "0"],
+        "validation batches (--eval-batches) must be at least 1",
+    );
     // Files written at the end are checked at the start.
     fails_with(
         &["--summary-json", "/nonexistent/s.json"],
@@ -144,6 +154,25 @@ fn bert_classify_names_a_max_length_past_the_position_table() {
         "bert_classify",
         &["--max-length", "600"],
         "--max-length 600 must be between 3 and the model's 512 positions",
+    );
+}
+
+#[test]
+fn vit_finetune_names_its_evaluation_and_split_flags() {
+    example_fails_with(
+        "vit_finetune",
+        &["--data", "cifar10:/nonexistent", "--test-fraction", "0.5"],
+        "CIFAR-10 has its own",
+    );
+    example_fails_with(
+        "vit_finetune",
+        &["--test-fraction", "0"],
+        "--test-fraction 0 is not in (0, 1)",
+    );
+    example_fails_with(
+        "vit_finetune",
+        &["--weights", "none", "--model", "tiny", "--eval-batch", "0"],
+        "images per evaluation batch (--eval-batch) must be at least 1",
     );
 }
 

@@ -24,7 +24,7 @@ fn run(flags: &[&str]) -> (Vit, RunSummary) {
     args.gather_model = true;
     let device = Device::default().autodiff();
     let model = seeded_model(5, |device| Vit::new(&config(), device).unwrap());
-    let (train_set, test_set) = images::load("digits", 0.2, 0).unwrap();
+    let (train_set, test_set) = images::load("digits", None, 0).unwrap();
     let prep = Preprocess {
         size: 16,
         mean: [0.5; 3],

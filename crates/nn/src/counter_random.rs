@@ -28,15 +28,46 @@ pub fn uniform<const D: usize>(shape: Shape, key: u64, device: &Device) -> Tenso
 
 /// A 31-bit hash of (element index, `key`) for each element of a tensor of `shape`.
 pub(crate) fn hashed<const D: usize>(shape: &Shape, key: u64, device: &Device) -> Tensor<D, Int> {
+    hashed_by(shape, key, device, LOW_31 as usize)
+}
+
+/// [`hashed`], indexing at most `most` elements at a time (an index past 31 bits is outside
+/// the hash's range, and a GPU's integers are 32 bits): a larger tensor (attention
+/// probabilities at a large batch) is drawn as rows of its last dimension, in slabs of
+/// whole rows, slab s under `key` mixed with s, and joined. The first slab keeps `key`: its
+/// elements take the values they would take drawn whole.
+fn hashed_by<const D: usize>(
+    shape: &Shape,
+    key: u64,
+    device: &Device,
+    most: usize,
+) -> Tensor<D, Int> {
     let n = shape.num_elements();
+    if n <= most {
+        return hash31(
+            hash31(element_index::<D>(shape, device).bitwise_xor_scalar(key & LOW_31))
+                .bitwise_xor_scalar((key >> 31) & LOW_31),
+        );
+    }
+    let last = shape.dims::<D>()[D - 1];
     assert!(
-        n <= LOW_31 as usize,
-        "{n} elements: more than a 31-bit index can count"
+        last <= most,
+        "a last dimension of {last} elements: more than a 31-bit index can count"
     );
-    hash31(
-        hash31(element_index::<D>(shape, device).bitwise_xor_scalar(key & LOW_31))
-            .bitwise_xor_scalar((key >> 31) & LOW_31),
-    )
+    let (rows, per_slab) = (n / last, most / last);
+    let slabs: Vec<Tensor<2, Int>> = (0..rows)
+        .step_by(per_slab)
+        .enumerate()
+        .map(|(s, start)| {
+            let key = match s {
+                0 => key,
+                s => splitmix64(key ^ s as u64),
+            };
+            let slab = Shape::new([per_slab.min(rows - start), last]);
+            hashed_by::<2>(&slab, key, device, most)
+        })
+        .collect();
+    Tensor::cat(slabs, 0).reshape(shape.dims::<D>())
 }
 
 const LOW_31: u64 = (1 << 31) - 1;
@@ -115,6 +146,27 @@ mod tests {
             let n = shape.num_elements() as i64;
             assert_eq!(index(shape), (0..n).collect::<Vec<_>>());
         }
+    }
+
+    /// Past the most one index counts, a tensor is drawn in slabs of whole rows: the first
+    /// slab's values are those drawn whole, the next ones' are others (their own key), and
+    /// every value stays a 31-bit one.
+    #[test]
+    fn a_tensor_past_the_index_range_is_drawn_in_slabs() {
+        let device = Device::default();
+        let values = |t: Tensor<3, Int>| -> Vec<i64> {
+            t.into_data().convert::<i64>().try_into_vec().unwrap()
+        };
+        let shape = Shape::new([5, 4, 3]);
+        let whole = values(hashed_by::<3>(&shape, 77, &device, 60));
+        let slabbed = hashed_by::<3>(&shape, 77, &device, 24); // slabs of 8, 8 and 4 rows of 3
+        assert_eq!(slabbed.dims(), [5, 4, 3]);
+        let slabbed = values(slabbed);
+        assert_eq!(slabbed[..24], whole[..24]);
+        assert_ne!(slabbed[24..48], whole[24..48]);
+        assert_ne!(slabbed[24..48], slabbed[..24]);
+        assert_ne!(slabbed[48..], slabbed[24..36]);
+        assert!(slabbed.iter().all(|v| (0..1 << 31).contains(v)));
     }
 
     /// Uniform values fill `[0, 1)` evenly and stay below 1.

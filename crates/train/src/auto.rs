@@ -16,6 +16,7 @@
 //! bf16-mixed, then bf16-true, are tried only after every other candidate.
 
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
 use serde::Serialize;
 
@@ -290,6 +291,9 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                         let candidate = TrainArgs {
                             strategy,
                             precision,
+                            // Weights that stay f32 are built so: nothing to create in place.
+                            init_on_device: args.init_on_device
+                                && precision.param_dtype() != FloatDType::F32,
                             checkpoint_activations: checkpoint,
                             reshard_after_forward,
                             offload_dir: offload_dir.clone(),
@@ -441,6 +445,18 @@ mod tests {
         assert_eq!(four.len(), 3 * 10);
         assert!(four[10..20].iter().all(|c| c.contains("bf16-mixed")));
         assert!(four[20..].iter().all(|c| c.contains("bf16-true")));
+        // `--init-on-device` acts only where the weights are 16-bit; the f32 candidates stay.
+        let created = order(
+            &[
+                "--strategy",
+                "auto",
+                "--memory-budget",
+                "1G",
+                "--init-on-device",
+            ],
+            4,
+        );
+        assert_eq!(created, four);
         let resharded = order(
             &[
                 "--strategy",

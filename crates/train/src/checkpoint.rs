@@ -1002,6 +1002,15 @@ pub fn restore<T: TrainTask>(
         ),
         // The data order after the checkpoint is drawn from the seed.
         differs("seed", meta.seed.to_string(), args.seed.to_string()),
+        // The data position is counted in micro-batches, `--accumulate` a step: with
+        // another count the next checkpoint would misplace it.
+        (meta.step > 0 && meta.micro_batches != meta.step * args.accumulate).then(|| {
+            format!(
+                "micro-batches per optimizer step (--accumulate) {}, this run {}",
+                meta.micro_batches / meta.step,
+                args.accumulate
+            )
+        }),
         // The scaler resumes at its saved scale, which a flag would not change.
         (args.initial_loss_scale.is_some() && meta.loss_scaler.is_some()).then(|| {
             "the loss scaler's scale is saved, this run gives --initial-loss-scale (drop it to resume)".to_string()

@@ -493,6 +493,17 @@ impl TrainArgs {
                 accelerator.name()
             ));
         }
+        // Under auto the choice may be 16-bit weights; the other runs' weights are f32 as
+        // built.
+        if self.init_on_device
+            && self.strategy != Strategy::Auto
+            && self.precision.param_dtype() == burn::tensor::FloatDType::F32
+        {
+            return invalid(format!(
+                "--init-on-device creates the parameters in the weights' dtype, but --precision {} keeps f32 weights, as they are built: drop the flag, or train in bf16-true or 16-true",
+                self.precision
+            ));
+        }
         if self.offload == Offload::Params
             && !matches!(self.strategy, Strategy::Zero3 | Strategy::Auto)
         {
@@ -548,8 +559,24 @@ impl TrainArgs {
                 "--initial-loss-scale must be positive and finite, got {scale}"
             ));
         }
-        if self.grad_clip < 0.0 || self.weight_decay < 0.0 {
-            return invalid("--grad-clip and --weight-decay must not be negative".into());
+        // NaN fails this too: a comparison with it is false.
+        let usable = |v: f64| v >= 0.0 && v.is_finite();
+        if !(usable(self.grad_clip) && usable(self.weight_decay)) {
+            return invalid(format!(
+                "--grad-clip and --weight-decay must be finite and not negative (got {} and {})",
+                self.grad_clip, self.weight_decay
+            ));
+        }
+        // As torch.optim refuses them: a beta of 1 divides Adam's bias correction by 0.
+        for (flag, value) in [("--beta1", self.beta1), ("--beta2", self.beta2)] {
+            if let Some(value) = value.filter(|v| !(0.0..1.0).contains(v)) {
+                return invalid(format!("{flag} must be in [0, 1), got {value}"));
+            }
+        }
+        if let Some(momentum) = self.momentum.filter(|&m| !usable(m)) {
+            return invalid(format!(
+                "--momentum must be finite and not negative (0 disables it), got {momentum}"
+            ));
         }
         if self.checkpoint_dir.is_none()
             && (self.resume || self.checkpoint_every > 0 || self.keep_checkpoints.is_some())
@@ -651,6 +678,55 @@ mod tests {
         ] {
             let err = refused(flags);
             assert!(err.contains("adam8bit"), "{err}");
+        }
+    }
+
+    #[test]
+    fn values_an_optimizer_cannot_step_with_are_refused() {
+        for (flags, says) in [
+            (&["--beta1", "1"][..], "--beta1 must be in [0, 1), got 1"),
+            (&["--beta2", "1.5"], "--beta2 must be in [0, 1), got 1.5"),
+            (&["--beta2=-0.1"], "--beta2 must be in [0, 1)"),
+            (
+                &["--optimizer", "sgd", "--momentum=-0.5"],
+                "--momentum must be finite and not negative",
+            ),
+            (&["--grad-clip", "NaN"], "--grad-clip and --weight-decay"),
+            (&["--weight-decay", "inf"], "--grad-clip and --weight-decay"),
+        ] {
+            let err = refused(flags);
+            assert!(err.contains(says), "{flags:?}: {err}");
+        }
+        for flags in [
+            &["--beta1", "0", "--beta2", "0.999"][..],
+            &["--optimizer", "sgd", "--momentum", "0"],
+            &["--grad-clip", "0"],
+        ] {
+            parse(flags).unwrap().validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn init_on_device_needs_16_bit_weights() {
+        for precision in ["32-true", "bf16-mixed", "16-mixed"] {
+            let err = refused(&["--init-on-device", "--precision", precision]);
+            assert!(
+                err.contains(&format!("--precision {precision} keeps f32")),
+                "{err}"
+            );
+        }
+        for flags in [
+            &["--init-on-device", "--precision", "bf16-true"][..],
+            &["--init-on-device", "--precision", "16-true"],
+            &[
+                "--init-on-device",
+                "--strategy",
+                "auto",
+                "--memory-budget",
+                "1GiB",
+            ],
+        ] {
+            parse(flags).unwrap().validate().unwrap();
         }
     }
 

@@ -275,14 +275,14 @@ mod dry {
             comm.barrier()?;
             let engine_built = reserved(device).saturating_sub(held);
             for _ in 0..STEPS {
-                runner::micro_steps(&mut engine, &mut task, args, device, part)?;
+                runner::micro_steps(&mut engine, &mut task, T::largest_batch, args, device, part)?;
                 runner::optimizer_step(&mut engine, &mut optim, args.lr, args)?;
             }
-            // An evaluation's forward, on the validation set's first batch (every rank the
+            // An evaluation's forward, on the validation set's largest batch (every rank the
             // same one, each joining ZeRO-3's gathers): at its own batch size it can reserve
             // more than training.
             if task.eval_batches() > 0 {
-                let (input, _) = task.eval_batch(0, &engine.eval_device());
+                let (input, _) = task.largest_eval_batch(&engine.eval_device());
                 drop(engine.eval_logits(Some(input))?);
             }
             // Read as the run's device peak is, with the pages the steps emptied still held.

@@ -609,6 +609,17 @@ impl ModuleMapper for StepMapper<'_> {
     }
 }
 
+/// `Ok` if `model` has what `args`' optimizer flags act on: `--embedding-state-32bit` needs
+/// an embedding table. Checked once on the model given, before any plan or rank.
+pub(crate) fn check_flags_act_on<M: Module>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
+    if args.embedding_state_32bit && embedding_paths(model).is_empty() {
+        return Err(TrainError::InvalidArgs(
+            "--embedding-state-32bit keeps embedding tables' state in 32 bits, but this model has none (no burn `Embedding`): drop the flag".into(),
+        ));
+    }
+    Ok(())
+}
+
 /// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
 /// another optimizer): matrices of at least `--min-8bit-size` elements, but the embedding
 /// tables under `--embedding-state-32bit`.
@@ -810,6 +821,19 @@ mod tests {
     fn constant_schedule() {
         let mut s = LrSchedule::new(&args(&["--schedule", "constant"])).unwrap();
         assert!((0..10).all(|_| s.next_lr() == 0.1));
+    }
+
+    #[test]
+    fn embedding_state_32bit_needs_an_embedding_table() {
+        use burn::nn::{EmbeddingConfig, LinearConfig};
+        let flags = args(&["--optimizer", "adam8bit", "--embedding-state-32bit"]);
+        let device = Device::flex();
+        let table = EmbeddingConfig::new(5000, 8).init(&device);
+        check_flags_act_on(&table, &flags).unwrap();
+        assert!(eight_bit_paths(&table, &flags).is_empty());
+        let linear = LinearConfig::new(4, 3).init(&device);
+        let err = check_flags_act_on(&linear, &flags).unwrap_err();
+        assert!(err.to_string().contains("this model has none"), "{err}");
     }
 
     /// Two AdamW steps of a linear layer (a decayed weight, an undecayed bias) with gradients

@@ -6,7 +6,7 @@
 //!
 //! Model states and buffers come from the parameter shapes and the engine's rules. What the
 //! backend keeps for backward is not a formula of the shapes (it is whatever Burn's autodiff
-//! saves), so a [`Probe`] measures it once on the run's own micro-batch: the embeddings, ONE
+//! saves), so a [`Probe`] measures it once on the run's largest micro-batch: the embeddings, ONE
 //! block and the head run forward and backward on zero-valued copies in the compute dtype
 //! (then each one's backward alone, as the engine's blockwise backward runs them),
 //! and one optimizer step runs on the largest parameter, with the counting allocator
@@ -30,7 +30,7 @@ use crate::report::aligned;
 use crate::runner::{BatchPart, TrainTask};
 use crate::{TrainArgs, TrainError};
 
-/// What the backend adds, measured once on the run's micro-batch (bytes).
+/// What the backend adds, measured once on the run's largest micro-batch (bytes).
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 pub struct Probe {
     /// Heap of this process outside the model's parameters when the run begins (the data,
@@ -64,14 +64,14 @@ pub struct Probe {
     /// elements), above its state.
     pub step: usize,
     pub step_elems: usize,
-    /// The most an evaluation adds above the model: the validation set's first batch (at its
+    /// The most an evaluation adds above the model: the validation set's largest batch (at its
     /// own batch size, which may be larger than training's) built, run through the model
     /// outside autodiff and scored; 0 without a validation set.
     pub eval: usize,
 }
 
 impl Probe {
-    /// Measures `model`'s terms for `args` on `device` with a micro-batch drawn from a copy of
+    /// Measures `model`'s terms for `args` on `device` with the largest micro-batch of a copy of
     /// `task` (its own stream does not move). Run it on one thread before the ranks start:
     /// it reads the process-wide counting allocator. Without one, every term reads 0.
     pub fn measure<T: TrainTask>(
@@ -90,7 +90,7 @@ impl Probe {
         let live = memory::live_bytes();
         let mut copy = task.clone();
         let task_bytes = memory::live_bytes().saturating_sub(live);
-        let (input, target) = copy.next_batch(device, BatchPart::WHOLE);
+        let (input, target) = copy.largest_batch(device, BatchPart::WHOLE);
         let (baseline, embed, block_bytes, block_output, head, parts) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
@@ -189,7 +189,7 @@ impl Probe {
                 let (root, block) = (root.valid(), block.as_ref().map(Module::valid));
                 let inner = device.clone().inner();
                 let scored = memory::peak_added_by(|| {
-                    let (input, target) = copy.eval_batch(0, &inner);
+                    let (input, target) = copy.largest_eval_batch(&inner);
                     let (x, mask) = root.embed(input);
                     let x = match &block {
                         Some(block) => root.block_forward(block, x, &mask),

@@ -20,9 +20,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::accelerator::Accelerator;
 use crate::auto::{self, AutoChoice, Resolved};
 use crate::checkpoint::{self, Checkpoint};
-use crate::cli::{Offload, Strategy};
+use crate::cli::{Offload, ReduceDtype, Strategy, value_name};
 use crate::fault;
-use crate::optim::{LrSchedule, ParamOptimizer};
+use crate::optim::{self, LrSchedule, ParamOptimizer};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::prepare::Prepare;
 use crate::report::{
@@ -84,6 +84,19 @@ pub trait TrainTask: Clone + Send + Sync {
     fn eval_batches(&self) -> usize;
     /// Validation batch `k` (below [`TrainTask::eval_batches`]), built on `device`.
     fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Self::Model>;
+    /// The micro-batch (this rank's part) that takes the most memory to train on, which the
+    /// memory plan measures: by default the next one, for data whose batches are all alike.
+    /// A task that pads a batch to its longest sequence builds one of its longest sequences,
+    /// the size of the batch that holds the longest (it comes once an epoch).
+    fn largest_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Self::Model> {
+        self.next_batch(device, part)
+    }
+    /// The validation batch that takes the most memory, or one that takes at least as much
+    /// (there is one when [`TrainTask::eval_batches`] is above 0), which the memory plan
+    /// measures: by default the first, for data whose last batch is the only one smaller.
+    fn largest_eval_batch(&mut self, device: &Device) -> Batch<Self::Model> {
+        self.eval_batch(0, device)
+    }
     /// What a validation batch scores, from the model's logits for it.
     fn score(
         &self,
@@ -131,6 +144,7 @@ pub fn train<T: TrainTask>(
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
+    optim::check_flags_act_on(&model, args)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
         args,
@@ -201,6 +215,7 @@ pub fn train_on<T: TrainTask>(
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
+    optim::check_flags_act_on(&model, args)?;
     train_rank(comm, model, task, args, device, Planned::default())
 }
 
@@ -252,6 +267,12 @@ fn run_rank<T: TrainTask>(
     if args.strategy == Strategy::Single && world > 1 {
         return Err(TrainError::InvalidArgs(format!(
             "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
+        )));
+    }
+    if args.grad_reduce_dtype != ReduceDtype::F32 && world == 1 {
+        return Err(TrainError::InvalidArgs(format!(
+            "--grad-reduce-dtype {} is the dtype gradients are reduced in over the ranks, but the world has one rank: nothing is reduced (drop the flag)",
+            value_name(args.grad_reduce_dtype)
         )));
     }
     let part = BatchPart { rank, world };
@@ -359,7 +380,8 @@ fn run_rank<T: TrainTask>(
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
-        let (step_items, step_positions) = micro_steps(&mut engine, task, args, device, part)?;
+        let (step_items, step_positions) =
+            micro_steps(&mut engine, task, T::next_batch, args, device, part)?;
         fault::kill_if_asked(fault::Point::Step, step, rank);
         let lr = schedule.next_lr();
         let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
@@ -552,18 +574,24 @@ pub(crate) fn build_engine<'c, M: BlockModel>(
     Ok(engine)
 }
 
+/// How [`micro_steps`] draws a micro-batch from a task: [`TrainTask::next_batch`] to train,
+/// [`TrainTask::largest_batch`] to measure a plan.
+pub(crate) type Draw<T> = fn(&mut T, &Device, BatchPart) -> Batch<<T as TrainTask>::Model>;
+
 /// An optimizer step's forward and backward passes: `--accumulate` micro-batches of this
-/// rank's `part`. Returns the items and positions of the whole world's batch.
+/// rank's `part`, each drawn by `draw`. Returns the items and positions of the whole world's
+/// batch.
 pub(crate) fn micro_steps<T: TrainTask>(
     engine: &mut Sharded<'_, T::Model>,
     task: &mut T,
+    draw: Draw<T>,
     args: &TrainArgs,
     device: &Device,
     part: BatchPart,
 ) -> Result<(usize, usize), TrainError> {
     let (mut items, mut positions) = (0, 0);
     for micro in 1..=args.accumulate {
-        let (input, target) = task.next_batch(device, part);
+        let (input, target) = draw(task, device, part);
         items += part.world * task.items(&input);
         positions += part.world * engine.positions(&input);
         engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
