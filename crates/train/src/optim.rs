@@ -22,7 +22,9 @@ use burnscale_shard::layout::{self, Slot};
 use crate::TrainError;
 use crate::adafactor::{Adafactor, AdafactorState};
 use crate::adam8bit::AdamW8bit;
-use crate::cli::{MIN_8BIT_SIZE, MIN_LR_RATIO, Offload, OptimizerKind, Schedule, TrainArgs};
+use crate::cli::{
+    MIN_8BIT_SIZE, MIN_LR_RATIO, Offload, OptimizerKind, Schedule, TrainArgs, value_name,
+};
 use crate::fused_adamw::FusedAdamW;
 use crate::offload::DiskStates;
 
@@ -785,6 +787,20 @@ impl LrSchedule {
         })
     }
 
+    /// What of the schedule `args` give a run does not reach, if anything: a warm-up as long
+    /// as the run leaves the schedule after it unread (and, longer, the peak `--lr` too).
+    pub fn unreached(args: &TrainArgs) -> Option<String> {
+        let (warmup, steps) = (args.warmup_steps, args.max_steps);
+        (warmup > 0 && warmup >= steps).then(|| {
+            format!(
+                "--warmup-steps {warmup} is not below --max-steps {steps}: the run ends in its warm-up, at {:.3e}, {:.0}% of --lr, and never reaches the {} schedule after it",
+                args.lr * steps as f64 / warmup as f64,
+                100.0 * steps as f64 / warmup as f64,
+                value_name(args.schedule)
+            )
+        })
+    }
+
     /// The rate for the next optimizer step.
     pub fn next_lr(&mut self) -> f64 {
         self.step += 1;
@@ -815,6 +831,19 @@ mod tests {
         assert!((lrs[2] - 0.1).abs() < 1e-12, "cosine starts at the peak");
         assert!(lrs.windows(2).skip(2).all(|w| w[1] < w[0]), "{lrs:?}");
         assert!(lrs[9] > 0.01 && lrs[9] < 0.03, "{lrs:?}");
+    }
+
+    #[test]
+    fn a_run_that_ends_in_its_warm_up_says_so() {
+        let note = LrSchedule::unreached(&args(&["--warmup-steps", "40"])).unwrap();
+        assert!(
+            note.contains("ends in its warm-up, at 2.500e-2, 25% of --lr")
+                && note.contains("cosine schedule"),
+            "{note}"
+        );
+        assert!(LrSchedule::unreached(&args(&["--warmup-steps", "10"])).is_some());
+        assert!(LrSchedule::unreached(&args(&["--warmup-steps", "9"])).is_none());
+        assert!(LrSchedule::unreached(&args(&[])).is_none());
     }
 
     #[test]

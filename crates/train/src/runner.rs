@@ -316,6 +316,9 @@ fn run_rank<T: TrainTask>(
     let keys = model.checkpoint_keys();
     let mut optim = ParamOptimizer::new(args, rank, &model)?;
     let mut schedule = LrSchedule::new(args)?;
+    if let Some(note) = LrSchedule::unreached(args).filter(|_| lead) {
+        eprintln!("note: {note}");
+    }
     let mut csv = match &args.metrics_csv {
         Some(path) if lead => Some(MetricsCsv::create(path)?),
         _ => None,
