@@ -209,21 +209,15 @@ pub const SHARDED: &[&[&str]] = &[
 /// Trains the check's model under `flags` (with `--plan`) on this process's ranks.
 pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
     match flags {
-        [CLASSIFIER, flags @ ..] => {
+        [check @ (CLASSIFIER | TEXT), flags @ ..] => {
             let head = BertHead::SequenceClassification { num_labels: 2 };
             let (model, args, device) = bert(head, flags)?;
-            let mut task = TextClassification::random_tokens(
-                &[CLASSIFIER_TOKENS; 16],
-                &[CLASSIFIER_TOKENS; 2],
-                args.batch_size,
-            )?;
-            Ok(train(model, &mut task, &args, &device)?.1)
-        }
-        [TEXT, flags @ ..] => {
-            let head = BertHead::SequenceClassification { num_labels: 2 };
-            let (model, args, device) = bert(head, flags)?;
+            let (train_lengths, test_lengths): (&[usize], &[usize]) = match *check {
+                CLASSIFIER => (&[CLASSIFIER_TOKENS; 16], &[CLASSIFIER_TOKENS; 2]),
+                _ => (&TEXT_TOKENS, &TEXT_TOKENS),
+            };
             let mut task =
-                TextClassification::random_tokens(&TEXT_TOKENS, &TEXT_TOKENS, args.batch_size)?;
+                TextClassification::random_tokens(train_lengths, test_lengths, args.batch_size)?;
             Ok(train(model, &mut task, &args, &device)?.1)
         }
         [MASKED_LM, flags @ ..] => {

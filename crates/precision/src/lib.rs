@@ -64,6 +64,12 @@ impl Precision {
         }
     }
 
+    /// Whether the weights themselves (and so the optimizer state) are 16-bit: the true
+    /// 16-bit policies; the others keep f32 weights.
+    pub fn has_16bit_weights(self) -> bool {
+        self.param_dtype() != FloatDType::F32
+    }
+
     /// Whether forward runs on a 16-bit copy of f32 master weights, with autocast.
     pub fn is_mixed(self) -> bool {
         matches!(self, Precision::F16Mixed | Precision::Bf16Mixed)

@@ -182,7 +182,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     pub fn precision(mut self, precision: Precision, scaler: ScalerConfig) -> Self {
         self.precision = precision;
         self.scaler = precision.scales_loss().then(|| LossScaler::new(scaler));
-        if precision.param_dtype() != burn::tensor::FloatDType::F32 {
+        if precision.has_16bit_weights() {
             let model = self.model.take().expect(PRESENT);
             self.model = Some(burnscale_precision::cast(model, precision.param_dtype()));
         }

@@ -16,7 +16,6 @@
 //! bf16-mixed, then bf16-true, are tried only after every other candidate.
 
 use burn::prelude::*;
-use burn::tensor::FloatDType;
 use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
 use serde::Serialize;
 
@@ -292,8 +291,7 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                             strategy,
                             precision,
                             // Weights that stay f32 are built so: nothing to create in place.
-                            init_on_device: args.init_on_device
-                                && precision.param_dtype() != FloatDType::F32,
+                            init_on_device: args.init_on_device && precision.has_16bit_weights(),
                             checkpoint_activations: checkpoint,
                             reshard_after_forward,
                             offload_dir: offload_dir.clone(),

@@ -497,7 +497,7 @@ impl TrainArgs {
         // built.
         if self.init_on_device
             && self.strategy != Strategy::Auto
-            && self.precision.param_dtype() == burn::tensor::FloatDType::F32
+            && !self.precision.has_16bit_weights()
         {
             return invalid(format!(
                 "--init-on-device creates the parameters in the weights' dtype, but --precision {} keeps f32 weights, as they are built: drop the flag, or train in bf16-true or 16-true",
