@@ -62,6 +62,8 @@ pub const PLANNED_ON_CPU: [&str; 3] = ["--plan", "--accelerator", "cpu"];
 pub const ONE_RANK: &[&[&str]] = &[
     &[],
     &["--checkpoint-activations"],
+    // One step: its forward and backward run before the optimizer has made its state.
+    &["--max-steps", "1"],
     &["--precision", "bf16-mixed"],
     &["--precision", "bf16-true"],
     &["--precision", "16-mixed", "--accumulate", "2"],

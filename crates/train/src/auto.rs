@@ -397,16 +397,22 @@ fn flags_of(args: &TrainArgs) -> String {
     flags.join(" ")
 }
 
-/// The ranks the run will have: `--devices` threads, or the world mpirun started.
-fn world_size(args: &TrainArgs) -> Result<usize, TrainError> {
+/// The ranks the run will have: `--devices` threads, or the world mpirun started (`None`
+/// when the launcher did not say its size).
+pub(crate) fn launched_world(args: &TrainArgs) -> Option<usize> {
     match launched_by_mpirun() {
-        false => Ok(args.devices),
-        true => launcher_world_size().ok_or_else(|| {
-            TrainError::InvalidArgs(
-                "--memory-budget under mpirun plans for the world size, but the launcher did not say it (no OMPI_COMM_WORLD_SIZE or PMI_SIZE)".into(),
-            )
-        }),
+        false => Some(args.devices),
+        true => launcher_world_size(),
     }
+}
+
+/// [`launched_world`], which the budget's plan needs.
+fn world_size(args: &TrainArgs) -> Result<usize, TrainError> {
+    launched_world(args).ok_or_else(|| {
+        TrainError::InvalidArgs(
+            "--memory-budget under mpirun plans for the world size, but the launcher did not say it (no OMPI_COMM_WORLD_SIZE or PMI_SIZE)".into(),
+        )
+    })
 }
 
 #[cfg(test)]

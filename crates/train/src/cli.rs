@@ -424,6 +424,17 @@ impl TrainArgs {
         self.plans_memory() && self.runs_on().is_cubecl()
     }
 
+    /// The steps that reach this run's peak: the first, and unless the run is that step alone
+    /// (not resumed: a resumed run holds its optimizer's state from the start), the second,
+    /// whose forward and backward run beside the state the optimizer made in the first, as
+    /// every later step's do.
+    pub fn steps_to_peak(&self) -> usize {
+        match self.max_steps > 1 || self.resume {
+            true => 2,
+            false => 1,
+        }
+    }
+
     /// Why this run's memory cannot be planned (`--plan`, `--memory-budget`, `auto`), if it cannot:
     /// LibTorch's allocator is out of the planner's sight, and a dry run on a cubecl device
     /// cannot follow a loss scaler.

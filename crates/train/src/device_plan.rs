@@ -13,8 +13,9 @@
 //!
 //! Two passes: the first compiles and tunes (autotune's measurements run for real and leave
 //! their scratch in the pools; they are also what the real first step no longer pays), the
-//! second, on a fresh copy from released pages, is read. Each runs two steps, since the
-//! optimizer's state exists only from the first step's end. The model itself, held beside the
+//! second, on a fresh copy from released pages, is read. Each runs the steps that reach the
+//! run's peak (`TrainArgs::steps_to_peak`: two, since the optimizer's state exists only from
+//! the first step's end, unless the run is one step). The model itself, held beside the
 //! copy, is taken off the readings where it lies on the rank's device.
 //!
 //! The ranks plan each configuration `--strategy auto` weighs ([`crate::auto`]'s candidates,
@@ -32,10 +33,6 @@ use crate::TrainArgs;
 use crate::auto::AutoChoice;
 use crate::memory::human_bytes;
 
-/// The steps a pass of the dry run takes: the second is the first with the optimizer's
-/// state already held, as every later step is.
-const STEPS: usize = 2;
-
 /// A device plan: what the pools reserve for this rank's engine, and what its steps add.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct DevicePlan {
@@ -43,6 +40,8 @@ pub struct DevicePlan {
     pub engine: usize,
     /// The plan: the reservation after the steps, the device peak the run should reach.
     pub peak: usize,
+    /// The steps a pass of the dry run took.
+    pub dry_steps: usize,
     /// The dry run's wall time: kernels compiled and tuned there are not compiled again in
     /// the first step.
     pub dry_run_s: f64,
@@ -57,10 +56,11 @@ impl DevicePlan {
     /// The plan, as `--plan` prints it before the first step.
     pub fn table(&self) -> String {
         format!(
-            "  engine built (reserved)  {}\n  + steps (dry run)        {}\n  = device peak            {}\n  (dry run of {STEPS} steps, twice, in {:.1} s: its kernels are compiled and tuned, not the first step's)",
+            "  engine built (reserved)  {}\n  + steps (dry run)        {}\n  = device peak            {}\n  (dry run of {} step(s), twice, in {:.1} s: its kernels are compiled and tuned, not the first step's)",
             human_bytes(self.engine),
             human_bytes(self.steps()),
             human_bytes(self.peak),
+            self.dry_steps,
             self.dry_run_s
         )
     }
@@ -116,7 +116,7 @@ mod dry {
     use burn_cubecl::cubecl::dry_run::DryRun;
     use burnscale_collective::Communicator;
 
-    use super::{DevicePlan, Resolved, STEPS};
+    use super::{DevicePlan, Resolved};
     use crate::auto::{self, Budget};
     use crate::optim::ParamOptimizer;
     use crate::runner::{self, BatchPart, TrainTask, gather_u64s};
@@ -222,7 +222,7 @@ mod dry {
     }
 
     /// Plans `args`' run on this rank of `comm` by training a zero-valued copy of `model` for
-    /// [`STEPS`] steps under a dry run, twice (see the module's description).
+    /// the steps that reach the run's peak under a dry run, twice (see the module's description).
     fn dry_run<T: TrainTask>(
         model: &T::Model,
         task: &T,
@@ -240,12 +240,13 @@ mod dry {
         Ok(DevicePlan {
             engine,
             peak,
+            dry_steps: args.steps_to_peak(),
             dry_run_s: start.elapsed().as_secs_f64(),
         })
     }
 
     /// One pass: the pools' reservation once a zero copy's engine is built, and after its
-    /// [`STEPS`] steps.
+    /// steps.
     fn pass<T: TrainTask>(
         model: &T::Model,
         task: &T,
@@ -274,7 +275,7 @@ mod dry {
             synced(device)?;
             comm.barrier()?;
             let engine_built = reserved(device).saturating_sub(held);
-            for _ in 0..STEPS {
+            for _ in 0..args.steps_to_peak() {
                 runner::micro_steps(&mut engine, &mut task, T::largest_batch, args, device, part)?;
                 runner::optimizer_step(&mut engine, &mut optim, args.lr, args)?;
             }

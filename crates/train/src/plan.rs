@@ -520,6 +520,12 @@ impl MemoryPlan {
             false => n,
         };
         let optimizer = optimizer_bytes(model, args, &units, sharding.optimizer_state);
+        // The state held through forward and backward: none in a run that peaks in its first
+        // step (the optimizer makes its state there).
+        let state = match args.steps_to_peak() > 1 {
+            true => optimizer,
+            false => 0,
+        };
         let full_grads = w * n;
         let sharded_grads = w * units.shard_numel();
         // Gradients summed over earlier micro-steps of an accumulation: whole where the
@@ -583,7 +589,7 @@ impl MemoryPlan {
         if !blockwise {
             compute_copy = if mixed { c * n } else { 0 };
             gathered_unit = 0;
-            let held = params + optimizer + accumulated + compute_copy;
+            let held = params + state + accumulated + compute_copy;
             phases.push(PhaseBytes::new(Phase::Forward, held + activations, 0));
             phases.push(backward_top(
                 held + activations + probe.head_backward,
@@ -633,7 +639,7 @@ impl MemoryPlan {
             let shard_sums = if sharding.gradients { accumulated } else { 0 };
             phases.push(PhaseBytes::new(
                 Phase::Reduce,
-                params + optimizer + compute_copy + full_grads + shard_sums + buffers,
+                params + state + compute_copy + full_grads + shard_sums + buffers,
                 0,
             ));
         } else {
@@ -656,7 +662,7 @@ impl MemoryPlan {
             } else {
                 0
             };
-            let held = params + optimizer + accumulated + compute_copy;
+            let held = params + state + accumulated + compute_copy;
             // Each block's graph kept from forward holds its input beside it (`held_input`).
             let kept = match checkpoint {
                 true => activations_checkpointed,
@@ -766,7 +772,7 @@ impl MemoryPlan {
             phases.push(PhaseBytes::new(
                 Phase::BackwardBottom,
                 params
-                    + optimizer
+                    + state
                     + compute_copy
                     + embed_kept
                     + embed_gathered
@@ -791,7 +797,7 @@ impl MemoryPlan {
             phases.push(PhaseBytes::new(
                 Phase::Embeddings,
                 params
-                    + optimizer
+                    + state
                     + compute_copy
                     + grads_above(&[]).max(accumulated)
                     + tied_table_grads
@@ -807,7 +813,7 @@ impl MemoryPlan {
             };
             phases.push(PhaseBytes::new(
                 Phase::Reduce,
-                params + optimizer + compute_copy + grads_reduced.max(accumulated) + buffers,
+                params + state + compute_copy + grads_reduced.max(accumulated) + buffers,
                 0,
             ));
         }

@@ -141,6 +141,9 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
+    if let Some(world) = auto::launched_world(args) {
+        check_world(args, world)?;
+    }
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
@@ -264,17 +267,7 @@ fn run_rank<T: TrainTask>(
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    if args.strategy == Strategy::Single && world > 1 {
-        return Err(TrainError::InvalidArgs(format!(
-            "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
-        )));
-    }
-    if args.grad_reduce_dtype != ReduceDtype::F32 && world == 1 {
-        return Err(TrainError::InvalidArgs(format!(
-            "--grad-reduce-dtype {} is the dtype gradients are reduced in over the ranks, but the world has one rank: nothing is reduced (drop the flag)",
-            value_name(args.grad_reduce_dtype)
-        )));
-    }
+    check_world(args, world)?;
     let part = BatchPart { rank, world };
     // On a cubecl device the plan is a dry run of the steps (each candidate's, under
     // --memory-budget), before the engine is built and before dropout's stream is seeded:
@@ -683,6 +676,23 @@ fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
         )));
     }
     args.precision.check_device(device)?;
+    Ok(())
+}
+
+/// `Ok` if `args` can train on `world` ranks: checked by [`train`] before its memory plan's
+/// probe (when the world is known there), and by every rank.
+fn check_world(args: &TrainArgs, world: usize) -> Result<(), TrainError> {
+    if args.strategy == Strategy::Single && world > 1 {
+        return Err(TrainError::InvalidArgs(format!(
+            "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
+        )));
+    }
+    if args.grad_reduce_dtype != ReduceDtype::F32 && world == 1 {
+        return Err(TrainError::InvalidArgs(format!(
+            "--grad-reduce-dtype {} is the dtype gradients are reduced in over the ranks, but the world has one rank: nothing is reduced (drop the flag)",
+            value_name(args.grad_reduce_dtype)
+        )));
+    }
     Ok(())
 }
 
