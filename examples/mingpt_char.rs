@@ -194,8 +194,12 @@ fn run() -> Result<()> {
         cli.train.seed,
     )?
     .with_validation(tokens[split..].to_vec(), cli.block_size, cli.eval_batches)?;
+    // A checkpoint records the characters the token ids stand for beside the configuration:
+    // resumed on another text of as many characters, the ids would read as other ones.
+    let mut recorded = serde_json::to_value(config)?;
+    recorded["characters"] = vocab.table().into();
     // Sampling reads the whole model: under zero3 it is gathered for it.
-    let mut args = cli.train.with_model_config(&config)?;
+    let mut args = cli.train.with_model_config(&recorded)?;
     args.gather_model = cli.sample_len > 0;
     let (model, summary) = train(model, &mut task, &args, &device)?;
     if !lead {

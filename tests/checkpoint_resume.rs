@@ -346,6 +346,22 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         "{err}"
     );
 
+    // Another precision: the same f32 weights, but a run computed in another dtype (and
+    // under 16-mixed, a loss scaler saved or not).
+    let err = run(
+        &dir,
+        "zero2",
+        2,
+        0.0,
+        &["--resume", "--precision", "bf16-mixed"],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("precision 32-true, this run bf16-mixed"),
+        "{err}"
+    );
+
     // Another optimizer.
     let err = run(&dir, "zero2", 2, 0.0, &["--resume", "--optimizer", "sgd"])
         .unwrap_err()
@@ -419,6 +435,73 @@ fn old_checkpoints_go_only_once_a_new_one_is_complete() {
     assert!(err.contains("meta.json/sub"), "{err}");
     assert!(dir.join("step-00000009/meta.json").is_file());
     fs::remove_dir_all(&dir).unwrap();
+
+    // One the run cannot write (nothing can be made in /proc): refused before its first step,
+    // not found out at its first save, the steps before it lost.
+    let err = run(
+        Path::new("/proc/burnscale-checkpoints"),
+        "zero1",
+        2,
+        0.0,
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("--checkpoint-dir /proc/burnscale-checkpoints cannot be written"),
+        "{err}"
+    );
+}
+
+/// A resumed run's `--metrics-csv` keeps the rows of the steps before its checkpoint and goes
+/// on from there; a refused resume leaves the file as it was.
+#[test]
+fn a_resumed_run_continues_its_metrics_file() {
+    let dir = scratch("metrics");
+    let csv = scratch("metrics.csv");
+    let csv_flag = ["--metrics-csv", csv.to_str().unwrap()];
+    run(&dir, "zero2", 2, 0.0, &csv_flag).unwrap();
+    let uninterrupted = fs::read_to_string(&csv).unwrap();
+    let rows: Vec<&str> = uninterrupted.lines().collect();
+    assert_eq!(rows.len(), 10, "{uninterrupted}");
+    keep_only(&dir, 6);
+
+    let refused = run(
+        &dir,
+        "zero2",
+        2,
+        0.0,
+        &[&csv_flag[..], &["--resume", "--seed", "7"]].concat(),
+    );
+    assert!(refused.is_err());
+    assert_eq!(fs::read_to_string(&csv).unwrap(), uninterrupted);
+
+    run(
+        &dir,
+        "zero2",
+        2,
+        0.0,
+        &[&csv_flag[..], &["--resume"]].concat(),
+    )
+    .unwrap();
+    let resumed = fs::read_to_string(&csv).unwrap();
+    let resumed: Vec<&str> = resumed.lines().collect();
+    assert_eq!(resumed.len(), 10, "{resumed:?}");
+    assert_eq!(resumed[..7], rows[..7], "the header and steps 1-6 kept");
+    let step_and_loss = |row: &str| row.split(',').take(3).collect::<Vec<_>>().join(",");
+    assert_eq!(
+        resumed[7..]
+            .iter()
+            .map(|r| step_and_loss(r))
+            .collect::<Vec<_>>(),
+        rows[7..]
+            .iter()
+            .map(|r| step_and_loss(r))
+            .collect::<Vec<_>>(),
+        "steps 7-9 (step, lr, loss) as the uninterrupted run's"
+    );
+    fs::remove_dir_all(&dir).unwrap();
+    fs::remove_file(&csv).unwrap();
 }
 
 /// A task whose rank `rank` dies (panics, as a failing kernel or an out-of-memory abort

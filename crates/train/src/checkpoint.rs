@@ -2,15 +2,15 @@
 //! writes what it holds of the model states, sliced to the rows it owns in the layout (so the
 //! ranks together write each row once, whatever the strategy), to a safetensors file of its
 //! own whose tensors are named by parameter path and row range (`param/h.0.mlp.c_fc.weight/
-//! 0:96`, `optim/h.0.mlp.c_fc.weight.moment_1/0:96`); rank 0 then writes `meta.json` (the
+//! 0:96`, `optim/h.0.mlp.c_fc.weight.momentum.moment_1/0:96`); rank 0 then writes `meta.json` (the
 //! step, the data, dropout and loss-scaler positions, the run's configuration, the parameter
-//! table and every file's size and CRC-32). A checkpoint is written into `.step-N.partial/`,
-//! synced, and renamed to `step-N/` once `meta.json` is in it: a reader never sees a
+//! table and every file's size and CRC-32). A checkpoint is written into `.step-NNNNNNNN.partial/`,
+//! synced, and renamed to `step-NNNNNNNN/` (the step in 8 digits) once `meta.json` is in it: a reader never sees a
 //! half-written checkpoint as complete. Loading re-slices: a rank reads the rows it needs
 //! (its shard or whole tensors, as its strategy holds them) from the files that have them, at
 //! any world size.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -53,6 +53,11 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, reason: String },
     #[error("checkpoint {path} does not fit this run: {detail}")]
     Mismatch { path: PathBuf, detail: String },
+    #[error("--checkpoint-dir {path} cannot be written ({source}): checked before training")]
+    NotWritable {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error(
         "rank {rank} could not write its part of checkpoint step {step} (its own error says why)"
     )]
@@ -72,13 +77,14 @@ pub struct Meta {
     pub world_size: usize,
     pub strategy: String,
     pub precision: String,
-    /// What the weights (and so the optimizer state) are stored in.
-    pub param_dtype: String,
     pub optimizer: String,
     pub seed: u64,
     /// The model's configuration as the program gave it ([`TrainArgs::model_config`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_config: Option<serde_json::Value>,
+    /// The flags that made the learning-rate schedule, with their values.
+    #[serde(default)]
+    pub schedule: BTreeMap<String, String>,
     pub loss_scaler: Option<LossScaler>,
     /// Each rank's dropout stream: (seed, calls drawn).
     pub dropout: Vec<(u64, u64)>,
@@ -117,6 +123,28 @@ pub struct SavedFile {
     pub name: String,
     pub bytes: u64,
     pub crc32: u32,
+}
+
+/// `Ok` if checkpoints can be written under `root`, made if it is missing: a file is written
+/// there and removed, so that a directory the run cannot write stops it before its first step,
+/// not at its first save with the steps before it lost.
+pub fn check_writable(root: &Path) -> Result<(), CheckpointError> {
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let not_writable = |source| CheckpointError::NotWritable {
+        path: root.to_path_buf(),
+        source,
+    };
+    fs::create_dir_all(root).map_err(not_writable)?;
+    // Named apart for every rank that checks (threads of one process, processes on one
+    // file system).
+    let probe = root.join(format!(
+        ".writable-{}-{}",
+        std::process::id(),
+        PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    fs::write(&probe, b"")
+        .and_then(|()| fs::remove_file(&probe))
+        .map_err(not_writable)
 }
 
 fn step_dir(root: &Path, step: usize) -> PathBuf {
@@ -179,10 +207,10 @@ pub fn save<M: BlockModel>(
                 world_size: world,
                 strategy: value_name(args.strategy),
                 precision: args.precision.to_string(),
-                param_dtype: format!("{:?}", args.precision.param_dtype()),
                 optimizer: value_name(args.optimizer),
                 seed: args.seed,
                 model_config: args.model_config.clone(),
+                schedule: LrSchedule::flags(args),
                 loss_scaler: engine.scaler().cloned(),
                 dropout: all.iter().map(|r| (r[2], r[3])).collect(),
                 params: engine
@@ -931,10 +959,14 @@ impl Checkpoint {
 pub struct Resumed {
     pub dir: PathBuf,
     pub step: usize,
+    /// How this run's learning-rate schedule differs from the one the checkpoint's run
+    /// followed (this run's is followed from here), if it does.
+    pub schedule_changes: Option<String>,
 }
 
 /// Each field of a model configuration that differs between the checkpoint's and the run's
 /// (both JSON objects; nothing when either is absent), as `model config: n_head 4, this run 2`.
+/// A field the checkpoint lacks is not compared: the program that saved it did not record it.
 fn config_differences(
     saved: Option<&serde_json::Value>,
     ours: Option<&serde_json::Value>,
@@ -954,10 +986,8 @@ fn config_differences(
     keys.dedup();
     keys.into_iter()
         .filter_map(|key| {
-            let (a, b) = (
-                saved.get(key).unwrap_or(&missing),
-                ours.get(key).unwrap_or(&missing),
-            );
+            let a = saved.get(key)?;
+            let b = ours.get(key).unwrap_or(&missing);
             (a != b).then(|| format!("model config: {key} {a}, this run {b}"))
         })
         .collect()
@@ -995,10 +1025,12 @@ pub fn restore<T: TrainTask>(
             meta.global_batch.to_string(),
             global_batch.to_string(),
         ),
+        // The weights' dtype is the precision's, and a 16-mixed run's loss scaler is saved
+        // for that precision alone.
         differs(
-            "weights stored in",
-            meta.param_dtype.clone(),
-            format!("{:?}", args.precision.param_dtype()),
+            "precision",
+            meta.precision.clone(),
+            args.precision.to_string(),
         ),
         // The data order after the checkpoint is drawn from the seed.
         differs("seed", meta.seed.to_string(), args.seed.to_string()),
@@ -1101,9 +1133,20 @@ pub fn restore<T: TrainTask>(
     {
         dropout::rewind(dropout::StreamPosition(seed, calls));
     }
+    // A schedule the checkpoint did not record (an older program's) is not compared.
+    let ours = LrSchedule::flags(args);
+    let changes: Vec<String> = meta
+        .schedule
+        .iter()
+        .filter_map(|(flag, saved)| {
+            let now = ours.get(flag).map_or("none", String::as_str);
+            (saved != now).then(|| format!("{flag} {saved}, this run {now}"))
+        })
+        .collect();
     Ok(Resumed {
         dir: ckpt.dir,
         step: meta.step,
+        schedule_changes: (!changes.is_empty()).then(|| changes.join(", ")),
     })
 }
 

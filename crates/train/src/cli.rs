@@ -181,9 +181,10 @@ pub struct TrainArgs {
     /// uses a fresh rank<N>-XXXXXX subdirectory, removed at the end.
     #[arg(long)]
     pub offload_dir: Option<PathBuf>,
-    /// adamw, adam, sgd, or adam8bit (AdamW with both moments block-wise quantized to 8
-    /// bits, as bitsandbytes' AdamW8bit; 32-bit state for vectors and for tensors of fewer
-    /// than --min-8bit-size elements).
+    /// adamw, adam, sgd, adafactor (factored second moments, no first: HF's Adafactor), or
+    /// adam8bit (AdamW with both moments block-wise quantized to 8 bits, as bitsandbytes'
+    /// AdamW8bit; 32-bit state for vectors and for tensors of fewer than --min-8bit-size
+    /// elements).
     #[arg(long, value_enum, default_value = "adamw")]
     pub optimizer: OptimizerKind,
     /// With --optimizer adam8bit, the fewest elements a matrix has for its state to be

@@ -787,6 +787,22 @@ impl LrSchedule {
         })
     }
 
+    /// The flags that make the schedule, each with its value: what a checkpoint records, so
+    /// that a resumed run whose schedule is another's says so.
+    pub fn flags(args: &TrainArgs) -> BTreeMap<String, String> {
+        let mut flags = BTreeMap::from([
+            ("--lr".to_string(), args.lr.to_string()),
+            ("--schedule".to_string(), value_name(args.schedule)),
+            ("--warmup-steps".to_string(), args.warmup_steps.to_string()),
+            ("--max-steps".to_string(), args.max_steps.to_string()),
+        ]);
+        if args.schedule == Schedule::Cosine {
+            let ratio = args.min_lr_ratio.unwrap_or(MIN_LR_RATIO);
+            flags.insert("--min-lr-ratio".to_string(), ratio.to_string());
+        }
+        flags
+    }
+
     /// What of the schedule `args` give a run does not reach, if anything: a warm-up as long
     /// as the run leaves the schedule after it unread (and, longer, the peak `--lr` too).
     pub fn unreached(args: &TrainArgs) -> Option<String> {

@@ -312,10 +312,6 @@ fn run_rank<T: TrainTask>(
     if let Some(note) = LrSchedule::unreached(args).filter(|_| lead) {
         eprintln!("note: {note}");
     }
-    let mut csv = match &args.metrics_csv {
-        Some(path) if lead => Some(MetricsCsv::create(path)?),
-        _ => None,
-    };
     let progress = progress_bar(args.max_steps as u64, lead);
     if let Some(plan) = device_plan.as_ref().filter(|_| lead && args.plan) {
         eprintln!("device memory plan (per rank):\n{}", plan.table());
@@ -342,12 +338,19 @@ fn run_rank<T: TrainTask>(
                 first_step = resumed.step + 1;
                 checkpoints.resumed_from = Some(resumed.step);
                 checkpoints.load_s = loading.elapsed().as_secs_f64();
+                // Said once every rank has restored its part.
+                comm.barrier()?;
                 if lead {
                     eprintln!(
-                        "resuming from {} (step {})",
+                        "resuming from {} (step {}): its parameters replace the model's as built or loaded",
                         resumed.dir.display(),
                         resumed.step
                     );
+                    if let Some(changes) = &resumed.schedule_changes {
+                        eprintln!(
+                            "note: the learning-rate schedule is not the one the checkpoint's run followed ({changes}): steps from {first_step} follow this run's"
+                        );
+                    }
                 }
             }
             None if lead => eprintln!(
@@ -357,6 +360,12 @@ fn run_rank<T: TrainTask>(
             None => {}
         }
     }
+    // Opened once the checkpoint is known to fit, so that a refused resume leaves the file
+    // as it was.
+    let mut csv = match &args.metrics_csv {
+        Some(path) if lead => Some(MetricsCsv::open(path, checkpoints.resumed_from)?),
+        _ => None,
+    };
     memory::reset_peak();
     // The device's peak counts from what is live: pages an earlier run or a dropped model
     // left in cubecl's pools go back first.
@@ -676,6 +685,9 @@ fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
         )));
     }
     args.precision.check_device(device)?;
+    if let Some(dir) = &args.checkpoint_dir {
+        checkpoint::check_writable(dir)?;
+    }
     Ok(())
 }
 
@@ -806,17 +818,55 @@ struct MetricsCsv {
 }
 
 impl MetricsCsv {
-    fn create(path: &std::path::Path) -> Result<Self, TrainError> {
+    const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s";
+
+    /// The file at `path`, new; or for a run resumed after step `resumed`, the rows an earlier
+    /// run wrote there up to that step (those after it are retrained), continued.
+    fn open(path: &std::path::Path, resumed: Option<usize>) -> Result<Self, TrainError> {
         let io = |source| TrainError::Io {
             path: path.to_path_buf(),
             source,
         };
+        let earlier = match resumed {
+            Some(step) if path.exists() => Self::rows_up_to(path, step)?,
+            _ => Vec::new(),
+        };
         let mut out = BufWriter::new(File::create(path).map_err(io)?);
-        writeln!(out, "step,lr,loss,grad_norm,items_per_s,elapsed_s").map_err(io)?;
+        writeln!(out, "{}", Self::HEADER).map_err(io)?;
+        for row in &earlier {
+            writeln!(out, "{row}").map_err(io)?;
+        }
+        out.flush().map_err(io)?;
         Ok(Self {
             out,
             path: path.to_path_buf(),
         })
+    }
+
+    /// The rows of the metrics file at `path` for steps up to `step`; an error for a file that
+    /// is not one (it is left as it is).
+    fn rows_up_to(path: &std::path::Path, step: usize) -> Result<Vec<String>, TrainError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let mut lines = text.lines();
+        if lines.next().is_some_and(|header| header != Self::HEADER) {
+            return Err(TrainError::InvalidArgs(format!(
+                "--metrics-csv {}: not a metrics file (its first line is not `{}`), which a resumed run continues: give another path",
+                path.display(),
+                Self::HEADER
+            )));
+        }
+        Ok(lines
+            .filter(|row| {
+                row.split(',')
+                    .next()
+                    .and_then(|s| s.parse::<usize>().ok())
+                    .is_some_and(|s| s <= step)
+            })
+            .map(str::to_string)
+            .collect())
     }
 
     fn write(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
