@@ -416,6 +416,19 @@ fn old_checkpoints_go_only_once_a_new_one_is_complete() {
     left.sort();
     assert_eq!(left, ["step-00000008", "step-00000009"]);
 
+    // The newest damaged: the error names the complete one before it.
+    let file = dir.join("step-00000009/rank-00000.safetensors");
+    let pristine = fs::read(&file).unwrap();
+    fs::write(&file, &pristine[..pristine.len() / 2]).unwrap();
+    let err = run(&dir, "zero1", 2, 0.0, &["--resume", "--max-steps", "10"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("truncated") && err.contains("step-00000008, is complete"),
+        "{err}"
+    );
+    fs::write(&file, &pristine).unwrap();
+
     // A save that fails as it completes (a file where its directory goes): every rank
     // stops with the error, and the checkpoint before it stays whole.
     let failing = scratch("failing");

@@ -53,6 +53,14 @@ pub enum CheckpointError {
     Corrupt { path: PathBuf, reason: String },
     #[error("checkpoint {path} does not fit this run: {detail}")]
     Mismatch { path: PathBuf, detail: String },
+    #[error(
+        "{source}; the checkpoint before it, {}, is complete: move the damaged one out of the directory to resume from that",
+        older.display()
+    )]
+    DamagedNewest {
+        source: Box<CheckpointError>,
+        older: PathBuf,
+    },
     #[error("--checkpoint-dir {path} cannot be written ({source}): checked before training")]
     NotWritable {
         path: PathBuf,
@@ -324,6 +332,33 @@ pub(crate) fn newest(root: &Path) -> Result<Option<(usize, PathBuf)>, Checkpoint
         .flatten()
         .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
         .max())
+}
+
+/// `error`, met resuming from the newest checkpoint in `root`, naming the complete checkpoint
+/// before it when the newest is damaged (a file missing, truncated or altered), which a run
+/// can resume from instead.
+pub(crate) fn naming_older(root: &Path, error: TrainError) -> TrainError {
+    let TrainError::Checkpoint(
+        damage @ (CheckpointError::Corrupt { .. } | CheckpointError::Io { .. }),
+    ) = error
+    else {
+        return error;
+    };
+    let mut complete: Vec<(usize, PathBuf)> = fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
+        .collect();
+    complete.sort();
+    match complete.len() {
+        0 | 1 => damage.into(),
+        n => CheckpointError::DamagedNewest {
+            source: Box::new(damage),
+            older: complete[n - 2].1.clone(),
+        }
+        .into(),
+    }
 }
 
 /// The step of the complete checkpoint at `path` (`step-N` holding `meta.json`).

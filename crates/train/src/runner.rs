@@ -323,7 +323,9 @@ fn run_rank<T: TrainTask>(
     let mut checkpoints = CheckpointReport::default();
     if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
         let loading = Instant::now();
-        match Checkpoint::latest(dir)? {
+        let latest =
+            Checkpoint::latest(dir).map_err(|e| checkpoint::naming_older(dir, e.into()))?;
+        match latest {
             Some(ckpt) => {
                 let resumed = checkpoint::restore(
                     ckpt,
@@ -334,7 +336,8 @@ fn run_rank<T: TrainTask>(
                     task,
                     args,
                     device,
-                )?;
+                )
+                .map_err(|e| checkpoint::naming_older(dir, e))?;
                 first_step = resumed.step + 1;
                 checkpoints.resumed_from = Some(resumed.step);
                 checkpoints.load_s = loading.elapsed().as_secs_f64();
