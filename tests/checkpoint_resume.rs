@@ -489,7 +489,7 @@ fn a_resumed_run_continues_its_metrics_file() {
     assert!(refused.is_err());
     assert_eq!(fs::read_to_string(&csv).unwrap(), uninterrupted);
 
-    run(
+    let (_, summary) = run(
         &dir,
         "zero2",
         2,
@@ -497,6 +497,11 @@ fn a_resumed_run_continues_its_metrics_file() {
         &[&csv_flag[..], &["--resume"]].concat(),
     )
     .unwrap();
+    // This run's steps, 7-9, timed after its first.
+    assert_eq!(
+        (summary.first_step, summary.steps, summary.timed_steps),
+        (7, 9, 2)
+    );
     let resumed = fs::read_to_string(&csv).unwrap();
     let resumed: Vec<&str> = resumed.lines().collect();
     assert_eq!(resumed.len(), 10, "{resumed:?}");
@@ -513,6 +518,9 @@ fn a_resumed_run_continues_its_metrics_file() {
             .collect::<Vec<_>>(),
         "steps 7-9 (step, lr, loss) as the uninterrupted run's"
     );
+    // Time goes on from the earlier rows'.
+    let elapsed = |row: &str| row.split(',').nth(5).unwrap().parse::<f64>().unwrap();
+    assert!(elapsed(resumed[7]) >= elapsed(resumed[6]), "{resumed:?}");
     fs::remove_dir_all(&dir).unwrap();
     fs::remove_file(&csv).unwrap();
 }

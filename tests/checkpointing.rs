@@ -46,8 +46,8 @@ fn difference(start: &Parameters, a: &Parameters, b: &Parameters) -> f32 {
     for (path, p0) in start {
         let (a, b) = (&a[path].values, &b[path].values);
         for ((x0, x), y) in p0.values.iter().zip(a).zip(b) {
-            largest = largest.max((x0 - x).abs());
-            worst = worst.max((x - y).abs());
+            largest = common::nan_max(largest, (x0 - x).abs());
+            worst = common::nan_max(worst, (x - y).abs());
         }
     }
     assert!(largest > 0.0, "the step moved nothing");

@@ -25,13 +25,29 @@ pub fn fixture(dir: &str, name: &str) -> (Vec<Weight>, HashMap<String, Weight>) 
     )
 }
 
-/// Max |a - b| over two equally long tensors.
+/// The larger of `m` and `d`, NaN where either is: `f32::max` drops a NaN, and a test that
+/// compares NaN results through it would pass.
+pub fn nan_max(m: f32, d: f32) -> f32 {
+    match m.is_nan() || d.is_nan() {
+        true => f32::NAN,
+        false => m.max(d),
+    }
+}
+
+/// Max |a - b| over two equally long slices; NaN where any element is.
+pub fn worst_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "the values compared differ in length");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, nan_max)
+}
+
+/// Max |a - b| over two equally long tensors; NaN where any element is.
 pub fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 {
     let ours: Vec<f32> = ours.into_data().try_into_vec_as().unwrap();
     assert_eq!(ours.len(), reference.values.len(), "{}", reference.key);
-    ours.iter()
-        .zip(&reference.values)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+    worst_abs_diff(&ours, &reference.values)
 }
 
 #[allow(unused_imports)]
@@ -76,17 +92,15 @@ pub fn assert_every_strategy_matches_plain(
 }
 
 /// Panics naming the first parameter where `a` and `b` differ by more than 1e-5 of its
-/// largest value (plus a floor for the attention key bias, which stays at float noise).
+/// largest value (plus a floor for the attention key bias, which stays at float noise), or
+/// is NaN; and where they do not hold the same parameters.
 pub fn assert_same<M: Module>(a: &M, b: &M, what: &str) {
     let a = weights::collect(a);
     let b = weights::collect(b);
+    assert!(a.keys().eq(b.keys()), "{what}: the parameters differ");
     for ((path, x), (_, y)) in a.iter().zip(&b) {
-        let scale = x.values.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let diff = x
-            .values
-            .iter()
-            .zip(&y.values)
-            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        let scale = x.values.iter().fold(0f32, |m, v| nan_max(m, v.abs()));
+        let diff = worst_abs_diff(&x.values, &y.values);
         assert!(
             diff <= 1e-5 * scale + 1e-9,
             "{what} {path}: differs by {diff} (scale {scale})"

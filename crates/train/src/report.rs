@@ -119,13 +119,20 @@ pub struct RunSummary {
     pub matmul: Matmul,
     pub world_size: usize,
     pub optimizer: OptimizerKind,
+    /// The last step taken.
     pub steps: usize,
+    /// The first step this run took: 1, or a resumed run's checkpoint step + 1 (the times,
+    /// throughput and transfers count this run's steps only).
+    pub first_step: usize,
+    /// The steps the throughput and `step_s_median` count: this run's after its first, or a
+    /// run of one step its one.
+    pub timed_steps: usize,
     pub final_loss: f64,
     pub val_loss: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
     pub elapsed_s: f64,
-    /// Median optimizer-step time (steps only, without evaluations).
+    /// Median optimizer-step time over the `timed_steps` (without evaluations).
     pub step_s_median: f64,
     /// The first optimizer step's time (on a GPU it compiles and tunes the kernels); the
     /// throughput leaves it out when there are later steps.
@@ -148,7 +155,9 @@ pub struct RunSummary {
     /// The loss scale at the end (`16-mixed`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
-    /// Optimizer steps the loss scaler skipped because gradients overflowed.
+    /// Optimizer steps the loss scaler skipped because gradients overflowed, over the whole
+    /// training (a resumed run's include those before its checkpoint). Their forward and
+    /// backward ran, so the throughput counts them; `--metrics-csv` marks each.
     pub skipped_steps: usize,
     /// Bytes of model states (parameters, gradients, optimizer state) moved between the
     /// device and host memory per optimizer step on this rank, the mean over the steps
@@ -256,6 +265,8 @@ impl RunSummary {
             world_size,
             optimizer: args.optimizer,
             steps: history.last().map_or(0, |m| m.step),
+            first_step: history.first().map_or(1, |m| m.step),
+            timed_steps: 0,
             final_loss: history.last().map_or(f64::NAN, |m| m.loss),
             val_loss,
             accuracy,
@@ -325,7 +336,14 @@ impl RunSummary {
             ("time elapsed", format!("{:.1} s", self.elapsed_s)),
             (
                 "first step",
-                format!("{:.2} s (not in the throughput)", self.warmup_s),
+                format!(
+                    "{:.2} s ({})",
+                    self.warmup_s,
+                    match self.steps > self.first_step {
+                        true => "not in the throughput",
+                        false => "the throughput's only step",
+                    }
+                ),
             ),
             (
                 "memory used (peak, process)",
@@ -404,7 +422,18 @@ impl RunSummary {
                     }
                 ),
             ),
-            ("steps", format!("{}", self.steps)),
+            (
+                "steps",
+                match self.first_step {
+                    1 => format!("{}", self.steps),
+                    first => format!(
+                        "{} (resumed from step {}: {first}-{} in this run)",
+                        self.steps,
+                        first - 1,
+                        self.steps
+                    ),
+                },
+            ),
             ("final train loss", format!("{:.4}", self.final_loss)),
             ("validation loss", format!("{:.4}", self.val_loss)),
         ]);
@@ -424,7 +453,17 @@ impl RunSummary {
         if let Some(scale) = self.loss_scale {
             rows.push((
                 "loss scale",
-                format!("{scale} ({} steps skipped)", self.skipped_steps),
+                format!(
+                    "{scale} ({} steps skipped{}; their forward and backward ran, and count in the throughput)",
+                    self.skipped_steps,
+                    match self.first_step {
+                        1 => String::new(),
+                        _ => format!(
+                            ", {} in this run",
+                            self.history.iter().filter(|m| m.skipped).count()
+                        ),
+                    }
+                ),
             ));
         }
         if let Some(acc) = self.accuracy {

@@ -127,7 +127,11 @@ pub struct StepMetrics {
     pub loss: f64,
     pub grad_norm: f64,
     pub items_per_s: f64,
+    /// Seconds since training began (a resumed run's go on from its earlier rows').
     pub elapsed_s: f64,
+    /// Whether the loss scaler skipped the update (`16-mixed`: the gradients overflowed);
+    /// its forward and backward ran.
+    pub skipped: bool,
 }
 
 /// Trains `model` (built on `device`) on `task` as `args` say: on `--devices` in-process
@@ -369,7 +373,7 @@ fn run_rank<T: TrainTask>(
         Some(path) if lead => Some(MetricsCsv::open(path, checkpoints.resumed_from)?),
         _ => None,
     };
-    memory::reset_peak();
+    peak_then_reset(comm)?;
     // The device's peak counts from what is live: pages an earlier run or a dropped model
     // left in cubecl's pools go back first.
     release_free_pages(device);
@@ -422,6 +426,7 @@ fn run_rank<T: TrainTask>(
             grad_norm,
             items_per_s: step_items as f64 / step_s,
             elapsed_s: start.elapsed().as_secs_f64(),
+            skipped: outcome.skipped,
         };
         if let Some(csv) = csv.as_mut() {
             csv.write(&last)?;
@@ -431,16 +436,14 @@ fn run_rank<T: TrainTask>(
                 || (args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every)))
         {
             // Saving's peak is reported on its own, not as training's.
-            training_peak = training_peak.max(memory::peak_bytes());
-            memory::reset_peak();
+            training_peak = training_peak.max(peak_then_reset(comm)?);
             let saving = Instant::now();
             let bytes = checkpoint::save(comm, dir, step, &engine, &optim, &*keys, args)?;
             checkpoints.saves += 1;
             checkpoints.bytes = bytes;
             checkpoints.save_s += saving.elapsed().as_secs_f64();
             checkpoints.save_peak_mem_bytes =
-                checkpoints.save_peak_mem_bytes.max(memory::peak_bytes());
-            memory::reset_peak();
+                checkpoints.save_peak_mem_bytes.max(peak_then_reset(comm)?);
         }
         history.push(last);
         progress.set_position(step as u64);
@@ -506,6 +509,13 @@ fn run_rank<T: TrainTask>(
     let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype(), args.runs_on());
     let items_per_s = items as f64 / train_s;
     let warmup_s = step_times.first().copied().unwrap_or(f64::NAN);
+    // The steps the throughput counts: those after the first, or a one-step run's one.
+    let timed = match step_times.len() {
+        0 | 1 => &mut step_times[..],
+        _ => &mut step_times[1..],
+    };
+    let timed_steps = timed.len();
+    let step_s_median = median(timed);
     let throughput = if task.counts_tokens() {
         Throughput::Tokens(items_per_s)
     } else {
@@ -521,7 +531,7 @@ fn run_rank<T: TrainTask>(
         val_loss,
         accuracy,
         elapsed_s,
-        median(&mut step_times),
+        step_s_median,
         peak_mem,
         num_params,
         model_state,
@@ -536,6 +546,8 @@ fn run_rank<T: TrainTask>(
         ModelStateBytes::predicted(num_params, args, engine.sharding(), world);
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
+    summary.first_step = first_step;
+    summary.timed_steps = timed_steps;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
@@ -711,9 +723,32 @@ fn check_world(args: &TrainArgs, world: usize) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// The process's peak heap since it was last reset, read once every rank is there, then reset
+/// for what comes next: thread ranks share the counter, and one rank's reset must not wipe a
+/// peak another has yet to read, nor another's allocations after it be counted before it.
+fn peak_then_reset(comm: &dyn Communicator) -> Result<usize, TrainError> {
+    comm.barrier()?;
+    let peak = memory::peak_bytes();
+    comm.barrier()?;
+    if comm
+        .rank()
+        .is_multiple_of(ranks_in_process(comm.world_size()))
+    {
+        memory::reset_peak();
+    }
+    comm.barrier()?;
+    Ok(peak)
+}
+
+/// The median of `values` (the mean of the middle two of an even count); NaN for none.
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
+    let n = values.len();
+    match n {
+        0 => f64::NAN,
+        _ if n % 2 == 1 => values[n / 2],
+        _ => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
 }
 
 /// The mean of `value` over the ranks (the global batch's loss).
@@ -818,10 +853,12 @@ fn progress_bar(len: u64, show: bool) -> ProgressBar {
 struct MetricsCsv {
     out: BufWriter<File>,
     path: std::path::PathBuf,
+    /// The last kept row's `elapsed_s`, which a resumed run's rows go on from.
+    elapsed_before: f64,
 }
 
 impl MetricsCsv {
-    const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s";
+    const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s,skipped";
 
     /// The file at `path`, new; or for a run resumed after step `resumed`, the rows an earlier
     /// run wrote there up to that step (those after it are retrained), continued.
@@ -840,9 +877,15 @@ impl MetricsCsv {
             writeln!(out, "{row}").map_err(io)?;
         }
         out.flush().map_err(io)?;
+        let elapsed_before = earlier
+            .last()
+            .and_then(|row| row.split(',').nth(5))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0.0);
         Ok(Self {
             out,
             path: path.to_path_buf(),
+            elapsed_before,
         })
     }
 
@@ -875,8 +918,14 @@ impl MetricsCsv {
     fn write(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
         writeln!(
             self.out,
-            "{},{:e},{},{},{:.1},{:.3}",
-            m.step, m.lr, m.loss, m.grad_norm, m.items_per_s, m.elapsed_s
+            "{},{:e},{},{},{:.1},{:.3},{}",
+            m.step,
+            m.lr,
+            m.loss,
+            m.grad_norm,
+            m.items_per_s,
+            self.elapsed_before + m.elapsed_s,
+            u8::from(m.skipped)
         )
         .and_then(|_| self.out.flush())
         .map_err(|source| TrainError::Io {
