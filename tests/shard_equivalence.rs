@@ -4,9 +4,14 @@
 //! (scale-sensitive) and AdamW, with and without gradient accumulation and clipping.
 //! `examples/shard_check.rs` runs the same check under mpirun.
 
+use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::equivalence::{ADAMW, KEPT_GATHERED, SGD, check_with_dropout};
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::nn::weights;
+use burnscale::tasks::NextToken;
+use burnscale::train::{TrainArgs, train};
 
 mod common;
 use common::{assert_every_strategy_matches_plain, assert_matches_plain};
@@ -36,6 +41,52 @@ fn clipping_uses_the_global_norm_across_shards() {
     // A clip far below the tiny model's gradient norm (~1), so every step is clipped.
     every_strategy(SGD, &["--accumulate", "2", "--grad-clip", "0.05"]);
     every_strategy(ADAMW, &["--grad-clip", "0.05"]);
+}
+
+/// Gradients reduced in 16 bits (`--grad-reduce-dtype`): each rank's part is rounded before
+/// the mean, and the steps are the plain loop's within the 16-bit dtype's tolerance; and the
+/// flag acts: reducing in 16 bits ends with other parameters than reducing in f32.
+#[test]
+fn gradients_reduced_in_16_bits_take_the_plain_steps() {
+    for dtype in ["bf16", "f16"] {
+        for optimizer in [SGD, ADAMW] {
+            for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+                for world in [2, 3] {
+                    let flags = [optimizer, &["--grad-reduce-dtype", dtype]].concat();
+                    assert_matches_plain(strategy, world, &flags);
+                }
+            }
+        }
+    }
+    let trained = |dtype: &str| {
+        let flags = [
+            "--strategy",
+            "zero2",
+            "--devices",
+            "2",
+            "--batch-size",
+            "6",
+            "--max-steps",
+            "3",
+            "--grad-reduce-dtype",
+            dtype,
+        ];
+        let args = TrainArgs::from_flags(&[&flags[..], SGD].concat()).unwrap();
+        let config = GptConfig::tiny().with_dropout(0.0);
+        let model = common::seeded_model(5, |device| Gpt::new(&config, device).unwrap());
+        let tokens = (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect();
+        let mut task = NextToken::new(tokens, 8, 6, 5).unwrap();
+        let (model, _) = train(model, &mut task, &args, &Device::default().autodiff()).unwrap();
+        weights::collect(&model.expect("zero2 keeps the whole model"))
+    };
+    let f32 = trained("f32");
+    assert!(f32 == trained("f32"), "a run repeats itself");
+    for dtype in ["bf16", "f16"] {
+        assert!(
+            f32 != trained(dtype),
+            "--grad-reduce-dtype {dtype}: a silent no-op"
+        );
+    }
 }
 
 #[test]
