@@ -57,23 +57,34 @@ fn difference(start: &Parameters, a: &Parameters, b: &Parameters) -> f32 {
 /// Checkpointed gradients equal plain ones: one step of the plain Burn loop
 /// (`burnscale::reference`) against the runner's with and without `--checkpoint-activations`
 /// on one rank (alone and as ddp), and on two ranks (zero2, each rank drawing its own dropout
-/// masks) the checkpointed run against the same strategy without checkpointing.
-fn check<T: TrainTask>(name: &str, model: impl Fn() -> T::Model, task: T) {
+/// masks) the checkpointed run against the same strategy without checkpointing. `model` builds
+/// the model with a dropout rate, `task` the task at a per-rank batch size. Where `sharded`,
+/// also ZeRO-2 and ZeRO-3 on two ranks, each reading half the batch, against the plain step
+/// without dropout (each rank draws masks of its own).
+fn check<T: TrainTask>(
+    name: &str,
+    model: impl Fn(f64) -> T::Model,
+    task: impl Fn(usize) -> T,
+    sharded: bool,
+) {
     let device = Device::default().autodiff();
-    let run = |flags: &[&str]| {
-        let args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
-        let (trained, _) = train(model(), &mut task.clone(), &args, &device).unwrap();
-        weights::collect(&trained.expect("these strategies keep the whole model"))
+    let run = |dropout: f64, batch: usize, flags: &[&str]| {
+        let mut args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
+        args.gather_model = true;
+        let (trained, _) = train(model(dropout), &mut task(batch), &args, &device).unwrap();
+        weights::collect(&trained.expect("asked for the whole model"))
     };
-    let start = weights::collect(&model());
-    let args = TrainArgs::from_flags(&ONE_GRADIENT_STEP).unwrap();
-    // The dropout stream rank 0 of a run with this seed draws.
-    burnscale::nn::dropout::seed(args.seed);
-    let plain = PlainConfig::from_args(&args)
-        .unwrap()
-        .train(model(), &mut task.clone(), &device)
-        .1;
-    let plain = weights::collect(&plain);
+    let plain = |dropout: f64| {
+        let args = TrainArgs::from_flags(&ONE_GRADIENT_STEP).unwrap();
+        // The dropout stream rank 0 of a run with this seed draws.
+        burnscale::nn::dropout::seed(args.seed);
+        let plain = PlainConfig::from_args(&args)
+            .unwrap()
+            .train(model(dropout), &mut task(BATCH), &device)
+            .1;
+        weights::collect(&plain)
+    };
+    let (start, with_dropout) = (weights::collect(&model(DROPOUT)), plain(DROPOUT));
     let two_ranks = ["--strategy", "zero2", "--devices", "2"];
     let mut cases = Vec::new();
     for extra in [&[][..], &["--strategy", "ddp"]] {
@@ -81,16 +92,32 @@ fn check<T: TrainTask>(name: &str, model: impl Fn() -> T::Model, task: T) {
             let flags = [extra, checkpoint].concat();
             cases.push((
                 format!("{flags:?} vs plain"),
-                difference(&start, &plain, &run(&flags)),
+                difference(&start, &with_dropout, &run(DROPOUT, BATCH, &flags)),
             ));
         }
     }
-    let unchecked = run(&two_ranks);
-    let checkpointed = run(&[&two_ranks[..], &["--checkpoint-activations"]].concat());
+    let unchecked = run(DROPOUT, BATCH, &two_ranks);
+    let checkpointed = run(
+        DROPOUT,
+        BATCH,
+        &[&two_ranks[..], &["--checkpoint-activations"]].concat(),
+    );
     cases.push((
         "zero2 x2 checkpointed vs not".into(),
         difference(&start, &unchecked, &checkpointed),
     ));
+    if sharded {
+        let (start, without_dropout) = (weights::collect(&model(0.0)), plain(0.0));
+        for strategy in ["zero2", "zero3"] {
+            for checkpoint in [&[][..], &["--checkpoint-activations"]] {
+                let flags = [&["--strategy", strategy, "--devices", "2"], checkpoint].concat();
+                cases.push((
+                    format!("{flags:?} vs plain, no dropout"),
+                    difference(&start, &without_dropout, &run(0.0, BATCH / 2, &flags)),
+                ));
+            }
+        }
+    }
     for (case, diff) in cases {
         eprintln!("{name} {case}: gradients differ by {diff:.1e} (relative)");
         assert!(
@@ -100,16 +127,22 @@ fn check<T: TrainTask>(name: &str, model: impl Fn() -> T::Model, task: T) {
     }
 }
 
+/// The global batch of the checks, and the dropout rate of their models.
+const BATCH: usize = 4;
+const DROPOUT: f64 = 0.1;
+
 #[test]
 fn mingpt() {
     let tokens: Vec<i64> = (0..3000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect();
-    let task = NextToken::new(tokens, 8, 4, 1).unwrap();
     // Dropout on: the recomputation must drop what the forward dropped.
-    let config = GptConfig::tiny().with_dropout(0.1);
     check(
         "minGPT",
-        || seeded_model(1, |d| Gpt::new(&config, d).unwrap()),
-        task,
+        |dropout| {
+            let config = GptConfig::tiny().with_dropout(dropout);
+            seeded_model(1, |d| Gpt::new(&config, d).unwrap())
+        },
+        |batch| NextToken::new(tokens.clone(), 8, batch, 1).unwrap(),
+        true,
     );
 }
 
@@ -121,12 +154,17 @@ fn vit() {
         mean: [0.5; 3],
         std: [0.5; 3],
     };
-    let task = ImageClassification::new(train_set, test_set, prep, 4, 64, 1).unwrap();
-    let config = VitConfig::tiny().with_dropout(0.1);
     check(
         "ViT",
-        || seeded_model(2, |d| Vit::new(&config, d).unwrap()),
-        task,
+        |dropout| {
+            let config = VitConfig::tiny().with_dropout(dropout);
+            seeded_model(2, |d| Vit::new(&config, d).unwrap())
+        },
+        |batch| {
+            let (train, test) = (train_set.clone(), test_set.clone());
+            ImageClassification::new(train, test, prep, batch, 64, 1).unwrap()
+        },
+        true,
     );
 }
 
@@ -144,24 +182,31 @@ fn text(min: usize) -> Vec<(Vec<i64>, i64)> {
 
 #[test]
 fn bert() {
-    let task = TextClassification::<Bert>::new(text(5), text(5), 0, 4, 1).unwrap();
-    let config = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let head = BertHead::SequenceClassification { num_labels: 2 };
     check(
         "BERT",
-        || seeded_model(3, |d| Bert::new(&config, d).unwrap()),
-        task,
+        |dropout| {
+            let config = BertConfig::tiny().with_head(head).with_dropout(dropout);
+            seeded_model(3, |d| Bert::new(&config, d).unwrap())
+        },
+        |batch| TextClassification::<Bert>::new(text(5), text(5), 0, batch, 1).unwrap(),
+        true,
     );
 }
 
 #[test]
 fn bigbird() {
     // 60 tokens and more: block-sparse attention, random blocks drawn in training.
-    let task = TextClassification::<BigBird>::new(text(60), text(60), 0, 4, 1).unwrap();
-    let config = BigBirdConfig::tiny().with_num_labels(2);
+    // Its random blocks come from each rank's stream, so two ranks are not the plain step.
     check(
         "BigBird",
-        || seeded_model(4, |d| BigBird::new(&config, d).unwrap()),
-        task,
+        |dropout| {
+            let mut config = BigBirdConfig::tiny().with_num_labels(2);
+            config.encoder = config.encoder.with_dropout(dropout);
+            seeded_model(4, |d| BigBird::new(&config, d).unwrap())
+        },
+        |batch| TextClassification::<BigBird>::new(text(60), text(60), 0, batch, 1).unwrap(),
+        false,
     );
 }
 
