@@ -10,8 +10,10 @@
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;
+use burn::optim::momentum::MomentumConfig;
 use burn::optim::{
-    AdafactorConfig, AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig,
+    AdafactorConfig, AdamConfig, AdamWConfig, GradientsAccumulator, GradientsParams,
+    ModuleOptimizer, SgdConfig,
 };
 use burn::prelude::*;
 use burn::tensor::FloatDType;
@@ -37,9 +39,16 @@ pub struct PlainConfig {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum PlainOptimizer {
-    /// Without momentum: an update proportional to the gradient, so any error in its scale
-    /// shows.
-    Sgd,
+    /// Without momentum (0) an update proportional to the gradient, so any error in its
+    /// scale shows; with it, the velocity each parameter keeps (torch.optim's SGD momentum).
+    Sgd {
+        momentum: f64,
+    },
+    /// Adam with its weight decay as an L2 term in the gradient (torch.optim's `Adam`).
+    Adam {
+        beta1: f64,
+        beta2: f64,
+    },
     AdamW {
         beta1: f64,
         beta2: f64,
@@ -71,13 +80,16 @@ pub struct Trajectory {
 }
 
 impl PlainConfig {
-    /// The plain counterpart of `args`. Fails naming what the plain loop does not model
-    /// (SGD momentum, a learning-rate schedule, the other optimizers): a check must not
+    /// The plain counterpart of `args`. Fails naming what the plain loop does not model (a
+    /// learning-rate schedule, 8-bit AdamW's 32-bit embedding state): a check must not
     /// compare against a reference that silently trains differently.
     pub fn from_args(args: &TrainArgs) -> Result<Self, String> {
         let (beta1, beta2) = args.adam_betas();
         let optimizer = match args.optimizer {
-            OptimizerKind::Sgd if args.sgd_momentum() == 0.0 => PlainOptimizer::Sgd,
+            OptimizerKind::Sgd => PlainOptimizer::Sgd {
+                momentum: args.sgd_momentum(),
+            },
+            OptimizerKind::Adam => PlainOptimizer::Adam { beta1, beta2 },
             OptimizerKind::Adamw => PlainOptimizer::AdamW { beta1, beta2 },
             OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
                 beta1,
@@ -88,16 +100,10 @@ impl PlainConfig {
                 beta1: args.beta1,
                 relative_step: args.adafactor_relative_step,
             },
-            OptimizerKind::Sgd => {
-                return Err(format!(
-                    "the plain reference runs sgd without momentum, not with --momentum {}",
-                    args.sgd_momentum()
-                ));
-            }
-            other => {
-                return Err(format!(
-                    "the plain reference runs sgd, adamw, adafactor and adam8bit (without --embedding-state-32bit), not {other:?}"
-                ));
+            OptimizerKind::Adam8bit => {
+                return Err(
+                    "the plain reference runs adam8bit without --embedding-state-32bit".into(),
+                );
             }
         };
         if args.schedule != Schedule::Constant || args.warmup_steps > 0 {
@@ -174,11 +180,31 @@ impl PlainConfig {
             (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay as f32));
         let wd = self.weight_decay as f32;
         match self.optimizer {
-            PlainOptimizer::Sgd => SgdConfig::new().init().with_group(
-                ParamGroup::from_ids(matrix_ids(model)),
-                SgdConfig::new().with_weight_decay(decay).build(),
-                None,
-            ),
+            PlainOptimizer::Sgd { momentum } => {
+                let sgd = || {
+                    SgdConfig::new().with_momentum(
+                        (momentum > 0.0).then(|| MomentumConfig::new().with_momentum(momentum)),
+                    )
+                };
+                sgd().init().with_group(
+                    ParamGroup::from_ids(matrix_ids(model)),
+                    sgd().with_weight_decay(decay).build(),
+                    None,
+                )
+            }
+            PlainOptimizer::Adam { beta1, beta2 } => {
+                let adam = || {
+                    AdamConfig::new()
+                        .with_beta_1(beta1 as f32)
+                        .with_beta_2(beta2 as f32)
+                        .with_epsilon(1e-8)
+                };
+                adam().init().with_group(
+                    ParamGroup::from_ids(matrix_ids(model)),
+                    adam().with_weight_decay(decay).build(),
+                    None,
+                )
+            }
             PlainOptimizer::AdamW { beta1, beta2 } => adamw(beta1, beta2, 0.0).init().with_group(
                 ParamGroup::from_ids(matrix_ids(model)),
                 adamw(beta1, beta2, wd).build(),

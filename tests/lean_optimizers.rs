@@ -11,7 +11,7 @@ use burn::optim::{AdafactorConfig, GradientsParams, Optimizer, RecordState, Stat
 use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAFACTOR, ADAM8BIT};
+use burnscale::equivalence::{ADAFACTOR, ADAM8BIT, KEPT_GATHERED};
 use burnscale::shard::{layout, params};
 use burnscale::train::{ParamOptimizer, TrainArgs};
 use burnscale_train::adam8bit::{AdamW8bit, AdamW8bitState, dynamic_map};
@@ -200,14 +200,30 @@ fn every_strategy_takes_burn_optims_adafactor_steps() {
 }
 
 /// Both optimizers' state stepped on the host (`--offload optimizer`). (In 16 bits the plain
-/// f32 loop is no reference for adaptive optimizers, as for AdamW: `mingpt_train.rs` checks
-/// that they train there.)
+/// f32 loop is no reference for 8-bit AdamW, as for AdamW: `mingpt_train.rs` checks that it
+/// trains there; Adafactor's relative step is checked there in `precision.rs`.)
 #[test]
 fn lean_optimizers_offloaded() {
     for optimizer in [ADAFACTOR, ADAM8BIT] {
         let flags = [optimizer, &["--offload", "optimizer"]].concat();
         assert_matches_plain("zero2", 2, &flags);
         assert_matches_plain("zero3", 3, &flags);
+    }
+}
+
+/// Accumulation with clipping under every strategy, and ZeRO-3 with checkpointing, kept
+/// gathered and with its shards offloaded, with each lean optimizer.
+#[test]
+fn lean_optimizers_compose_with_the_techniques() {
+    for optimizer in [ADAFACTOR, ADAM8BIT] {
+        every_strategy(&[optimizer, &["--accumulate", "2", "--grad-clip", "0.05"]].concat());
+        for extra in [
+            &["--checkpoint-activations"][..],
+            KEPT_GATHERED,
+            &["--offload", "params"],
+        ] {
+            assert_matches_plain("zero3", 2, &[optimizer, extra].concat());
+        }
     }
 }
 

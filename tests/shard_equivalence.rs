@@ -30,6 +30,25 @@ fn every_strategy_takes_the_plain_adamw_steps() {
     every_strategy(ADAMW, &[]);
 }
 
+/// SGD with momentum (the velocity each rank keeps for what it steps) and Adam (decay as an
+/// L2 term in the gradient), both burn-optim's in the plain loop, stepped parameter by
+/// parameter on the shards in the engine.
+#[test]
+fn every_strategy_takes_the_plain_momentum_and_adam_steps() {
+    let momentum = ["--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05"];
+    let adam = [
+        "--optimizer",
+        "adam",
+        "--lr",
+        "1e-2",
+        "--weight-decay",
+        "0.1",
+    ];
+    for flags in [&momentum[..], &adam[..]] {
+        assert_every_strategy_matches_plain(&[flags, &["--grad-clip", "0"]].concat(), 1..=3);
+    }
+}
+
 #[test]
 fn accumulation_averages_micro_batches() {
     every_strategy(SGD, &["--accumulate", "2"]);
@@ -96,6 +115,9 @@ fn checkpointed_blocks_take_the_plain_steps() {
             let flags = [SGD, &["--checkpoint-activations"]].concat();
             assert_matches_plain(strategy, world, &flags);
         }
+        // Accumulated: each micro-batch's blocks recomputed into the sums.
+        let flags = [SGD, &["--checkpoint-activations", "--accumulate", "2"]].concat();
+        assert_matches_plain(strategy, 2, &flags);
     }
 }
 
