@@ -152,13 +152,18 @@ fn scaled_step(
             );
             engine.micro_step(input, target, 1, true).unwrap();
             let mut optim = SgdConfig::new().init();
+            let mut stepped = false;
             skipped = engine
                 .step(0.0, |model, grads| {
+                    stepped = true;
                     let grads = grads.into_gradients(&model);
                     optim.step(0.1, model, grads)
                 })
                 .unwrap()
                 .skipped;
+            // A skipped step never reaches the optimizer: its state (AdamW's moments and step
+            // count) stays as it was.
+            assert_eq!(stepped, !skipped, "the optimizer ran on a skipped step");
         }
         let after = burnscale::shard::host::values(&engine.full_model().unwrap());
         let changed = before.iter().any(|(id, v)| after[id] != *v);
