@@ -73,8 +73,9 @@ pub const ADAM8BIT: &[&str] = &[
 ];
 
 /// Adafactor with a relative step (capped at 1e-2, scaled by each parameter's RMS) and
-/// weight decay on the matrices, without a first moment or clipping: burn-optim's own
-/// Adafactor is the reference. A relative step keeps the check well-conditioned: the
+/// weight decay on the matrices, without a first moment or clipping: burnscale's Adafactor
+/// on one device is the reference (burn-optim's decays a relative step otherwise than HF's;
+/// without decay it is burn-optim's own). A relative step keeps the check well-conditioned: the
 /// attention key bias's gradient is float noise, which Adafactor (as AdamW) turns into
 /// steps of the full step size in a random direction; scaled by the bias's RMS (at least
 /// 1e-3) they stay small, while at a fixed `--lr` they move the model by more than f32

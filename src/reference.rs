@@ -54,7 +54,8 @@ pub enum PlainOptimizer {
         beta2: f64,
     },
     /// burn-optim's own Adafactor (an implementation the runner does not share), or
-    /// burnscale's on one device when it keeps a first moment (burn-optim's has none).
+    /// burnscale's on one device when it keeps a first moment (burn-optim's has none) or
+    /// decays a relative step (burn-optim's decays it by the learning rate alone).
     Adafactor {
         beta1: Option<f64>,
         relative_step: bool,
@@ -210,10 +211,12 @@ impl PlainConfig {
                 adamw(beta1, beta2, wd).build(),
                 None,
             ),
+            // burn-optim's decays by the learning rate alone, where HF's (and ours) decays a
+            // relative step by its own size.
             PlainOptimizer::Adafactor {
                 beta1: None,
                 relative_step,
-            } => {
+            } if !relative_step || self.weight_decay == 0.0 => {
                 let adafactor = |wd: f32| {
                     AdafactorConfig::new()
                         .with_relative_step(relative_step)

@@ -1,6 +1,7 @@
 //! The lean optimizers. 8-bit AdamW: against the numpy reference of the same quantization
 //! (`scripts/gen_adam8bit_fixture.py`), shard by shard against the whole tensor, and under
-//! every strategy against the plain Burn loop. Adafactor: under every strategy against
+//! every strategy against the plain Burn loop. Adafactor: against a numpy transcription of HF
+//! transformers' step (`scripts/gen_adafactor_fixture.py`), and under every strategy against
 //! burn-optim's own Adafactor in the plain loop. (Their training curves against f32 AdamW's
 //! are in `mingpt_train.rs`.)
 
@@ -14,6 +15,7 @@ use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::equivalence::{ADAFACTOR, ADAM8BIT, KEPT_GATHERED};
 use burnscale::shard::{layout, params};
 use burnscale::train::{ParamOptimizer, TrainArgs};
+use burnscale_train::adafactor::Adafactor;
 use burnscale_train::adam8bit::{AdamW8bit, AdamW8bitState, dynamic_map};
 
 mod common;
@@ -193,9 +195,11 @@ fn every_strategy(flags: &[&str]) {
 
 /// Adafactor's column means, row-factor mean and update and parameter RMS span every rank's
 /// rows: every strategy takes burn-optim's single-device steps (which share no code with
-/// ours).
+/// ours; without weight decay, which burn-optim's scales otherwise under a relative step),
+/// and, with decay, our own single-device steps.
 #[test]
 fn every_strategy_takes_burn_optims_adafactor_steps() {
+    every_strategy(&[ADAFACTOR, &["--weight-decay", "0"]].concat());
     every_strategy(ADAFACTOR);
 }
 
@@ -209,6 +213,65 @@ fn lean_optimizers_offloaded() {
         assert_matches_plain("zero2", 2, &flags);
         assert_matches_plain("zero3", 3, &flags);
     }
+}
+
+/// Adafactor against HF transformers' step (written out in numpy float32 by
+/// `scripts/gen_adafactor_fixture.py`, an implementation ours does not share): a matrix
+/// (factored second moments) and a vector, three steps each, with the first moment and weight
+/// decay at a fixed step, without either at a relative step, and with both at a relative
+/// step. Summation orders differ (numpy's pairwise, ours by rows), so the bound is a few ulps
+/// of the parameters (about 0.5 in size), far below any step (1e-3 and up).
+#[test]
+fn adafactor_takes_hf_transformers_steps() {
+    let fixture: serde_json::Value =
+        serde_json::from_str(include_str!("fixtures/adafactor/steps.json")).expect("fixture");
+    for case in fixture["cases"].as_array().expect("cases") {
+        let adafactor = burnscale_train::adafactor::Adafactor {
+            beta_1: case["beta1"].as_f64(),
+            weight_decay: case["weight_decay"].as_f64().unwrap(),
+            relative_step: case["relative_step"].as_bool().unwrap(),
+        };
+        let lr = case["lr"].as_f64().unwrap();
+        let worst = [
+            hf_steps::<2>(&adafactor, lr, &case["matrix"]),
+            hf_steps::<1>(&adafactor, lr, &case["vector"]),
+        ];
+        let what = format!("{adafactor:?}");
+        for (part, worst) in ["matrix", "vector"].iter().zip(worst) {
+            eprintln!("{what} {part}: within {worst:.1e} of HF's");
+            assert!(
+                worst <= 1e-6,
+                "{what} {part}: {worst:e} from HF's parameters"
+            );
+        }
+    }
+}
+
+/// The largest difference from HF's parameters over the fixture's three steps of `part`.
+fn hf_steps<const D: usize>(adafactor: &Adafactor, lr: f64, part: &serde_json::Value) -> f32 {
+    let shape: Vec<usize> = part["shape"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_u64().unwrap() as usize)
+        .collect();
+    let tensor = |values: &serde_json::Value| {
+        let data = TensorData::new(floats(values), shape.clone());
+        Tensor::<D>::from_data(data, &Device::flex())
+    };
+    let (mut param, mut state) = (tensor(&part["param"]), None);
+    let mut worst = 0f32;
+    for (grad, want) in part["grads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(part["params_after"].as_array().unwrap())
+    {
+        (param, state) = adafactor.step(lr, param, tensor(grad), state);
+        let got = param.clone().into_data().try_to_vec::<f32>().unwrap();
+        worst = common::nan_max(worst, common::worst_abs_diff(&got, &floats(want)));
+    }
+    worst
 }
 
 /// Accumulation with clipping under every strategy, and ZeRO-3 with checkpointing, kept

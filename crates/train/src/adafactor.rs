@@ -1,6 +1,8 @@
 //! Adafactor (Shazeer & Stern, "Adafactor: Adaptive Learning Rates with Sublinear Memory
-//! Cost", 2018), as burn-optim's `Adafactor` computes it (HF's `Adafactor` without a first
-//! moment), with HF's optional first moment, for parameters split by rows between ranks.
+//! Cost", 2018), as HF transformers' `Adafactor` computes it (`tests/lean_optimizers.rs`
+//! checks it against a numpy transcription of HF's step), for parameters split by rows
+//! between ranks. burn-optim's `Adafactor` is the same without a first moment, but for its
+//! weight decay under a relative step.
 //!
 //! A matrix keeps the running means of its squared gradients along rows and along columns
 //! (factored second moments) instead of one per element; vectors keep a full one. Several
@@ -35,7 +37,9 @@ const DECAY_RATE: f64 = -0.8;
 pub struct Adafactor {
     /// The first moment's decay (HF's `beta1`): none keeps no first moment.
     pub beta_1: Option<f64>,
-    /// Decoupled weight decay, scaled by the learning rate.
+    /// Decoupled weight decay, scaled by the step's size as HF's: the learning rate, or under
+    /// a relative step that step times the parameter's RMS (burn-optim's scales it by the
+    /// learning rate alone).
     pub weight_decay: f64,
     /// HF's `relative_step` and `scale_parameter`: a step of `min(lr, 1 / sqrt(t))` times
     /// the parameter's RMS (at least 1e-3); without, the learning rate itself.
@@ -199,11 +203,13 @@ impl Adafactor {
             true => lr.min(1.0 / (new.time as f64).sqrt()),
             false => lr,
         };
+        let mut scale = None;
         if self.relative_step {
             let sums = sums.expect("a relative step sums the parameter's squares");
             let param_sq = sums.clone().narrow(0, sums.dims()[0] - 1, 1);
-            let scale = (param_sq / numel).sqrt().clamp_min(EPSILON_2);
-            update = update.mul(scale.reshape([1; D]));
+            let rms = (param_sq / numel).sqrt().clamp_min(EPSILON_2);
+            update = update.mul(rms.clone().reshape([1; D]));
+            scale = Some(rms);
         }
         update = update.mul_scalar(step_size);
         if let Some(beta_1) = self.beta_1 {
@@ -215,8 +221,13 @@ impl Adafactor {
             new.exp_avg = Some(exp_avg);
         }
         let mut tensor = f32_of(&tensor);
+        // Decayed by the step's own size, as HF's: the relative step times the RMS scale.
         if self.weight_decay != 0.0 {
-            tensor = tensor.mul_scalar(1.0 - lr * self.weight_decay);
+            let decay = step_size * self.weight_decay;
+            tensor = match scale {
+                Some(rms) => tensor.mul(rms.mul_scalar(-decay).add_scalar(1.0).reshape([1; D])),
+                None => tensor.mul_scalar(1.0 - decay),
+            };
         }
         ((tensor - update).cast(dtype), new)
     }
@@ -480,8 +491,11 @@ impl HostRows {
             true => lr.min(1.0 / (step_time as f64).sqrt()),
             false => lr,
         } as f32;
-        let keep =
-            (adafactor.weight_decay != 0.0).then_some((1.0 - lr * adafactor.weight_decay) as f32);
+        // Decayed by the step's own size, as HF's: the relative step times the RMS scale.
+        let keep = (adafactor.weight_decay != 0.0).then(|| {
+            let decay = step_size * (adafactor.weight_decay as f32);
+            1.0 - scale.unwrap_or(1.0) * decay
+        });
         // The first moment's weights, and whether it has old values (zeros, unread, if not).
         let old_exp_avg = state.and_then(|s| s.exp_avg);
         let beta_1 = adafactor
