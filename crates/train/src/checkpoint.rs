@@ -324,14 +324,22 @@ fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
 
 /// The step and directory of the newest complete checkpoint under `root`, if any.
 pub(crate) fn newest(root: &Path) -> Result<Option<(usize, PathBuf)>, CheckpointError> {
+    Ok(complete_checkpoints(root)?.pop())
+}
+
+/// The step and directory of every complete checkpoint under `root`, oldest first (none
+/// where `root` does not exist).
+fn complete_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>, CheckpointError> {
     if !root.exists() {
-        return Ok(None);
+        return Ok(Vec::new());
     }
     let entries = fs::read_dir(root).map_err(io_error(root))?;
-    Ok(entries
+    let mut complete: Vec<(usize, PathBuf)> = entries
         .flatten()
         .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
-        .max())
+        .collect();
+    complete.sort();
+    Ok(complete)
 }
 
 /// `error`, met resuming from the newest checkpoint in `root`, naming the complete checkpoint
@@ -344,13 +352,7 @@ pub(crate) fn naming_older(root: &Path, error: TrainError) -> TrainError {
     else {
         return error;
     };
-    let mut complete: Vec<(usize, PathBuf)> = fs::read_dir(root)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| complete_step(&e.path()).map(|step| (step, e.path())))
-        .collect();
-    complete.sort();
+    let complete = complete_checkpoints(root).unwrap_or_default();
     match complete.len() {
         0 | 1 => damage.into(),
         n => CheckpointError::DamagedNewest {

@@ -546,7 +546,6 @@ fn run_rank<T: TrainTask>(
         ModelStateBytes::predicted(num_params, args, engine.sharding(), world);
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
-    summary.first_step = first_step;
     summary.timed_steps = timed_steps;
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
