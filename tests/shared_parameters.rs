@@ -10,7 +10,7 @@ use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::mingpt::{Gpt, GptConfig, cross_entropy};
-use burnscale::nn::{BlockModel, Mask};
+use burnscale::nn::{BlockModel, Flops, Mask};
 use burnscale::shard::{Sharded, Strategy};
 use burnscale::tasks::NextToken;
 use burnscale::train::{TrainArgs, train};
@@ -54,8 +54,18 @@ impl BlockModel for TiedLm {
         (self.wte.forward(input), None) // [batch, seq, width]
     }
 
-    fn positions(&self, input: &Tensor<2, Int>) -> usize {
-        input.shape().num_elements()
+    fn extent(&self, input: &Tensor<2, Int>) -> [usize; 2] {
+        input.dims()
+    }
+
+    /// No attention; the head runs at every position.
+    fn flops(&self) -> Flops {
+        let blocks: usize = self.h.iter().map(Module::num_params).sum();
+        Flops {
+            per_position: blocks + VOCAB * WIDTH,
+            per_sequence: 0,
+            attention_width: 0,
+        }
     }
 
     fn block_forward(&self, block: &Linear, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {

@@ -66,8 +66,23 @@ fn positions_are_the_patches_and_the_class_token() {
     let model = seeded_model_on(6, &device, |d| Vit::new(&config(), d).unwrap());
     let pixels = Tensor::<4>::zeros([3, 3, 16, 16], &device);
     let [b, seq, _] = BlockModel::embed(&model, pixels.clone()).0.dims();
-    assert_eq!(model.positions(&pixels), b * seq);
-    assert_eq!(b * seq, 3 * 17);
+    assert_eq!(model.extent(&pixels), [b, seq]);
+    assert_eq!([b, seq], [3, 17]);
+}
+
+/// ViT-B/16 at 224 px costs the 17.6 GFLOPs (multiply-adds) a forward pass that DeiT's table
+/// (Touvron et al. 2021, table 1) gives it: a forward and backward pass is 6 FLOPs per
+/// multiply-add of the forward's 3.
+#[test]
+fn vit_b_16_costs_what_deit_says() {
+    let device = Device::default();
+    let model = seeded_model_on(7, &device, |d| Vit::new(&VitConfig::vit_b_16(), d).unwrap());
+    let pixels = Tensor::<4>::zeros([1, 3, 224, 224], &device);
+    let forward_macs = model.train_flops(&model.flops(), &pixels) / 6.0;
+    assert!(
+        (forward_macs / 17.6e9 - 1.0).abs() < 0.003,
+        "ViT-B/16: {forward_macs:e} multiply-adds a forward pass, DeiT 17.6e9"
+    );
 }
 
 #[test]

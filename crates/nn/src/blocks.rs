@@ -5,6 +5,7 @@
 use burn::module::{Module, ParamId, list_param_ids};
 use burn::prelude::*;
 
+use crate::flops::Flops;
 use crate::weights::{KeyMap, OwnNames};
 
 /// What blocks read besides the activations: an additive attention bias `[batch, 1, 1, seq]`
@@ -24,10 +25,24 @@ pub trait BlockModel: Module {
 
     /// Activations entering the first block, and the mask every block applies.
     fn embed(&self, input: Self::Input) -> (Tensor<3>, Mask); // [batch, seq, d_model]
-    /// The positions every block runs for `input` (batch · seq of [`BlockModel::embed`]'s
-    /// output: tokens, or patches and a class token), read from shapes and configuration:
-    /// the tokens of MFU's 6·P·tokens estimate.
-    fn positions(&self, input: &Self::Input) -> usize;
+    /// The sequences in `input` and the positions every block runs for each (`[batch, seq]` of
+    /// [`BlockModel::embed`]'s output: tokens, or patches and a class token), read from
+    /// shapes and configuration.
+    fn extent(&self, input: &Self::Input) -> [usize; 2];
+    /// What a forward and backward pass costs ([`crate::flops`]), from the whole model's
+    /// parameters: asked before they are sharded.
+    fn flops(&self) -> Flops;
+    /// The keys a query attends to, on average, in a sequence of `seq` positions: all of them
+    /// unless attention is sparse.
+    fn attended_keys(&self, seq: usize) -> f64 {
+        seq as f64
+    }
+    /// Model FLOPs of a forward and backward pass on `input`, with `flops` the whole model's
+    /// ([`BlockModel::flops`]); reads shapes and configuration only.
+    fn train_flops(&self, flops: &Flops, input: &Self::Input) -> f64 {
+        let [batch, seq] = self.extent(input);
+        flops.of(batch, seq, self.attended_keys(seq))
+    }
     /// One block, run by its model (which may hold what every block shares, as an attention
     /// pattern); the model's own block list may be taken out meanwhile. It may read the
     /// model's configuration but not its parameters: under ZeRO-3 those are shards then. A

@@ -5,7 +5,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType as TensorDType, Gradients};
 use burnscale_collective::{Communicator, DType, ReduceOp, tensor_dtype};
-use burnscale_nn::{BlockModel, autocast, autodiff_on, dropout, regather};
+use burnscale_nn::{BlockModel, Flops, autocast, autodiff_on, dropout, regather};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
@@ -49,6 +49,8 @@ pub struct Sharded<'c, M: BlockModel> {
     head_units: Vec<usize>,
     /// The full replica, or this rank's shards when parameters are sharded.
     model: Option<M>,
+    /// The whole model's FLOP count, taken before it was sharded.
+    flops: Flops,
     /// This rank's own gradients not reduced yet (flat, in the gradient dtype): whole ones
     /// summed over the micro-steps of an optimizer step; sharded ones only until their
     /// unit's or bucket's reduce-scatter in the same micro-step.
@@ -136,6 +138,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             units,
             head_units,
             model: None,
+            flops: model.flops(),
             local: HashMap::new(),
             reduced: HashMap::new(),
             grad_peak: 0,
@@ -415,9 +418,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(x.map(|(x, _)| head.logits(x)))
     }
 
-    /// The positions every block runs for `input` ([`BlockModel::positions`]).
-    pub fn positions(&self, input: &M::Input) -> usize {
-        self.model.as_ref().expect(PRESENT).positions(input)
+    /// Model FLOPs of a forward and backward pass on `input` ([`BlockModel::train_flops`]).
+    pub fn train_flops(&self, input: &M::Input) -> f64 {
+        let model = self.model.as_ref().expect(PRESENT);
+        model.train_flops(&self.flops, input)
     }
 
     /// Where [`Sharded::eval_logits`] takes its input.

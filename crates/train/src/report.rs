@@ -93,12 +93,13 @@ pub struct RankMemory {
     pub planned_device_peak_mem_bytes: Option<usize>,
 }
 
-/// Items a second, as the task counts them; a sample's positions a second beside them
-/// ([`BlockModel::positions`](burnscale_nn::BlockModel::positions)), for MFU.
+/// Items a second, as the task counts them (tokens, or samples), and model FLOPs a second
+/// ([`burnscale_nn::flops`]): MFU's numerator.
 #[derive(Debug, Clone, Copy)]
-pub enum Throughput {
-    Tokens(f64),
-    Samples { per_s: f64, positions_per_s: f64 },
+pub struct Throughput {
+    pub items_per_s: f64,
+    pub counts_tokens: bool,
+    pub model_flops_per_s: f64,
 }
 
 /// Everything a run reports; serialised as the `--summary-json` object.
@@ -171,8 +172,9 @@ pub struct RunSummary {
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
     #[serde(skip)]
     pub history: Vec<StepMetrics>,
-    /// 6·P·positions/s over `world_size · peak_flops` (positions: tokens; a ViT's patches and
-    /// class tokens).
+    /// Model FLOPs a second (`burnscale_nn::flops`: PaLM's and nanoGPT's count, 6 per
+    /// non-embedding weight per position plus attention's 12·L·d per query and key) over
+    /// `world_size · peak_flops`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
     /// What `--save` took.
@@ -241,17 +243,13 @@ impl RunSummary {
         throughput: Throughput,
         peak_flops: Option<f64>,
     ) -> Self {
-        let (tokens_per_s, samples_per_s, positions_per_s) = match throughput {
-            Throughput::Tokens(t) => (Some(t), None, t),
-            Throughput::Samples {
-                per_s,
-                positions_per_s,
-            } => (None, Some(per_s), positions_per_s),
+        let (tokens_per_s, samples_per_s) = match throughput.counts_tokens {
+            true => (Some(throughput.items_per_s), None),
+            false => (None, Some(throughput.items_per_s)),
         };
         // Each rank counts as one device of the measured peak; ranks that share cores
         // (threads, or oversubscribed processes) make this an underestimate.
-        let mfu = peak_flops
-            .map(|peak| 6.0 * num_params as f64 * positions_per_s / (world_size as f64 * peak));
+        let mfu = peak_flops.map(|peak| throughput.model_flops_per_s / (world_size as f64 * peak));
         let sharding = args.acting_sharding(world_size).ok();
         Self {
             accelerator: args.runs_on(),

@@ -379,9 +379,9 @@ fn run_rank<T: TrainTask>(
     release_free_pages(device);
     let mut device_peak = memory::DevicePeak::new(device);
     let start = Instant::now();
-    let (mut items, mut positions) = (0usize, 0usize);
-    // Time, items and positions of the steady-state training steps (evaluations left out): what the
-    // throughput divides.
+    let (mut items, mut flops) = (0usize, 0.0);
+    // Time, items and model FLOPs of the steady-state training steps (evaluations left out):
+    // what the throughput divides.
     let mut train_s = 0.0;
     let mut step_times = Vec::with_capacity(args.max_steps);
     let mut history = Vec::with_capacity(args.max_steps);
@@ -392,7 +392,7 @@ fn run_rank<T: TrainTask>(
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
-        let (step_items, step_positions) =
+        let (step_items, step_flops) =
             micro_steps(&mut engine, task, T::next_batch, args, device, part)?;
         fault::kill_if_asked(fault::Point::Step, step, rank);
         let lr = schedule.next_lr();
@@ -415,7 +415,7 @@ fn run_rank<T: TrainTask>(
         // GPU, and is reported apart (`warmup_s`); a one-step run has only that one.
         if step > first_step || first_step == args.max_steps {
             items += step_items;
-            positions += step_positions;
+            flops += step_flops;
             train_s += step_s;
         }
         step_times.push(step_s);
@@ -516,13 +516,10 @@ fn run_rank<T: TrainTask>(
     };
     let timed_steps = timed.len();
     let step_s_median = median(timed);
-    let throughput = if task.counts_tokens() {
-        Throughput::Tokens(items_per_s)
-    } else {
-        Throughput::Samples {
-            per_s: items_per_s,
-            positions_per_s: positions as f64 / train_s,
-        }
+    let throughput = Throughput {
+        items_per_s,
+        counts_tokens: task.counts_tokens(),
+        model_flops_per_s: flops / train_s,
     };
     let mut summary = RunSummary::new(
         args,
@@ -598,7 +595,7 @@ pub(crate) fn build_engine<'c, M: BlockModel>(
 pub(crate) type Draw<T> = fn(&mut T, &Device, BatchPart) -> Batch<<T as TrainTask>::Model>;
 
 /// An optimizer step's forward and backward passes: `--accumulate` micro-batches of this
-/// rank's `part`, each drawn by `draw`. Returns the items and positions of the whole world's
+/// rank's `part`, each drawn by `draw`. Returns the items and model FLOPs of the whole world's
 /// batch.
 pub(crate) fn micro_steps<T: TrainTask>(
     engine: &mut Sharded<'_, T::Model>,
@@ -607,15 +604,15 @@ pub(crate) fn micro_steps<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
     part: BatchPart,
-) -> Result<(usize, usize), TrainError> {
-    let (mut items, mut positions) = (0, 0);
+) -> Result<(usize, f64), TrainError> {
+    let (mut items, mut flops) = (0, 0.0);
     for micro in 1..=args.accumulate {
         let (input, target) = draw(task, device, part);
         items += part.world * task.items(&input);
-        positions += part.world * engine.positions(&input);
+        flops += part.world as f64 * engine.train_flops(&input);
         engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
     }
-    Ok((items, positions))
+    Ok((items, flops))
 }
 
 /// The update at learning rate `lr` from the gradients [`micro_steps`] left.

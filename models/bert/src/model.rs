@@ -5,8 +5,8 @@ use burn::tensor::activation::relu;
 use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, attention, device_cache,
-    regather,
+    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, attention,
+    device_cache, regather,
 };
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
@@ -350,8 +350,23 @@ impl BlockModel for Bert {
     }
 
     /// Padding included: every block runs it.
-    fn positions(&self, input: &BertInput) -> usize {
-        input.input_ids.shape().num_elements()
+    fn extent(&self, input: &BertInput) -> [usize; 2] {
+        input.input_ids.dims()
+    }
+
+    /// A classifier (and BERT's pooler) reads the first position; the masked-LM head every
+    /// position, through the word embeddings as its decoder.
+    fn flops(&self) -> Flops {
+        let blocks: usize = self.layer.iter().map(Module::num_params).sum();
+        let mlm = self.mlm.as_ref().map_or(0, |head| {
+            head.num_params() + self.embeddings.word_embeddings.num_params()
+        });
+        Flops {
+            per_position: blocks + mlm,
+            per_sequence: self.pooler.num_params() + self.classifier.num_params(),
+            attention_width: self.layer.len()
+                * self.embeddings.word_embeddings.weight.lazy_shape()[1],
+        }
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {

@@ -3,7 +3,7 @@ use burn::nn::Linear;
 use burn::prelude::*;
 use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Flops, Mask};
 
 use crate::attention::block_sparse;
 use crate::{AttentionType, BigBirdConfig};
@@ -99,8 +99,30 @@ impl BlockModel for BigBird {
     }
 
     /// Padding included: every block runs it.
-    fn positions(&self, input: &BertInput) -> usize {
-        input.input_ids.shape().num_elements()
+    fn extent(&self, input: &BertInput) -> [usize; 2] {
+        input.input_ids.dims()
+    }
+
+    /// The classification head reads the first position; the pooler is not read.
+    fn flops(&self) -> Flops {
+        let blocks: usize = self.layer.iter().map(Module::num_params).sum();
+        Flops {
+            per_position: blocks,
+            per_sequence: self.classifier.num_params(),
+            attention_width: self.layer.len() * self.config.encoder.hidden_size,
+        }
+    }
+
+    /// Block-sparse: the key blocks of each query block in [`block_sparse`]'s table, over the
+    /// sequence padded to whole blocks (its padding's queries included, as they are computed).
+    fn attended_keys(&self, seq: usize) -> f64 {
+        if !self.is_sparse(seq) {
+            return seq as f64;
+        }
+        let (block, random) = (self.config.block_size, self.config.num_random_blocks);
+        let n = seq.div_ceil(block);
+        let key_blocks = 2 * n + 2 * (4 + random) + (n - 4) * (5 + random);
+        (block * block * key_blocks) as f64 / seq as f64
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {
@@ -138,5 +160,27 @@ impl BlockModel for BigBird {
 
     fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
         Box::new(crate::loader::checkpoint_keys())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bigbird-roberta-base (blocks of 64, 3 random) at 4096 tokens, 64 blocks: by the table
+    /// in [`crate::attention`], 2 query blocks attend to all 64 key blocks, 2 to 7 and 60 to
+    /// 8, so a query attends to 622 keys on average; a sequence too short for block-sparse
+    /// attention attends to all of its own.
+    #[test]
+    fn queries_attend_to_the_key_blocks_of_their_table() {
+        let config = BigBirdConfig::bigbird_roberta_base();
+        let model = BigBird::new(&config, &Device::default()).unwrap(); // lazy: nothing drawn
+        let key_blocks = 2 * 64 + 2 * 7 + 60 * 8;
+        assert_eq!(
+            model.attended_keys(4096),
+            (64 * 64 * key_blocks / 4096) as f64
+        );
+        let short = config.min_sparse_len() - 1;
+        assert_eq!(model.attended_keys(short), short as f64);
     }
 }

@@ -5,8 +5,8 @@ use burn::prelude::*;
 use burnscale_nn::autocast::{self, layer_norm};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, attention, device_cache,
-    gelu_tanh, regather,
+    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, attention,
+    device_cache, gelu_tanh, regather,
 };
 
 use crate::{GptConfig, GptError};
@@ -221,8 +221,18 @@ impl BlockModel for Gpt {
         (Gpt::embed(self, idx), None)
     }
 
-    fn positions(&self, idx: &Tensor<2, Int>) -> usize {
-        idx.shape().num_elements()
+    fn extent(&self, idx: &Tensor<2, Int>) -> [usize; 2] {
+        idx.dims()
+    }
+
+    /// Every weight but the two lookup tables runs at every position (nanoGPT leaves out
+    /// `wpe` alone: its head is `wte`, ours a matrix of its own).
+    fn flops(&self) -> Flops {
+        Flops {
+            per_position: self.num_params() - self.wte.num_params() - self.wpe.num_params(),
+            per_sequence: 0,
+            attention_width: self.h.len() * self.wte.weight.lazy_shape()[1],
+        }
     }
 
     fn block_forward(&self, block: &Block, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
@@ -278,5 +288,20 @@ mod tests {
                 .into_scalar::<f32>();
             assert!(diff < 1e-5, "prefix of {n} differs by {diff}");
         }
+    }
+
+    /// The FLOPs of nanoGPT's `estimate_mfu` (PaLM's appendix B): 6 per parameter but the
+    /// lookup tables' per token, and 12·L·d·T per token for attention; from the configuration's
+    /// own count.
+    #[test]
+    fn flops_are_nanogpts() {
+        let (device, config) = (Device::default(), GptConfig::gpt2());
+        let model = Gpt::new(&config, &device).unwrap(); // lazy: nothing is drawn
+        let (l, d, t) = (config.n_layer, config.n_embd, config.block_size);
+        let n = config.num_params() - (config.vocab_size + t) * d;
+        let per_token = 6 * n + 12 * l * d * t;
+        let idx = Tensor::<2, Int>::zeros([3, t], &device);
+        let ours = model.train_flops(&model.flops(), &idx);
+        assert_eq!(ours, (3 * t * per_token) as f64);
     }
 }

@@ -6,7 +6,8 @@ use burn::tensor::activation::gelu;
 use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, attention, regather,
+    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, attention,
+    regather,
 };
 
 use crate::{VitConfig, VitError};
@@ -224,10 +225,21 @@ impl BlockModel for Vit {
     }
 
     /// Each image's patches and its class token.
-    fn positions(&self, pixels: &Tensor<4>) -> usize {
+    fn extent(&self, pixels: &Tensor<4>) -> [usize; 2] {
         let [b, _, h, w] = pixels.dims();
         let [ph, pw] = self.embeddings.projection.stride;
-        b * (1 + (h / ph) * (w / pw))
+        [b, 1 + (h / ph) * (w / pw)]
+    }
+
+    /// The patch projection counts at the class token too (one position in 197 at 224 px);
+    /// the head reads the class token alone.
+    fn flops(&self) -> Flops {
+        let blocks: usize = self.layer.iter().map(Module::num_params).sum();
+        Flops {
+            per_position: blocks + self.embeddings.projection.num_params(),
+            per_sequence: self.layernorm.num_params() + self.classifier.num_params(),
+            attention_width: self.layer.len() * self.embeddings.cls_token.lazy_shape()[2],
+        }
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
