@@ -38,6 +38,11 @@ struct Cli {
     /// naming it instead of waiting for it.
     #[arg(long)]
     leave_rank: Option<usize>,
+    /// Fault injection: this rank stops taking part after its first collective without
+    /// leaving (stuck outside any collective), to show that the others time out and the job
+    /// ends instead of hanging.
+    #[arg(long)]
+    stall_rank: Option<usize>,
     /// Run the suite on the NCCL engine, one rank per GPU.
     #[cfg(feature = "cuda")]
     #[arg(long)]
@@ -46,8 +51,9 @@ struct Cli {
 
 /// Prints this rank's results; returns how many failed.
 fn report(comm: &dyn Communicator, engine: &str, cli: &Cli, device: &Device) -> usize {
-    if cli.panic_rank.is_some() || cli.leave_rank.is_some() {
-        if let Some(rank) = [cli.panic_rank, cli.leave_rank]
+    let faults = [cli.panic_rank, cli.leave_rank, cli.stall_rank];
+    if faults.iter().any(Option::is_some) {
+        if let Some(rank) = faults
             .into_iter()
             .flatten()
             .find(|&r| r >= comm.world_size())
@@ -65,6 +71,9 @@ fn report(comm: &dyn Communicator, engine: &str, cli: &Cli, device: &Device) -> 
         }
         if cli.panic_rank == Some(comm.rank()) {
             panic!("rank {} panics on purpose (--panic-rank)", comm.rank());
+        }
+        while cli.stall_rank == Some(comm.rank()) {
+            std::thread::sleep(Duration::from_secs(1));
         }
         if cli.leave_rank == Some(comm.rank()) {
             println!(

@@ -8,6 +8,7 @@ mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
@@ -525,23 +526,29 @@ fn a_resumed_run_continues_its_metrics_file() {
     fs::remove_file(&csv).unwrap();
 }
 
-/// A task whose rank `rank` dies (panics, as a failing kernel or an out-of-memory abort
-/// would end it) when it draws its micro-batch number `at`: in the middle of a step.
+/// A task whose rank `rank` fails when it draws its micro-batch number `at`: in the middle
+/// of a step.
 #[derive(Clone)]
-struct DiesAt {
+struct FailsAt {
     task: NextToken,
     rank: usize,
     at: usize,
     drawn: usize,
+    /// Dies (panics, as a failing kernel or an out-of-memory abort would end it), or is late
+    /// by this long.
+    late: Option<Duration>,
 }
 
-impl TrainTask for DiesAt {
+impl TrainTask for FailsAt {
     type Model = Gpt;
 
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
         self.drawn += 1;
         if part.rank == self.rank && self.drawn == self.at {
-            panic!("rank {} dies drawing micro-batch {}", self.rank, self.at);
+            match self.late {
+                Some(late) => std::thread::sleep(late),
+                None => panic!("rank {} dies drawing micro-batch {}", self.rank, self.at),
+            }
         }
         self.task.next_batch(device, part)
     }
@@ -567,11 +574,12 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
     let (dir, whole) = (scratch("dies"), scratch("dies-whole"));
     let uninterrupted = steps(&run(&whole, "zero3", 2, 0.0, &[]).unwrap().1);
     // Micro-batch 5 is step 5's (one per step): after the step-3 checkpoint.
-    let dies = |task| DiesAt {
+    let dies = |task| FailsAt {
         task,
         rank: 1,
         at: 5,
         drawn: 0,
+        late: None,
     };
     let started = std::time::Instant::now();
     let err = run_task(&dir, "zero3", 2, 0.0, &[], dies).unwrap_err();
@@ -592,6 +600,32 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
     assert_eq!(steps(&resumed), uninterrupted[3..]);
     fs::remove_dir_all(&dir).unwrap();
     fs::remove_dir_all(&whole).unwrap();
+}
+
+/// A rank 3 s late to step 5's collectives: within the default timeout the run goes on;
+/// with `--collective-timeout 2` it stops with an error naming the late rank (which, arriving
+/// before the timeout has passed again, stops at its collective rather than ending the
+/// process).
+#[test]
+fn a_rank_late_past_the_collective_timeout_stops_the_run_naming_it() {
+    let dir = scratch("late");
+    let late = |task| FailsAt {
+        task,
+        rank: 1,
+        at: 5,
+        drawn: 0,
+        late: Some(Duration::from_secs(3)),
+    };
+    run_task(&dir, "zero2", 2, 0.0, &[], late).unwrap();
+    fs::remove_dir_all(&dir).unwrap();
+    let err = run_task(&dir, "zero2", 2, 0.0, &["--collective-timeout", "2"], late).unwrap_err();
+    let message = err.to_string();
+    eprintln!("{message}");
+    assert!(
+        message.contains("rank(s) [1]") && message.contains("timed out after 2.0 s"),
+        "{message}"
+    );
+    fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]

@@ -13,7 +13,7 @@ pub enum CollectiveError {
     )]
     PeerLeft { me: usize, op: &'static str },
     #[error(
-        "rank {me}: {op} timed out after {secs:.1} s waiting for rank(s) {missing:?} (raise the timeout if they are only slow)"
+        "rank {me}: {op} timed out after {secs:.1} s waiting for rank(s) {missing:?} (if they are only slow, raise the timeout: --collective-timeout of the training runs)"
     )]
     Timeout {
         me: usize,

@@ -110,7 +110,7 @@ impl Watchdog {
                 if deadline != 0 && dog.started.elapsed().as_millis() as u64 > deadline {
                     let op = *dog.op.lock().unwrap_or_else(|p| p.into_inner());
                     eprintln!(
-                        "rank {rank}: {op} did not complete within {:.1} s: a peer rank died or hangs; stopping this rank so that the launcher stops the job",
+                        "rank {rank}: {op} did not complete within {:.1} s: a peer rank died or hangs (if it is only slow, raise the timeout: --collective-timeout of the training runs); stopping this rank so that the launcher stops the job",
                         timeout_ms as f64 / 1e3
                     );
                     std::process::exit(75); // EX_TEMPFAIL

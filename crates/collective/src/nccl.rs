@@ -119,7 +119,8 @@ impl NcclComm {
         f: impl Fn(&dyn Communicator) -> T + Sync,
     ) -> Result<Vec<Result<T, String>>, CollectiveError> {
         let comms = Self::group(devices, timeout)?;
-        Ok(crate::threads::on_threads(comms, |comm| f(&comm)))
+        // A stuck NCCL rank ends the process by its watchdog.
+        Ok(crate::threads::on_threads(comms, None, |comm| f(&comm)))
     }
 
     /// This process's rank of `mpi`'s world, on GPU `device`: NCCL's unique id comes from

@@ -7,7 +7,7 @@
 //! every rank waiting in, or later entering, a collective returns an error naming it, and a
 //! rank waiting longer than the timeout returns an error naming the ranks that never came.
 
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
 use std::time::{Duration, Instant};
 
 use crate::buffer::reduce_range_into;
@@ -33,6 +33,8 @@ struct Round {
     ready: Vec<Arc<Post>>,
     pickups_left: usize,
     failed: Option<(usize, String)>,
+    /// Whether the failure is a rank that kept the others waiting past the timeout.
+    timed_out: bool,
 }
 
 struct Group {
@@ -80,13 +82,26 @@ impl ThreadComm {
 
     /// Runs `f` on `world` threads, one rank each, and returns their results in rank order.
     /// A rank that panics yields `Err` with its panic message; the others see a
-    /// [`CollectiveError::PeerFailed`] at their next collective.
+    /// [`CollectiveError::PeerFailed`] at their next collective. A rank that kept the others
+    /// waiting past `timeout` and is still running `timeout` after that (stuck outside any
+    /// collective, where no other thread can stop it) ends the process with exit code 1,
+    /// naming it, as the MPI and NCCL watchdogs do: returning would mean joining it.
     pub fn run<T: Send>(
         world: usize,
         timeout: Duration,
         f: impl Fn(ThreadComm) -> T + Sync,
     ) -> Vec<Result<T, String>> {
-        on_threads(ThreadComm::group(world, timeout), f)
+        let comms = ThreadComm::group(world, timeout);
+        let group = comms[0].group.clone();
+        let stuck = move || {
+            let round = group.lock();
+            round
+                .failed
+                .as_ref()
+                .filter(|_| round.timed_out)
+                .map(|(rank, why)| format!("rank {rank}: {why}"))
+        };
+        on_threads(comms, Some((timeout, &stuck)), f)
     }
 
     /// Posts `data` for `op` and returns every rank's post, in rank order.
@@ -148,6 +163,7 @@ impl ThreadComm {
             let secs = self.group.timeout.as_secs_f64();
             if let (None, Some(&absent)) = (&round.failed, missing.first()) {
                 round.failed = Some((absent, format!("it did not reach {op} within {secs:.1} s")));
+                round.timed_out = true;
                 self.group.changed.notify_all();
             }
             return Err(CollectiveError::Timeout {
@@ -320,29 +336,83 @@ impl Drop for ThreadComm {
     }
 }
 
+/// Why ranks that are still running keep the others' results from being returned, if
+/// they do; asked while waiting for the ranks.
+pub(crate) type Stuck<'a> = &'a (dyn Fn() -> Option<String> + Sync);
+
 /// Runs `f` with each of `comms` (rank order) on a thread of its own, and returns their
-/// results in rank order; a rank that panics yields `Err` with its panic message.
+/// results in rank order; a rank that panics yields `Err` with its panic message. With
+/// `stuck`, ranks still running `grace` after `stuck` first gives a reason end the process
+/// (exit code 1, naming them and the reason).
 pub(crate) fn on_threads<C: Send, T: Send>(
     comms: Vec<C>,
+    stuck: Option<(Duration, Stuck<'_>)>,
     f: impl Fn(C) -> T + Sync,
 ) -> Vec<Result<T, String>> {
     std::thread::scope(|scope| {
+        let (finished, finishing) = mpsc::channel();
         let handles: Vec<_> = comms
             .into_iter()
             .enumerate()
             .map(|(rank, comm)| {
-                let f = &f;
+                let (f, finished) = (&f, finished.clone());
                 std::thread::Builder::new()
                     .name(format!("rank-{rank}"))
-                    .spawn_scoped(scope, move || f(comm))
+                    .spawn_scoped(scope, move || {
+                        // Sent when the rank ends, by return or by panic.
+                        let _finished = Finished(rank, finished);
+                        f(comm)
+                    })
                     .map_err(|e| e.to_string())
             })
             .collect();
+        drop(finished);
+        if let Some((grace, why)) = stuck {
+            let running = handles.iter().map(Result::is_ok).collect();
+            end_if_stuck(running, &finishing, grace, why);
+        }
         handles
             .into_iter()
             .map(|h| h?.join().map_err(|panic| panic_message(&*panic)))
             .collect()
     })
+}
+
+/// Tells [`on_threads`] that rank `.0` ended, when dropped.
+struct Finished(usize, mpsc::Sender<usize>);
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        let _ = self.1.send(self.0);
+    }
+}
+
+/// Waits for the ranks `running` marks until each has said it `finished`; ends the process if
+/// some are still running `grace` after `why` first gave a reason.
+fn end_if_stuck(
+    mut running: Vec<bool>,
+    finished: &mpsc::Receiver<usize>,
+    grace: Duration,
+    why: Stuck<'_>,
+) {
+    let mut deadline = None;
+    while running.contains(&true) {
+        match finished.recv_timeout(Duration::from_millis(200)) {
+            Ok(rank) => running[rank] = false,
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => return,
+        }
+        let Some(reason) = why() else { continue };
+        let deadline = *deadline.get_or_insert_with(|| Instant::now() + grace);
+        if Instant::now() >= deadline && running.contains(&true) {
+            let stuck: Vec<usize> = (0..running.len()).filter(|&r| running[r]).collect();
+            eprintln!(
+                "rank(s) {stuck:?} still running {:.1} s after the group failed ({reason}), outside any collective: ending the process, since no other thread can stop them",
+                grace.as_secs_f64()
+            );
+            std::process::exit(1);
+        }
+    }
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {

@@ -56,11 +56,12 @@ fn a_rank_that_panics_fails_the_others_with_its_rank() {
 
 #[test]
 fn a_rank_that_never_comes_times_out_the_others() {
-    let timeout = Duration::from_millis(300);
+    let timeout = Duration::from_millis(2000);
     let results = ThreadComm::run(3, timeout, |comm| {
         if comm.rank() == 2 {
-            // Slow, not dead: it arrives after the others gave up, and fails too (long after:
-            // a loaded machine may start the others' wait late).
+            // Slow, not stuck: it arrives after the others gave up (a second after, as a
+            // loaded machine may start their wait late), and fails too; before the timeout
+            // has passed again, which would end the process.
             std::thread::sleep(Duration::from_millis(3000));
         }
         comm.barrier()
@@ -81,6 +82,49 @@ fn a_rank_that_never_comes_times_out_the_others() {
     assert!(
         matches!(late, Err(CollectiveError::PeerFailed { .. })),
         "{late:?}"
+    );
+}
+
+/// A rank stuck outside any collective, which no other thread can stop: the others time out
+/// waiting for it, and the timeout later the process ends with exit code 1, naming it. Run in
+/// a child process (this test binary again), which it ends.
+#[test]
+fn a_rank_stuck_outside_any_collective_ends_the_process() {
+    const CHILD: &str = "BURNSCALE_STUCK_RANK_CHILD";
+    if std::env::var_os(CHILD).is_some() {
+        ThreadComm::run(3, Duration::from_millis(500), |comm| {
+            while comm.rank() == 1 {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            comm.barrier()
+        });
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_rank_stuck_outside_any_collective_ends_the_process",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > Duration::from_secs(30) {
+            child.kill().unwrap();
+            panic!("the process still ran 30 s after its timeouts: it hung on the stuck rank");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("rank(s) [1] still running")
+            && stderr.contains("rank 1: it did not reach barrier"),
+        "{stderr}"
     );
 }
 

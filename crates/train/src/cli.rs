@@ -1,6 +1,7 @@
 //! The one CLI every training example shares: techniques switch with flags, never with code.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
 use serde::Serialize;
@@ -140,6 +141,13 @@ pub struct TrainArgs {
     /// than 1 there is refused).
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
+    /// Seconds a rank waits for the others in one collective (the default is PyTorch's and
+    /// Lightning's process-group timeout, 30 min). Then the run stops with an error naming the
+    /// ranks that never came: under mpirun and NCCL the process ends; among thread ranks, a
+    /// rank still running as long again after the others timed out waiting for it (stuck
+    /// outside any collective) ends the process.
+    #[arg(long, value_name = "SECONDS", default_value = "1800", value_parser = parse_seconds)]
+    pub collective_timeout: Duration,
     /// Numeric precision: 32-true; 16-mixed and bf16-mixed (f32 master weights, 16-bit
     /// compute, f32 softmax/norm/loss; 16-mixed scales the loss); 16-true and bf16-true
     /// (weights, activations and optimizer state in 16 bits).
@@ -295,6 +303,18 @@ pub struct TrainArgs {
     /// alone would miss (a head count, a dropout rate).
     #[arg(skip)]
     pub model_config: Option<serde_json::Value>,
+}
+
+/// A positive, finite number of seconds.
+fn parse_seconds(text: &str) -> Result<Duration, String> {
+    let seconds: f64 = text
+        .trim()
+        .parse()
+        .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
+    match seconds.is_finite() && seconds > 0.0 {
+        true => Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?} seconds: {e}")),
+        false => Err(format!("{text:?}: give a positive number of seconds")),
+    }
 }
 
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.
@@ -678,6 +698,21 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         parse(&[]).unwrap().validate().unwrap();
+    }
+
+    #[test]
+    fn a_collective_timeout_is_a_positive_number_of_seconds() {
+        let args = parse(&["--collective-timeout", "2.5"]).unwrap();
+        assert_eq!(args.collective_timeout, Duration::from_millis(2500));
+        for (given, says) in [
+            ("0", "give a positive number of seconds"),
+            ("-3", "give a positive number of seconds"),
+            ("inf", "give a positive number of seconds"),
+            ("ten", "is not a number of seconds"),
+        ] {
+            let err = parse(&[&format!("--collective-timeout={given}")]).unwrap_err();
+            assert!(err.contains(says), "{given}: {err}");
+        }
     }
 
     #[test]

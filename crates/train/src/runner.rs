@@ -9,7 +9,6 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::prelude::*;
-use burnscale_collective::threads::DEFAULT_TIMEOUT;
 use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
@@ -171,7 +170,7 @@ pub fn train<T: TrainTask>(
     // The last rank to start takes `model` itself, so that no full copy outlives sharding.
     let shared = Mutex::new((Some(model), args.devices));
     let accelerator = args.runs_on();
-    let results = accelerator.run_ranks(args.devices, DEFAULT_TIMEOUT, |comm, local| {
+    let results = accelerator.run_ranks(args.devices, args.collective_timeout, |comm, local| {
         let model = {
             let mut shared = shared
                 .lock()
