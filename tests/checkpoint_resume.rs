@@ -604,7 +604,7 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
 
 /// A rank 3 s late to step 5's collectives: within the default timeout the run goes on;
 /// with `--collective-timeout 2` it stops with an error naming the late rank (which, arriving
-/// before the timeout has passed again, stops at its collective rather than ending the
+/// well within `STUCK_GRACE` of that, stops at its collective rather than ending the
 /// process).
 #[test]
 fn a_rank_late_past_the_collective_timeout_stops_the_run_naming_it() {

@@ -13,8 +13,14 @@ use std::time::{Duration, Instant};
 use crate::buffer::reduce_range_into;
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
-/// The default time a rank waits for the others in one collective.
+/// The time a rank waits for the others in one collective in this crate's checks and the
+/// examples' (the training runs take `--collective-timeout`, 1800 s unless given).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The least time a rank the others timed out waiting for has to end before the process
+/// does: a short timeout finds an absent rank fast, and a rank only slow (a save, a kernel
+/// compilation) still reaches its next collective and fails there on its own.
+pub const STUCK_GRACE: Duration = Duration::from_secs(10);
 
 /// What a rank posts to a rendezvous: the call it is making and its data.
 struct Post {
@@ -83,16 +89,19 @@ impl ThreadComm {
     /// Runs `f` on `world` threads, one rank each, and returns their results in rank order.
     /// A rank that panics yields `Err` with its panic message; the others see a
     /// [`CollectiveError::PeerFailed`] at their next collective. A rank that kept the others
-    /// waiting past `timeout` and is still running `timeout` after that (stuck outside any
-    /// collective, where no other thread can stop it) ends the process with exit code 1,
-    /// naming it, as the MPI and NCCL watchdogs do: returning would mean joining it.
+    /// waiting past `timeout` and is still running `timeout` (at least [`STUCK_GRACE`]) after
+    /// that, stuck outside any collective where no other thread can stop it, ends the process
+    /// with exit code 75 (EX_TEMPFAIL), naming it, as the MPI and NCCL watchdogs do:
+    /// returning would mean joining it.
     pub fn run<T: Send>(
         world: usize,
         timeout: Duration,
         f: impl Fn(ThreadComm) -> T + Sync,
     ) -> Vec<Result<T, String>> {
         let comms = ThreadComm::group(world, timeout);
-        let group = comms[0].group.clone();
+        let Some(group) = comms.first().map(|comm| comm.group.clone()) else {
+            return Vec::new();
+        };
         let stuck = move || {
             let round = group.lock();
             round
@@ -101,7 +110,7 @@ impl ThreadComm {
                 .filter(|_| round.timed_out)
                 .map(|(rank, why)| format!("rank {rank}: {why}"))
         };
-        on_threads(comms, Some((timeout, &stuck)), f)
+        on_threads(comms, Some((timeout.max(STUCK_GRACE), &stuck)), f)
     }
 
     /// Posts `data` for `op` and returns every rank's post, in rank order.
@@ -343,7 +352,7 @@ pub(crate) type Stuck<'a> = &'a (dyn Fn() -> Option<String> + Sync);
 /// Runs `f` with each of `comms` (rank order) on a thread of its own, and returns their
 /// results in rank order; a rank that panics yields `Err` with its panic message. With
 /// `stuck`, ranks still running `grace` after `stuck` first gives a reason end the process
-/// (exit code 1, naming them and the reason).
+/// (exit code 75, naming them and the reason).
 pub(crate) fn on_threads<C: Send, T: Send>(
     comms: Vec<C>,
     stuck: Option<(Duration, Stuck<'_>)>,
@@ -404,13 +413,20 @@ fn end_if_stuck(
         }
         let Some(reason) = why() else { continue };
         let deadline = *deadline.get_or_insert_with(|| Instant::now() + grace);
-        if Instant::now() >= deadline && running.contains(&true) {
-            let stuck: Vec<usize> = (0..running.len()).filter(|&r| running[r]).collect();
+        if Instant::now() < deadline {
+            continue;
+        }
+        // Ranks that ended since the wait above are not stuck.
+        while let Ok(rank) = finished.try_recv() {
+            running[rank] = false;
+        }
+        let stuck: Vec<usize> = (0..running.len()).filter(|&r| running[r]).collect();
+        if !stuck.is_empty() {
             eprintln!(
-                "rank(s) {stuck:?} still running {:.1} s after the group failed ({reason}), outside any collective: ending the process, since no other thread can stop them",
+                "rank(s) {stuck:?} still running {:.1} s after the group failed ({reason}), outside any collective: ending the process, since no other thread can stop them (if they are only slow, raise the timeout: --collective-timeout of the training runs)",
                 grace.as_secs_f64()
             );
-            std::process::exit(1);
+            std::process::exit(75); // EX_TEMPFAIL, as the MPI and NCCL watchdogs
         }
     }
 }

@@ -32,7 +32,7 @@ pub trait BlockModel: Module {
     /// What a forward and backward pass costs ([`crate::flops`]), from the whole model's
     /// parameters: asked before they are sharded.
     fn flops(&self) -> Flops;
-    /// The keys a query attends to, on average, in a sequence of `seq` positions: all of them
+    /// The keys a query scores, on average, in a sequence of `seq` positions: all of them
     /// unless attention is sparse.
     fn attended_keys(&self, seq: usize) -> f64 {
         seq as f64

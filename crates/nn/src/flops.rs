@@ -2,7 +2,7 @@
 //! nanoGPT's `estimate_mfu` count them: a forward and backward pass costs 6 FLOPs per weight
 //! of a matrix product per position the product runs at (2 forward, 4 backward), and
 //! attention's two products (the scores, and the values they mix) 12·d per query per key it
-//! attends, in every block. Embedding lookups, norms, activations and the softmax are left out,
+//! scores, in every block (a causal mask's half included, as there). Embedding lookups, norms, activations and the softmax are left out,
 //! as they are there; so is recomputation (`--checkpoint-activations` does more work for the
 //! same model FLOPs, as PaLM's MFU, unlike its HFU, says).
 
@@ -21,7 +21,7 @@ pub struct Flops {
 
 impl Flops {
     /// FLOPs of a forward and backward pass over `batch` sequences of `seq` positions, each
-    /// query attending to `keys` keys (on average).
+    /// query scoring `keys` keys (on average).
     pub fn of(&self, batch: usize, seq: usize, keys: f64) -> f64 {
         let (batch, seq) = (batch as f64, seq as f64);
         let weights = self.per_position as f64 * seq + self.per_sequence as f64;

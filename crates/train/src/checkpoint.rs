@@ -299,9 +299,7 @@ fn complete(partial: &Path, done: &Path, meta: &Meta) -> Result<(), CheckpointEr
 /// Removes all but the newest `keep` complete checkpoints under `root`, and what interrupted
 /// saves left there.
 fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
-    let entries = fs::read_dir(root).map_err(io_error(root))?;
-    let mut complete = Vec::new();
-    for entry in entries.flatten() {
+    for entry in fs::read_dir(root).map_err(io_error(root))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(".step-") && name.ends_with(".partial") {
             let path = entry.path();
@@ -310,11 +308,9 @@ fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
                 false => fs::remove_file(&path),
             }
             .map_err(io_error(&path))?;
-        } else if let Some(step) = complete_step(&entry.path()) {
-            complete.push((step, entry.path()));
         }
     }
-    complete.sort();
+    let complete = complete_checkpoints(root)?;
     let excess = complete.len().saturating_sub(keep.unwrap_or(usize::MAX));
     for (_, path) in complete.into_iter().take(excess) {
         fs::remove_dir_all(&path).map_err(io_error(&path))?;

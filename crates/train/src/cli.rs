@@ -144,8 +144,8 @@ pub struct TrainArgs {
     /// Seconds a rank waits for the others in one collective (the default is PyTorch's and
     /// Lightning's process-group timeout, 30 min). Then the run stops with an error naming the
     /// ranks that never came: under mpirun and NCCL the process ends; among thread ranks, a
-    /// rank still running as long again after the others timed out waiting for it (stuck
-    /// outside any collective) ends the process.
+    /// rank still running as long again (at least 10 s) after the others timed out waiting for
+    /// it, stuck outside any collective, ends the process.
     #[arg(long, value_name = "SECONDS", default_value = "1800", value_parser = parse_seconds)]
     pub collective_timeout: Duration,
     /// Numeric precision: 32-true; 16-mixed and bf16-mixed (f32 master weights, 16-bit
@@ -305,15 +305,17 @@ pub struct TrainArgs {
     pub model_config: Option<serde_json::Value>,
 }
 
-/// A positive, finite number of seconds.
+/// A finite number of seconds, at least a millisecond.
 fn parse_seconds(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text
         .trim()
         .parse()
         .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
-    match seconds.is_finite() && seconds > 0.0 {
+    match seconds.is_finite() && seconds >= 1e-3 {
         true => Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?} seconds: {e}")),
-        false => Err(format!("{text:?}: give a positive number of seconds")),
+        false => Err(format!(
+            "{text:?}: give a number of seconds, at least 0.001"
+        )),
     }
 }
 
@@ -705,9 +707,10 @@ mod tests {
         let args = parse(&["--collective-timeout", "2.5"]).unwrap();
         assert_eq!(args.collective_timeout, Duration::from_millis(2500));
         for (given, says) in [
-            ("0", "give a positive number of seconds"),
-            ("-3", "give a positive number of seconds"),
-            ("inf", "give a positive number of seconds"),
+            ("0", "at least 0.001"),
+            ("1e-12", "at least 0.001"),
+            ("-3", "at least 0.001"),
+            ("inf", "at least 0.001"),
             ("ten", "is not a number of seconds"),
         ] {
             let err = parse(&[&format!("--collective-timeout={given}")]).unwrap_err();

@@ -113,15 +113,17 @@ impl BlockModel for BigBird {
         }
     }
 
-    /// Block-sparse: the key blocks of each query block in [`block_sparse`]'s table, over the
-    /// sequence padded to whole blocks (its padding's queries included, as they are computed).
+    /// Block-sparse, as [`block_sparse`] computes it over the sequence padded to whole
+    /// blocks: the two global query blocks score every key block, each other query block
+    /// `5 + r` gathered ones (blocks 1 and n-2, with one block fewer in the table, one of
+    /// them masked).
     fn attended_keys(&self, seq: usize) -> f64 {
         if !self.is_sparse(seq) {
             return seq as f64;
         }
         let (block, random) = (self.config.block_size, self.config.num_random_blocks);
         let n = seq.div_ceil(block);
-        let key_blocks = 2 * n + 2 * (4 + random) + (n - 4) * (5 + random);
+        let key_blocks = 2 * n + (n - 2) * (5 + random);
         (block * block * key_blocks) as f64 / seq as f64
     }
 
@@ -167,15 +169,15 @@ impl BlockModel for BigBird {
 mod tests {
     use super::*;
 
-    /// bigbird-roberta-base (blocks of 64, 3 random) at 4096 tokens, 64 blocks: by the table
-    /// in [`crate::attention`], 2 query blocks attend to all 64 key blocks, 2 to 7 and 60 to
-    /// 8, so a query attends to 622 keys on average; a sequence too short for block-sparse
-    /// attention attends to all of its own.
+    /// bigbird-roberta-base (blocks of 64, 3 random) at 4096 tokens, 64 blocks: 2 query
+    /// blocks score all 64 key blocks, the 62 others the 8 they gather (3 window, 2 global,
+    /// 3 random), so a query scores 624 keys on average; a sequence too short for
+    /// block-sparse attention scores all of its own.
     #[test]
-    fn queries_attend_to_the_key_blocks_of_their_table() {
+    fn queries_score_the_key_blocks_they_gather() {
         let config = BigBirdConfig::bigbird_roberta_base();
         let model = BigBird::new(&config, &Device::default()).unwrap(); // lazy: nothing drawn
-        let key_blocks = 2 * 64 + 2 * 7 + 60 * 8;
+        let key_blocks = 2 * 64 + 62 * 8;
         assert_eq!(
             model.attended_keys(4096),
             (64 * 64 * key_blocks / 4096) as f64
