@@ -51,9 +51,20 @@ fn tiny_vit_learns_the_digits() {
     let accuracy = summary.accuracy.unwrap();
     // Chance is 10%.
     assert!(accuracy > 0.6, "test accuracy {accuracy}");
-    // A ViT counts samples; its MFU counts the positions its blocks run.
+    // A ViT counts samples; its model FLOPs are an image's times the samples a second.
     let mfu = summary.mfu.expect("an MFU where the probe timed its work");
     assert!(mfu > 0.0 && mfu < 1.0, "MFU {mfu}");
+    let device = Device::default();
+    let model = Vit::new(&config(), &device).unwrap(); // lazy: nothing is drawn
+    let image = Tensor::<4>::zeros([1, 3, 16, 16], &device);
+    let per_image = model.train_flops(&model.flops(), &image);
+    let per_s = per_image * summary.samples_per_s.unwrap();
+    assert!(
+        (summary.model_flops_per_s / per_s - 1.0).abs() < 1e-9,
+        "{} model FLOP/s, {per_image} an image at {:?} images/s",
+        summary.model_flops_per_s,
+        summary.samples_per_s
+    );
 }
 
 /// The positions MFU counts are what `embed` makes: each 16 px image's 16 patches of 4 px and

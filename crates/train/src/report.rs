@@ -169,12 +169,14 @@ pub struct RunSummary {
     /// Measured GEMM rate of the device in the precision's compute dtype, FLOP/s; `None`
     /// where the probe could not time its work (`speed::peak_gemm_flops`).
     pub peak_flops: Option<f64>,
+    /// Model FLOPs a second of one rank (`burnscale_nn::flops`, over the steps the throughput
+    /// counts): torchtitan's and nanoGPT's achieved rate, MFU's numerator.
+    pub model_flops_per_s: f64,
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
     #[serde(skip)]
     pub history: Vec<StepMetrics>,
-    /// Model FLOPs a second (`burnscale_nn::flops`: PaLM's and nanoGPT's count, 6 per
-    /// non-embedding weight per position plus attention's 12·L·d per query and key) over
-    /// `world_size · peak_flops`.
+    /// `model_flops_per_s` over `peak_flops` (PaLM's and nanoGPT's count: 6 per
+    /// non-embedding weight per position plus attention's 12·L·d per query and key).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
     /// What `--save` took.
@@ -249,7 +251,8 @@ impl RunSummary {
         };
         // Each rank counts as one device of the measured peak; ranks that share cores
         // (threads, or oversubscribed processes) make this an underestimate.
-        let mfu = peak_flops.map(|peak| throughput.model_flops_per_s / (world_size as f64 * peak));
+        let model_flops_per_s = throughput.model_flops_per_s / world_size as f64;
+        let mfu = peak_flops.map(|peak| model_flops_per_s / peak);
         let sharding = args.acting_sharding(world_size).ok();
         Self {
             accelerator: args.runs_on(),
@@ -284,6 +287,7 @@ impl RunSummary {
             skipped_steps: 0,
             host_transfer_bytes_per_step: 0,
             peak_flops,
+            model_flops_per_s,
             mfu,
             save: None,
             planned_peak_mem_bytes: None,
@@ -474,20 +478,22 @@ impl RunSummary {
             rows.push(("throughput", format!("{s:.1} samples/s")));
         }
         let dtype = burn::tensor::DType::from(self.precision.compute_dtype()).name();
+        let achieved = self.model_flops_per_s / 1e9;
         match (self.mfu, self.peak_flops) {
             (Some(mfu), Some(peak)) => rows.push((
                 "MFU",
                 format!(
-                    "{:.1}% of measured peak GEMM {:.1} GFLOP/s ({dtype})",
+                    "{:.1}%: {achieved:.1} GFLOP/s of model FLOPs a rank, of measured peak GEMM {:.1} GFLOP/s ({dtype})",
                     100.0 * mfu,
                     peak / 1e9,
                 ),
             )),
-            (None, None) => rows.push((
+            _ => rows.push((
                 "MFU",
-                format!("not measured: the GEMM probe's time ({dtype}) did not grow with its work"),
+                format!(
+                    "not measured: the GEMM probe's time ({dtype}) did not grow with its work; {achieved:.1} GFLOP/s of model FLOPs a rank"
+                ),
             )),
-            _ => {}
         }
         if let Some(save) = &self.save {
             rows.push((
