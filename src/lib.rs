@@ -2,7 +2,7 @@
 //!
 //! The crates, re-exported: [`train`] (the runner, its CLI and reports), [`shard`] (DDP and
 //! ZeRO-1/2/3), [`collective`] (process groups), [`nn`] (shared layers and the block-list
-//! view of a model) and the models ([`mingpt`], [`vit`], [`bert`], [`bigbird`]); [`reference`]
+//! view of a model) and the models ([`mingpt`], [`vit`], [`bert`], [`bigbird`]); [`reference`](mod@reference)
 //! is the plain Burn loop the engine is checked against ([`equivalence`]). See README.md for
 //! what works today.
 

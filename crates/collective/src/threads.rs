@@ -1,6 +1,6 @@
 //! N ranks as threads of one process.
 //!
-//! Every collective is built on one rendezvous, [`ThreadComm::exchange`]: each rank posts a
+//! Every collective is built on one rendezvous, `ThreadComm::exchange`: each rank posts a
 //! shared handle to its contribution and gets everyone's back, without copying. An
 //! all-reduce is then a reduce-scatter (each rank reduces its own chunk, in parallel) and an
 //! all-gather of the chunks. A rank that panics or drops its handle marks the group failed;

@@ -7,8 +7,10 @@
 //! [`ActivationOps`], whose forward is the backend's own (Flex's one-pass softmax; on Cube the
 //! same ops, fused) and whose backward keeps one tensor:
 //!
-//!     softmax:  keeps y = softmax(x);  dx = y * (dy - sum(dy * y))      (sum along its axis)
-//!     GELU:     keeps x;               dx = dy * (s + x * s * (1 - s) * z'(x))
+//! ```text
+//! softmax:  keeps y = softmax(x);  dx = y * (dy - sum(dy * y))      (sum along its axis)
+//! GELU:     keeps x;               dx = dy * (s + x * s * (1 - s) * z'(x))
+//! ```
 //!
 //! with `z(x) = 2·√(2/π)·(x + 0.044715·x³)`, `s = σ(z)`: GPT-2's GELU
 //! `0.5·x·(1 + tanh(z/2))` is `x·σ(z)`.

@@ -8,7 +8,9 @@
 //! probabilities `p` again (one more `q·kᵀ`), then, with `p'` the dropped-out probabilities
 //! and `o = p'·v`:
 //!
-//!     dv = p'ᵀ·do      dp = dropout(do·vᵀ)      ds = p * (dp - sum(dp * p))      dq = ds·k      dk = dsᵀ·q
+//! ```text
+//! dv = p'ᵀ·do      dp = dropout(do·vᵀ)      ds = p * (dp - sum(dp * p))      dq = ds·k      dk = dsᵀ·q
+//! ```
 //!
 //! (`sum` along the keys); a tracked bias gets `ds`, summed over the axes it is broadcast along.
 

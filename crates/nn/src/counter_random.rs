@@ -17,7 +17,7 @@ pub(crate) fn splitmix64(mut z: u64) -> u64 {
 }
 
 /// Values uniform in `[0, 1)` for a tensor of `shape` on `device`: the top 24 bits (exact in
-/// f32) of each element's hash ([`hashed`]) under `key`, spread by SplitMix64 so that
+/// f32) of each element's hash (`hashed`) under `key`, spread by SplitMix64 so that
 /// neighbouring keys give unrelated values.
 pub fn uniform<const D: usize>(shape: Shape, key: u64, device: &Device) -> Tensor<D> {
     hashed::<D>(&shape, splitmix64(key), device)

@@ -48,7 +48,7 @@ impl Accelerator {
     }
 
     /// Runs `f` for each rank this process hosts (`devices` threads, or its one MPI rank),
-    /// with the index of its device on this node (see [`Accelerator::local_index`]): on the
+    /// with the index of its device on this node (see `Accelerator::local_index`): on the
     /// CPU over threads or MPI, on CUDA one rank per GPU over NCCL. Fails before starting any
     /// rank when there are fewer GPUs than ranks.
     pub fn run_ranks<T: Send>(

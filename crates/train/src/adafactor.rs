@@ -15,7 +15,7 @@
 //! ([`Adafactor::finish`]). On one rank the reductions are the identity.
 //!
 //! A vector or a matrix that is f32 in host memory (an offloaded parameter, or any on the
-//! CPU) takes each phase as loops over its rows ([`HostRows`]), a pass or two over the
+//! CPU) takes each phase as loops over its rows (`HostRows`), a pass or two over the
 //! gradient, instead of a dozen tensor operations.
 
 use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};

@@ -186,7 +186,7 @@ pub struct TrainArgs {
     pub offload: Offload,
     /// Keep the optimizer state in memory-mapped files under this directory between steps
     /// (ZeRO-Infinity's disk offload; implies --offload optimizer). Each rank of each run
-    /// uses a fresh rank<N>-XXXXXX subdirectory, removed at the end.
+    /// uses a fresh `rank<N>-XXXXXX` subdirectory, removed at the end.
     #[arg(long)]
     pub offload_dir: Option<PathBuf>,
     /// adamw, adam, sgd, adafactor (factored second moments, no first: HF's Adafactor), or

@@ -5,7 +5,7 @@
 //! device Burn's fusion keeps fewer intermediates and the pools round everything to their
 //! pages, so that composition does not carry over (one reading: cubecl's CPU runtime
 //! reserved 0.63x the host plan). cubecl can instead run a workload for its compilation and
-//! tuning alone ([`DryRun`]): every launch is compiled and dropped, and every allocation is
+//! tuning alone (`DryRun`): every launch is compiled and dropped, and every allocation is
 //! carved from the pools as it would be but left unbacked, costing no device memory. So a
 //! zero-valued copy of the model trains a step under a dry run, through the same engine, the
 //! same optimizer and the same pools as the run, and the pools' reservation at the end is

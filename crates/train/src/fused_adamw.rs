@@ -6,7 +6,7 @@
 //! and every scalar operand rounded to 16 bits), so the result is burn-optim's bit for bit
 //! (the equivalence tests train against burn-optim's). The state is burn-optim's
 //! [`AdamWState`], in the parameter's dtype, so checkpoints and `--offload-dir` files do not
-//! change. On cubecl's devices (a GPU) the step is one kernel ([`crate::adamw_kernel`]);
+//! change. On cubecl's devices (a GPU) the step is one kernel (`crate::adamw_kernel`);
 //! elsewhere (LibTorch), or in other dtypes, burn-optim's path.
 
 use burn::optim::{AdamW, AdamWConfig, AdamWState, AdaptiveMomentumState, LearningRate, Optimizer};

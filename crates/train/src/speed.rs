@@ -14,7 +14,8 @@ use crate::accelerator::Accelerator;
 /// GPU's tensor cores are) in FLOP/s, measured once per device, dtype, matmul kernels
 /// (cuBLAS's or the backend's) and process (ranks that are threads share the figure instead
 /// of measuring while competing for the cores). MFU divides the model FLOPs a second
-/// (`burnscale_nn::flops`) by this. `None` when the probe could not time its work (see [`measure`]).
+/// (`burnscale_nn::flops`) by this. `None` when the probe could not time its work (see
+/// `measure`).
 pub fn peak_gemm_flops(device: &Device, dtype: FloatDType, on: Accelerator) -> Option<f64> {
     static MEASURED: Mutex<Option<HashMap<String, Option<f64>>>> = Mutex::new(None);
     let mut measured = MEASURED
