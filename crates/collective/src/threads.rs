@@ -14,7 +14,7 @@ use crate::buffer::reduce_range_into;
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
 /// The time a rank waits for the others in one collective in this crate's checks and the
-/// examples' (the training runs take `--collective-timeout`, 1800 s unless given).
+/// examples' (the training runs take `--collective-timeout`, 600 s unless given).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The least time a rank the others timed out waiting for has to end before the process

@@ -141,12 +141,13 @@ pub struct TrainArgs {
     /// than 1 there is refused).
     #[arg(long, default_value_t = 1)]
     pub devices: usize,
-    /// Seconds a rank waits for the others in one collective (the default is PyTorch's and
-    /// Lightning's process-group timeout, 30 min). Then the run stops with an error naming the
-    /// ranks that never came: under mpirun and NCCL the process ends; among thread ranks, a
+    /// Seconds a rank waits for the others in one collective (the default is PyTorch's for
+    /// NCCL process groups, 10 min; a rank that panics inside an NCCL collective leaves the
+    /// others waiting that long). Then the run stops with an error naming the ranks that never
+    /// came: under mpirun and NCCL the process ends; among thread ranks, a
     /// rank still running as long again (at least 10 s) after the others timed out waiting for
     /// it, stuck outside any collective, ends the process.
-    #[arg(long, value_name = "SECONDS", default_value = "1800", value_parser = parse_seconds)]
+    #[arg(long, value_name = "SECONDS", default_value = "600", value_parser = parse_seconds)]
     pub collective_timeout: Duration,
     /// Numeric precision: 32-true; 16-mixed and bf16-mixed (f32 master weights, 16-bit
     /// compute, f32 softmax/norm/loss; 16-mixed scales the loss); 16-true and bf16-true
