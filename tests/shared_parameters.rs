@@ -60,7 +60,7 @@ impl BlockModel for TiedLm {
 
     /// No attention; the head runs at every position.
     fn flops(&self) -> Flops {
-        let blocks: usize = self.h.iter().map(Module::num_params).sum();
+        let blocks = self.h.num_params();
         Flops {
             per_position: blocks + VOCAB * WIDTH,
             per_sequence: 0,

@@ -2,9 +2,11 @@
 //! nanoGPT's `estimate_mfu` count them: a forward and backward pass costs 6 FLOPs per weight
 //! of a matrix product per position the product runs at (2 forward, 4 backward), and
 //! attention's two products (the scores, and the values they mix) 12·d per query per key it
-//! scores, in every block (a causal mask's half included, as there). Embedding lookups, norms, activations and the softmax are left out,
-//! as they are there; so is recomputation (`--checkpoint-activations` does more work for the
-//! same model FLOPs, as PaLM's MFU, unlike its HFU, says).
+//! scores, in every block (a causal mask's half included, as there). Embedding lookups are
+//! left out; the norms' few weights count among their blocks', as nanoGPT counts them, and
+//! activations and the softmax count nothing. So is recomputation left out
+//! (`--checkpoint-activations` does more work for the same model FLOPs, as PaLM's MFU,
+//! unlike its HFU, says).
 
 /// A model's FLOP count, from its whole parameters' shapes: taken before training, when no
 /// parameter is a shard.

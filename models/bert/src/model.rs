@@ -357,7 +357,7 @@ impl BlockModel for Bert {
     /// A classifier (and BERT's pooler) reads the first position; the masked-LM head every
     /// position, through the word embeddings as its decoder.
     fn flops(&self) -> Flops {
-        let blocks: usize = self.layer.iter().map(Module::num_params).sum();
+        let blocks = self.layer.num_params();
         let mlm = self.mlm.as_ref().map_or(0, |head| {
             head.num_params() + self.embeddings.word_embeddings.num_params()
         });

@@ -105,7 +105,7 @@ impl BlockModel for BigBird {
 
     /// The classification head reads the first position; the pooler is not read.
     fn flops(&self) -> Flops {
-        let blocks: usize = self.layer.iter().map(Module::num_params).sum();
+        let blocks = self.layer.num_params();
         Flops {
             per_position: blocks,
             per_sequence: self.classifier.num_params(),

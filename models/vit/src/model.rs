@@ -234,7 +234,7 @@ impl BlockModel for Vit {
     /// The patch projection counts at the class token too (one position in 197 at 224 px);
     /// the head reads the class token alone.
     fn flops(&self) -> Flops {
-        let blocks: usize = self.layer.iter().map(Module::num_params).sum();
+        let blocks = self.layer.num_params();
         Flops {
             per_position: blocks + self.embeddings.projection.num_params(),
             per_sequence: self.layernorm.num_params() + self.classifier.num_params(),
