@@ -17,9 +17,10 @@ use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range}
 /// examples' (the training runs take `--collective-timeout`, 600 s unless given).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The least time a rank the others timed out waiting for has to end before the process
-/// does: a short timeout finds an absent rank fast, and a rank only slow (a save, a kernel
-/// compilation) still reaches its next collective and fails there on its own.
+/// The least time ranks still running after the group failed for good (a rank panicked, or
+/// the others timed out waiting for one) have to end before the process does: a short
+/// timeout finds an absent rank fast, and a rank only slow (a save, a kernel compilation)
+/// still reaches its next collective and fails there on its own.
 pub const STUCK_GRACE: Duration = Duration::from_secs(10);
 
 /// What a rank posts to a rendezvous: the call it is making and its data.
@@ -39,8 +40,10 @@ struct Round {
     ready: Vec<Arc<Post>>,
     pickups_left: usize,
     failed: Option<(usize, String)>,
-    /// Whether the failure is a rank that kept the others waiting past the timeout.
-    timed_out: bool,
+    /// Whether the failure ends the run for every rank: a rank that panicked, or one that kept
+    /// the others waiting past the timeout. A rank that left may only have finished its part
+    /// (rank 0 saving alone after the others returned).
+    fatal: bool,
 }
 
 struct Group {
@@ -88,11 +91,12 @@ impl ThreadComm {
 
     /// Runs `f` on `world` threads, one rank each, and returns their results in rank order.
     /// A rank that panics yields `Err` with its panic message; the others see a
-    /// [`CollectiveError::PeerFailed`] at their next collective. A rank that kept the others
-    /// waiting past `timeout` and is still running `timeout` (at least [`STUCK_GRACE`]) after
-    /// that, stuck outside any collective where no other thread can stop it, ends the process
-    /// with exit code 75 (EX_TEMPFAIL), naming it, as the MPI and NCCL watchdogs do:
-    /// returning would mean joining it.
+    /// [`CollectiveError::PeerFailed`] at their next collective. When a rank panicked or
+    /// kept the others waiting past `timeout`, a rank still running `timeout` (at least
+    /// [`STUCK_GRACE`]) after that, stuck outside any collective where no other thread can
+    /// stop it, ends the process with exit code 75 (EX_TEMPFAIL), naming it, as the MPI and
+    /// NCCL watchdogs do: returning would mean joining it. A rank that only left does not
+    /// start this watch: the others may go on alone.
     pub fn run<T: Send>(
         world: usize,
         timeout: Duration,
@@ -107,7 +111,7 @@ impl ThreadComm {
             round
                 .failed
                 .as_ref()
-                .filter(|_| round.timed_out)
+                .filter(|_| round.fatal)
                 .map(|(rank, why)| format!("rank {rank}: {why}"))
         };
         on_threads(comms, Some((timeout.max(STUCK_GRACE), &stuck)), f)
@@ -172,7 +176,7 @@ impl ThreadComm {
             let secs = self.group.timeout.as_secs_f64();
             if let (None, Some(&absent)) = (&round.failed, missing.first()) {
                 round.failed = Some((absent, format!("it did not reach {op} within {secs:.1} s")));
-                round.timed_out = true;
+                round.fatal = true;
                 self.group.changed.notify_all();
             }
             return Err(CollectiveError::Timeout {
@@ -332,14 +336,14 @@ impl Drop for ThreadComm {
     /// A rank leaving the group (by panic, or by finishing early) fails everyone still in it,
     /// rather than leaving them to wait for a rank that will never come.
     fn drop(&mut self) {
-        let reason = if std::thread::panicking() {
-            "it panicked".to_string()
-        } else {
-            "it left the group (its handle was dropped)".to_string()
-        };
+        let panicked = std::thread::panicking();
         let mut round = self.group.lock();
-        if round.failed.is_none() {
-            round.failed = Some((self.rank, reason));
+        if panicked && !round.fatal {
+            round.failed = Some((self.rank, "it panicked".to_string()));
+            round.fatal = true;
+        } else if round.failed.is_none() {
+            let reason = "it left the group (its handle was dropped)";
+            round.failed = Some((self.rank, reason.to_string()));
         }
         self.group.changed.notify_all();
     }

@@ -90,8 +90,8 @@ fn a_rank_that_never_comes_times_out_the_others() {
 /// in a child process (this test binary again), which it ends.
 #[test]
 fn a_rank_stuck_outside_any_collective_ends_the_process() {
-    const CHILD: &str = "BURNSCALE_STUCK_RANK_CHILD";
-    if std::env::var_os(CHILD).is_some() {
+    let test = "a_rank_stuck_outside_any_collective_ends_the_process";
+    if in_child() {
         ThreadComm::run(3, Duration::from_millis(500), |comm| {
             while comm.rank() == 1 {
                 std::thread::sleep(Duration::from_secs(1));
@@ -100,12 +100,50 @@ fn a_rank_stuck_outside_any_collective_ends_the_process() {
         });
         return;
     }
+    let stderr = ends_with_75(test);
+    assert!(
+        stderr.contains("rank(s) [1] still running")
+            && stderr.contains("rank 1: it did not reach barrier"),
+        "{stderr}"
+    );
+}
+
+/// A rank stuck while another panicked: nobody waits for it, yet the run has failed, so
+/// STUCK_GRACE later the process ends, naming both.
+#[test]
+fn a_rank_stuck_after_another_panicked_ends_the_process() {
+    let test = "a_rank_stuck_after_another_panicked_ends_the_process";
+    if in_child() {
+        ThreadComm::run(3, Duration::from_millis(500), |comm| {
+            comm.barrier()?;
+            match comm.rank() {
+                0 => loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                },
+                1 => panic!("rank 1 hit a bug"),
+                _ => comm.barrier(),
+            }
+        });
+        return;
+    }
+    let stderr = ends_with_75(test);
+    assert!(
+        stderr.contains("rank(s) [0] still running") && stderr.contains("rank 1: it panicked"),
+        "{stderr}"
+    );
+}
+
+const CHILD: &str = "BURNSCALE_STUCK_RANK_CHILD";
+
+fn in_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+/// Runs `test` of this binary as a child process, which must end with exit code 75 within
+/// 30 s; returns its stderr.
+fn ends_with_75(test: &str) -> String {
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "a_rank_stuck_outside_any_collective_ends_the_process",
-            "--nocapture",
-        ])
+        .args(["--exact", test, "--nocapture"])
         .env(CHILD, "1")
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -114,18 +152,14 @@ fn a_rank_stuck_outside_any_collective_ends_the_process() {
     while child.try_wait().unwrap().is_none() {
         if start.elapsed() > Duration::from_secs(30) {
             child.kill().unwrap();
-            panic!("the process still ran 30 s after its timeouts: it hung on the stuck rank");
+            panic!("the process still ran after 30 s: it hung on the stuck rank");
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(75), "{stderr}");
-    assert!(
-        stderr.contains("rank(s) [1] still running")
-            && stderr.contains("rank 1: it did not reach barrier"),
-        "{stderr}"
-    );
+    stderr
 }
 
 #[test]
