@@ -6,10 +6,11 @@
 mod common;
 
 use burn::prelude::*;
-use burnscale::bert::{Bert, BertConfig, BertHead};
+use burnscale::bert::{Bert, BertConfig, BertHead, BertInput};
 use burnscale::bigbird::{BigBird, BigBirdConfig};
+use burnscale::nn::BlockModel;
 use burnscale::tasks::{SequenceClassifier, TextClassification};
-use burnscale::train::{TrainArgs, train};
+use burnscale::train::{Batch, BatchPart, Score, TrainArgs, TrainTask, train};
 use common::{assert_same, seeded_model};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -250,4 +251,74 @@ fn checking_examples_leaves_a_lazy_model_uninitialised() {
     model.embeddings.check_ids(&[2, 5, 3]).unwrap();
     assert!(!model.embeddings.word_embeddings.weight.is_initialized());
     assert!(!model.embeddings.position_embeddings.weight.is_initialized());
+}
+
+/// A task whose rank 0 reads rows of one length and rank 1 rows of another: each rank's part
+/// of a padded batch has a length of its own.
+#[derive(Clone)]
+struct LengthByRank([TextClassification<Bert>; 2]);
+
+impl TrainTask for LengthByRank {
+    type Model = Bert;
+
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Bert> {
+        self.0[part.rank].next_batch(device, BatchPart::WHOLE)
+    }
+    fn items(&self, input: &BertInput) -> usize {
+        self.0[0].items(input)
+    }
+    fn counts_tokens(&self) -> bool {
+        self.0[0].counts_tokens()
+    }
+    fn eval_batches(&self) -> usize {
+        self.0[0].eval_batches()
+    }
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Bert> {
+        self.0[0].eval_batch(k, device)
+    }
+    fn score(&self, logits: Tensor<2>, target: Tensor<1, Int>) -> Score {
+        self.0[0].score(logits, target)
+    }
+}
+
+/// The summary's model FLOPs are the sum of the ranks' parts, not rank 0's times the world.
+#[test]
+fn model_flops_sum_the_ranks_parts() {
+    let batch = 4;
+    let config = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let model = seeded_model(3, |device| Bert::new(&config, device).unwrap());
+    // Rows of 6 tokens on rank 0, 32 on rank 1 ([CLS] and [SEP] among them).
+    let task = |len: usize| {
+        let rows = || data_of_lengths(32, len..len + 1, 1);
+        TextClassification::new(rows(), rows(), 0, batch, 3).unwrap()
+    };
+    let mut task = LengthByRank([task(4), task(30)]);
+    // What one batch of each costs, read before training moves the tasks on.
+    let device = Device::default().autodiff();
+    let per_sample = (0..2)
+        .map(|rank| {
+            let (input, _) = task
+                .clone()
+                .next_batch(&device, BatchPart { rank, world: 2 });
+            model.train_flops(&model.flops(), &input)
+        })
+        .sum::<f64>()
+        / (2 * batch) as f64;
+    let args = TrainArgs::from_flags(&[
+        "--strategy",
+        "zero2",
+        "--devices",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "3",
+    ])
+    .unwrap();
+    let (_, summary) = train(model, &mut task, &args, &device).unwrap();
+    let measured = summary.model_flops_per_s * 2.0 / summary.samples_per_s.unwrap();
+    assert!(
+        (measured / per_sample - 1.0).abs() < 1e-6,
+        "{measured} model FLOPs a sample, of {per_sample}"
+    );
 }

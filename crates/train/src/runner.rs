@@ -398,7 +398,8 @@ fn run_rank<T: TrainTask>(
         let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
         // The loss is read once the step is queued; with a loss scaler an overflow was a
         // skipped step, without one training on NaN would only waste the run.
-        let step_loss = mean_over_ranks(comm, outcome.loss)?;
+        let (step_loss, step_items, step_flops) =
+            over_ranks(comm, outcome.loss, step_items, step_flops)?;
         if !step_loss.is_finite() && engine.loss_scale().is_none() {
             return Err(TrainError::NonFiniteLoss {
                 step,
@@ -594,8 +595,8 @@ pub(crate) fn build_engine<'c, M: BlockModel>(
 pub(crate) type Draw<T> = fn(&mut T, &Device, BatchPart) -> Batch<<T as TrainTask>::Model>;
 
 /// An optimizer step's forward and backward passes: `--accumulate` micro-batches of this
-/// rank's `part`, each drawn by `draw`. Returns the items and model FLOPs of the whole world's
-/// batch.
+/// rank's `part`, each drawn by `draw`. Returns the items and model FLOPs of this rank's
+/// part.
 pub(crate) fn micro_steps<T: TrainTask>(
     engine: &mut Sharded<'_, T::Model>,
     task: &mut T,
@@ -607,8 +608,8 @@ pub(crate) fn micro_steps<T: TrainTask>(
     let (mut items, mut flops) = (0, 0.0);
     for micro in 1..=args.accumulate {
         let (input, target) = draw(task, device, part);
-        items += part.world * task.items(&input);
-        flops += part.world as f64 * engine.train_flops(&input);
+        items += task.items(&input);
+        flops += engine.train_flops(&input);
         engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
     }
     Ok((items, flops))
@@ -747,13 +748,25 @@ fn median(values: &mut [f64]) -> f64 {
 }
 
 /// The mean of `value` over the ranks (the global batch's loss).
-fn mean_over_ranks(comm: &dyn Communicator, value: f64) -> Result<f64, TrainError> {
+/// The mean of the ranks' losses, and the sums of their items and model FLOPs (each rank's
+/// part of a padded batch has a length of its own), in one all-reduce.
+fn over_ranks(
+    comm: &dyn Communicator,
+    loss: f64,
+    items: usize,
+    flops: f64,
+) -> Result<(f64, usize, f64), TrainError> {
     if comm.world_size() == 1 {
-        return Ok(value);
+        return Ok((loss, items, flops));
     }
-    let mut buf = Buffer::F32(vec![value as f32]);
-    comm.all_reduce(&mut buf, ReduceOp::Mean)?;
-    Ok(buf.to_f32()[0] as f64)
+    let mut buf = Buffer::F32(vec![loss as f32, items as f32, flops as f32]);
+    comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+    let [loss, items, flops] = buf.to_f32()[..] else {
+        unreachable!("an all-reduce keeps the length")
+    };
+    // As ReduceOp::Mean divides, in f32; items in f32 are exact below 2^24 a step.
+    let loss = loss / comm.world_size() as f32;
+    Ok((loss as f64, items.round() as usize, flops as f64))
 }
 
 /// Every rank's model-state bytes, process peak, device peak, planned peak and planned device
