@@ -7,6 +7,7 @@
 #     scripts/gpu_table.sh article ARTICLE_BENCH OUT [BENCH FLAGS...]
 #     scripts/gpu_table.sh profile BINARY OUT STEPS [BINARY FLAGS...]
 #     scripts/gpu_table.sh probe VIT_FINETUNE OUT
+#     scripts/gpu_table.sh nccl COLLECTIVE_CHECK OUT
 #     scripts/gpu_table.sh test TEST_BINARY OUT [FILTER...]
 #
 # mingpt: minGPT beside PyTorch eager and the plain Burn loop, cuBLAS's products
@@ -45,6 +46,12 @@
 # test: a `cargo test --no-run --features cuda` binary (its tests that need a GPU run there:
 # `burnscale_nn`'s `gemm` for cuBLAS's products) with this script's environment.
 #
+# nccl: COLLECTIVE_CHECK (`cargo build --release --features cuda --example collective_check`)
+# runs the conformance suite on the NCCL engine, one rank (NCCL refuses two ranks on one GPU),
+# then with that rank leaving and panicking after its first collective: the engine's leave
+# in its `Drop`, and under unwinding, which must end at once with a failure, not hang or
+# abort. NCCL_DEBUG=VERSION logs NCCL's version (a device mean needs ncclAvg, NCCL 2.10).
+#
 # AUTOTUNE=minimal|balanced|extensive|full sets cubecl's autotune level (by default
 # balanced: a group's tuning stops at the first candidate within 0.8 of the roofline peak
 # that cubecl measures itself; full sets no such bound), tunes afresh in every process (no
@@ -66,8 +73,8 @@ if [ $# -lt 3 ] || { [ "$1" != article ] && [ "$1" != profile ] && [ "$1" != tes
         && [ $# -ne 3 ]; } \
     || { [ "$1" = profile ] && [ $# -lt 4 ]; } \
     || { [ "$1" != mingpt ] && [ "$1" != vit ] && [ "$1" != probe ] && [ "$1" != article ] \
-        && [ "$1" != profile ] && [ "$1" != test ]; }; then
-    echo "usage: $0 mingpt|vit|probe BINARY OUT, $0 article BINARY OUT [BENCH FLAGS...]," \
+        && [ "$1" != profile ] && [ "$1" != test ] && [ "$1" != nccl ]; }; then
+    echo "usage: $0 mingpt|vit|probe|nccl BINARY OUT, $0 article BINARY OUT [BENCH FLAGS...]," \
         "$0 profile BINARY OUT STEPS [BINARY FLAGS...] or $0 test BINARY OUT [FILTER...]" >&2
     exit 2
 fi
@@ -153,6 +160,14 @@ fi
 
 if [ "$table" = test ]; then
     capped test 300 "$bin" "${@:4}" --nocapture
+    exit 0
+fi
+
+if [ "$table" = nccl ]; then
+    export NCCL_DEBUG=VERSION
+    capped nccl_suite 120 "$bin" --nccl --devices 1 --timeout-s 30
+    capped nccl_leave 60 "$bin" --nccl --devices 1 --timeout-s 30 --leave-rank 0
+    capped nccl_panic 60 "$bin" --nccl --devices 1 --timeout-s 30 --panic-rank 0
     exit 0
 fi
 

@@ -422,33 +422,50 @@ impl NcclComm {
         })
     }
 
-    /// Runs `nccl` on `send` and `recv` in place (a fresh tensor of `recv_len` elements on
-    /// `send`'s device, in its dtype), and waits for it before the pins are released.
-    fn in_place(
+    /// `send` and a fresh tensor of `recv_len` elements on its device (in its dtype), and the
+    /// two pinned for NCCL (none under cubecl's dry run, the device plan: kernels are dropped
+    /// there, and pinning would back buffers that NCCL would then move unwritten). Called
+    /// before the ranks agree on the call: a rank that fails here (out of memory) leaves at
+    /// the agreement, where the others see it, rather than after, out of step with their
+    /// NCCL call.
+    fn pinned(
         &self,
         op: &'static str,
         send: &Tensor<1>,
         recv_len: usize,
-        nccl: impl Fn(&Self, &mut TypedPair) -> Result<(), CollectiveError>,
-    ) -> Result<Tensor<1>, CollectiveError> {
+    ) -> Result<(Tensor<1>, Option<TypedPair<'_>>), CollectiveError> {
         let device: Device = send.device().without_autodiff();
         let recv = Tensor::<1>::empty([recv_len], (&device, send.dtype()));
-        // Under cubecl's dry run (the device plan) kernels are dropped, and so is the
-        // collective: pinning would back the buffers, and NCCL would move what none wrote.
         if cubecl::dry_run::launch_mode().is_skipped() {
-            return Ok(recv);
+            return Ok((recv, None));
         }
-        let mut pair = match dtype_of(send.dtype())? {
+        let pair = match dtype_of(send.dtype())? {
             DType::F32 => TypedPair::F32(self.pin(send, op)?, self.pin(&recv, op)?),
             DType::F16 => TypedPair::F16(self.pin(send, op)?, self.pin(&recv, op)?),
             DType::Bf16 => TypedPair::Bf16(self.pin(send, op)?, self.pin(&recv, op)?),
         };
-        nccl(self, &mut pair)?;
-        self.stream
+        Ok((recv, Some(pair)))
+    }
+
+    /// Runs `nccl` on a [`Self::pinned`] pair, and waits for the stream, whatever NCCL said,
+    /// before the pins are released (cubecl's pool could otherwise hand the memory out while
+    /// queued NCCL work still uses it).
+    fn launch(
+        &self,
+        op: &'static str,
+        pair: Option<TypedPair<'_>>,
+        nccl: impl Fn(&Self, &mut TypedPair) -> Result<(), CollectiveError>,
+    ) -> Result<(), CollectiveError> {
+        let Some(mut pair) = pair else {
+            return Ok(());
+        };
+        let launched = nccl(self, &mut pair);
+        let finished = self
+            .stream
             .synchronize()
-            .map_err(|e| self.error(op)(format!("{e:?}")))?;
+            .map_err(|e| self.error(op)(format!("{e:?}")));
         drop(pair);
-        Ok(recv)
+        launched.and(finished)
     }
 }
 
@@ -543,12 +560,14 @@ impl Communicator for NcclComm {
         }
         let _watch = self.watchdog.watch("all_reduce");
         let n = tensor.dims()[0];
+        let (reduced, pair) = self.pinned("all_reduce", &tensor, n)?;
         self.agree("all_reduce", dtype_of(tensor.dtype())?, Some(n))?;
-        self.in_place("all_reduce", &tensor, n, |this, pair| {
+        self.launch("all_reduce", pair, |this, pair| {
             let status =
                 on_pair!(pair, (send, recv) => |s, r| this.comm.all_reduce(s, r, &device_op(op)));
             this.nccl("all_reduce", status)
-        })
+        })?;
+        Ok(reduced)
     }
 
     fn all_gather_tensor(&self, tensor: Tensor<1>) -> Result<Tensor<1>, CollectiveError> {
@@ -556,22 +575,19 @@ impl Communicator for NcclComm {
             return staged::all_gather_staged(self, tensor);
         }
         let watch = self.watchdog.watch("all_gather");
-        self.agree("all_gather", dtype_of(tensor.dtype())?, None)?;
         let n = tensor.dims()[0];
+        let (gathered, pair) = self.pinned("all_gather", &tensor, n * self.world_size())?;
+        self.agree("all_gather", dtype_of(tensor.dtype())?, None)?;
         // NCCL gathers equal blocks; unequal ones (every rank sees it) go through the host.
         if self.counts(n)?.iter().any(|&c| c != n) {
-            drop(watch);
+            drop((watch, pair, gathered));
             return staged::all_gather_staged(self, tensor);
         }
-        self.in_place(
-            "all_gather",
-            &tensor,
-            n * self.world_size(),
-            |this, pair| {
-                let status = on_pair!(pair, (send, recv) => |s, r| this.comm.all_gather(s, r));
-                this.nccl("all_gather", status)
-            },
-        )
+        self.launch("all_gather", pair, |this, pair| {
+            let status = on_pair!(pair, (send, recv) => |s, r| this.comm.all_gather(s, r));
+            this.nccl("all_gather", status)
+        })?;
+        Ok(gathered)
     }
 
     fn reduce_scatter_tensor(
@@ -585,12 +601,14 @@ impl Communicator for NcclComm {
             return staged::reduce_scatter_staged(self, tensor, op);
         }
         let _watch = self.watchdog.watch("reduce_scatter");
+        let (mine, pair) = self.pinned("reduce_scatter", &tensor, n / world)?;
         self.agree("reduce_scatter", dtype_of(tensor.dtype())?, Some(n))?;
-        self.in_place("reduce_scatter", &tensor, n / world, |this, pair| {
+        self.launch("reduce_scatter", pair, |this, pair| {
             let status =
                 on_pair!(pair, (send, recv) => |s, r| this.comm.reduce_scatter(s, r, &device_op(op)));
             this.nccl("reduce_scatter", status)
-        })
+        })?;
+        Ok(mine)
     }
 
     fn broadcast_tensor(
@@ -603,19 +621,21 @@ impl Communicator for NcclComm {
             return staged::broadcast_staged(self, tensor, root);
         }
         let watch = self.watchdog.watch("broadcast");
-        self.agree("broadcast", dtype_of(tensor.dtype())?, None)?;
         let n = tensor.dims()[0];
+        let (root_values, pair) = self.pinned("broadcast", &tensor, n)?;
+        self.agree("broadcast", dtype_of(tensor.dtype())?, None)?;
         // In place only when every rank's tensor has the root's length.
         let counts = self.counts(n)?;
         if counts.iter().any(|&c| c != counts[root]) {
-            drop(watch);
+            drop((watch, pair, root_values));
             return staged::broadcast_staged(self, tensor, root);
         }
         let is_root = self.rank() == root;
-        self.in_place("broadcast", &tensor, n, |this, pair| {
+        self.launch("broadcast", pair, |this, pair| {
             let status = on_pair!(pair, (send, recv) => |s, r| this.comm.broadcast(Some(s).filter(|_| is_root), r, root as i32));
             this.nccl("broadcast", status)
-        })
+        })?;
+        Ok(root_values)
     }
 }
 

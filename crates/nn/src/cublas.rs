@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use burn::backend::Shape;
 use burn::tensor::DType;
 use burn::tensor::StreamId;
+use burn_cubecl::cubecl::std::tensor::{TensorHandle, into_contiguous as into_contiguous_packed};
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
@@ -279,14 +280,24 @@ pub(crate) fn gemm(
 /// `t` laid out in packed rows, in a buffer of the calling thread's stream. cubecl lets the
 /// stream that made a buffer reuse it once this stream's command that last read it is done;
 /// cuBLAS's read is enqueued after the command that handed the buffer out, so a buffer of
-/// another stream (a tensor made on another thread) is copied here first, and packed again:
-/// a copy's rows may be padded (cubecl's pitched layout), and cuBLAS reads packed rows.
+/// another stream (a tensor made on another thread) is copied here first, into a fresh packed
+/// buffer (not `CubeTensor::copy`, which writes in place into a buffer only it holds, and
+/// whose output rows may be padded).
 fn operand(t: CubeTensor) -> CubeTensor {
     let t = into_contiguous(t);
-    match t.handle.stream == StreamId::current() {
-        true => t,
-        false => into_contiguous(t.copy()),
+    if t.handle.stream == StreamId::current() {
+        return t;
     }
+    let (client, device, dtype) = (t.client.clone(), t.device.clone(), t.dtype);
+    let foreign = TensorHandle::from(t);
+    let elem = foreign.dtype;
+    let copied = into_contiguous_packed(&client, foreign.binding(), elem);
+    let t = CubeTensor::new(client, copied.handle, *copied.metadata, device, dtype);
+    assert!(
+        t.handle.stream == StreamId::current(),
+        "a copy on this stream"
+    );
+    t
 }
 
 fn matrix(t: &CubeTensor) -> [usize; 2] {

@@ -383,4 +383,34 @@ mod tests {
         }
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
+
+    /// On a GPU: an operand computed on another thread lies in a buffer of that thread's
+    /// stream, and its last use is the product here, which then holds it alone; cuBLAS reads a
+    /// copy on this thread's stream (`cublas::operand`), and the product equals Burn's on the
+    /// CPU, each of several times (a read of the other stream's buffer is a race).
+    #[cfg(feature = "cublas")]
+    #[test]
+    fn cublas_reads_an_operand_made_on_another_thread() {
+        if Device::enumerate(burn::tensor::DeviceType::Cuda).is_empty() {
+            eprintln!("no GPU: cuBLAS's products not checked");
+            return;
+        }
+        let (cpu, gpu) = (Device::flex(), Device::cuda(0));
+        let normal = |dims: [usize; 2]| {
+            Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &cpu).into_data()
+        };
+        let (a, b) = (normal([512, 1024]), normal([1024, 256]));
+        let want = Tensor::<2>::from_data(a.clone(), &cpu)
+            .matmul(Tensor::from_data(b.clone(), &cpu))
+            .into_data();
+        for _ in 0..8 {
+            let (a, on) = (a.clone(), gpu.clone());
+            let made = std::thread::spawn(move || Tensor::<2>::from_data(a, &on) * 2.0)
+                .join()
+                .expect("the other thread made its operand");
+            let got = gemm(made, Tensor::from_data(b.clone(), &gpu), false, false) / 2.0;
+            got.into_data()
+                .assert_approx_eq::<f32>(&want, Tolerance::rel_abs(1e-4, 1e-4));
+        }
+    }
 }
