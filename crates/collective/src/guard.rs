@@ -113,11 +113,7 @@ impl Watchdog {
                         "rank {rank}: {op} did not complete within {:.1} s: a peer rank died or hangs (if it is only slow, raise the timeout: --collective-timeout of the training runs); stopping this rank so that the launcher stops the job",
                         timeout_ms as f64 / 1e3
                     );
-                    // EX_TEMPFAIL. No exit handlers: CUDA's and NCCL's teardown could wait
-                    // behind the very collective that is stuck, as PyTorch's watchdog skips
-                    // NCCL's cleanup.
-                    // SAFETY: `_exit` ends the process at once; nothing runs after it.
-                    unsafe { libc::_exit(75) }
+                    crate::end_process(crate::EX_TEMPFAIL);
                 }
                 drop(dog);
                 std::thread::sleep(Duration::from_millis(100));

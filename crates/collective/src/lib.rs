@@ -130,6 +130,17 @@ pub fn launcher_world_size() -> Option<usize> {
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
 }
 
+/// The exit code of a rank's process that a failed group ends (EX_TEMPFAIL).
+pub(crate) const EX_TEMPFAIL: i32 = 75;
+
+/// Ends this process with `code` at once, without exit handlers: CUDA's and NCCL's teardown
+/// could wait behind the very collective that is stuck (PyTorch's watchdog skips NCCL's
+/// cleanup too), and MPI's would wait for the other ranks. What was said on stderr is out.
+pub(crate) fn end_process(code: i32) -> ! {
+    // SAFETY: `_exit` ends the process; nothing of this one runs after it.
+    unsafe { libc::_exit(code) }
+}
+
 /// This process's rank among those mpirun started on its node (0 when not started by
 /// mpirun): which GPU of the node it takes.
 pub fn launcher_local_rank() -> usize {

@@ -64,7 +64,7 @@ impl MpiComm {
         std::panic::set_hook(Box::new(move |info| {
             previous(info);
             eprintln!("rank {rank} panicked; ending it so that mpirun stops every rank");
-            std::process::exit(101);
+            crate::end_process(101);
         }));
         Ok(Self {
             world,

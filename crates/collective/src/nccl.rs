@@ -422,9 +422,10 @@ impl NcclComm {
         })
     }
 
-    /// `send` and a fresh tensor of `recv_len` elements on its device (in its dtype), and the
-    /// two pinned for NCCL (none under cubecl's dry run, the device plan: kernels are dropped
-    /// there, and pinning would back buffers that NCCL would then move unwritten). Called
+    /// A fresh tensor of `recv_len` elements on `send`'s device (in its dtype), for NCCL to
+    /// write, and the pins of both for NCCL (none under cubecl's dry run, the device plan:
+    /// kernels are dropped there, and pinning would back buffers that NCCL would then move
+    /// unwritten). Called
     /// before the ranks agree on the call: a rank that fails here (out of memory) leaves at
     /// the agreement, where the others see it, rather than after, out of step with their
     /// NCCL call.

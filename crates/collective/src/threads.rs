@@ -430,7 +430,7 @@ fn end_if_stuck(
                 "rank(s) {stuck:?} still running {:.1} s after the group failed ({reason}), outside any collective: ending the process, since no other thread can stop them (if they are only slow, raise the timeout: --collective-timeout of the training runs)",
                 grace.as_secs_f64()
             );
-            std::process::exit(75); // EX_TEMPFAIL, as the MPI and NCCL watchdogs
+            crate::end_process(crate::EX_TEMPFAIL); // as the MPI and NCCL watchdogs
         }
     }
 }

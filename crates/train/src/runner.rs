@@ -747,7 +747,6 @@ fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-/// The mean of `value` over the ranks (the global batch's loss).
 /// The mean of the ranks' losses, and the sums of their items and model FLOPs (each rank's
 /// part of a padded batch has a length of its own), in one all-reduce.
 fn over_ranks(
@@ -761,12 +760,10 @@ fn over_ranks(
     }
     let mut buf = Buffer::F32(vec![loss as f32, items as f32, flops as f32]);
     comm.all_reduce(&mut buf, ReduceOp::Sum)?;
-    let [loss, items, flops] = buf.to_f32()[..] else {
-        unreachable!("an all-reduce keeps the length")
-    };
+    let sums = buf.to_f32();
     // As ReduceOp::Mean divides, in f32; items in f32 are exact below 2^24 a step.
-    let loss = loss / comm.world_size() as f32;
-    Ok((loss as f64, items.round() as usize, flops as f64))
+    let loss = sums[0] / comm.world_size() as f32;
+    Ok((loss as f64, sums[1].round() as usize, sums[2] as f64))
 }
 
 /// Every rank's model-state bytes, process peak, device peak, planned peak and planned device
