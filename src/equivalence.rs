@@ -72,6 +72,18 @@ pub const ADAM8BIT: &[&str] = &[
     "0",
 ];
 
+/// An epsilon for [`ADAMW`] and [`ADAM8BIT`] under the 16-bit policies, checked against the
+/// f32 loop: above their gradients' rounding. With torch.optim's 1e-8 Adam steps each element
+/// by about the learning rate in its gradient's direction however small that gradient is, so
+/// an element whose gradient is near zero (tiny-minGPT's `h.1.attn.c_proj.bias`) steps the
+/// way bf16's rounding points: 2.7x the bf16 tolerance on one rank, alike under every
+/// strategy (measured 2026-11-29; 1e-4: up to 1.5x in f16 and bf16). With 1e-3 an element's
+/// step is proportional to a gradient below it, as SGD's, and at most 0.42 of the tolerance
+/// is used, for AdamW and 8-bit AdamW under bf16-mixed, bf16-true and 16-mixed, on 1 to 3
+/// ranks. It also makes Adam see the gradient's scale: a gradient left multiplied by the loss
+/// scale steps by its sign again, which the 1e-8 check cannot tell from the right one.
+pub const ABOVE_16_BIT_ROUNDING: &[&str] = &["--adam-epsilon", "1e-3"];
+
 /// Adafactor with a relative step (capped at 1e-2, scaled by each parameter's RMS) and
 /// weight decay on the matrices, without a first moment or clipping: burnscale's Adafactor
 /// on one device is the reference (burn-optim's decays a relative step otherwise than HF's;

@@ -20,7 +20,9 @@ use burn::tensor::FloatDType;
 use burnscale_nn::BlockModel;
 use burnscale_train::adafactor::Adafactor;
 use burnscale_train::adam8bit::AdamW8bit;
-use burnscale_train::{BatchPart, MIN_8BIT_SIZE, OptimizerKind, Schedule, TrainArgs, TrainTask};
+use burnscale_train::{
+    AdamSettings, BatchPart, MIN_8BIT_SIZE, OptimizerKind, Schedule, TrainArgs, TrainTask,
+};
 
 /// What the plain loop can run: the optimizer settings of `TrainArgs` that a check uses.
 #[derive(Debug, Clone)]
@@ -45,14 +47,8 @@ pub enum PlainOptimizer {
         momentum: f64,
     },
     /// Adam with its weight decay as an L2 term in the gradient (torch.optim's `Adam`).
-    Adam {
-        beta1: f64,
-        beta2: f64,
-    },
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-    },
+    Adam(AdamSettings),
+    AdamW(AdamSettings),
     /// burn-optim's own Adafactor (an implementation the runner does not share), or
     /// burnscale's on one device when it keeps a first moment (burn-optim's has none) or
     /// decays a relative step (burn-optim's decays it by the learning rate alone).
@@ -62,8 +58,7 @@ pub enum PlainOptimizer {
     },
     /// 8-bit AdamW on the matrices of at least `min_size` elements, AdamW on the rest.
     AdamW8bit {
-        beta1: f64,
-        beta2: f64,
+        adam: AdamSettings,
         min_size: usize,
     },
 }
@@ -85,16 +80,15 @@ impl PlainConfig {
     /// learning-rate schedule, 8-bit AdamW's 32-bit embedding state): a check must not
     /// compare against a reference that silently trains differently.
     pub fn from_args(args: &TrainArgs) -> Result<Self, String> {
-        let (beta1, beta2) = args.adam_betas();
+        let adam = args.adam();
         let optimizer = match args.optimizer {
             OptimizerKind::Sgd => PlainOptimizer::Sgd {
                 momentum: args.sgd_momentum(),
             },
-            OptimizerKind::Adam => PlainOptimizer::Adam { beta1, beta2 },
-            OptimizerKind::Adamw => PlainOptimizer::AdamW { beta1, beta2 },
+            OptimizerKind::Adam => PlainOptimizer::Adam(adam),
+            OptimizerKind::Adamw => PlainOptimizer::AdamW(adam),
             OptimizerKind::Adam8bit if !args.embedding_state_32bit => PlainOptimizer::AdamW8bit {
-                beta1,
-                beta2,
+                adam,
                 min_size: args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE),
             },
             OptimizerKind::Adafactor => PlainOptimizer::Adafactor {
@@ -193,12 +187,12 @@ impl PlainConfig {
                     None,
                 )
             }
-            PlainOptimizer::Adam { beta1, beta2 } => {
+            PlainOptimizer::Adam(settings) => {
                 let adam = || {
                     AdamConfig::new()
-                        .with_beta_1(beta1 as f32)
-                        .with_beta_2(beta2 as f32)
-                        .with_epsilon(1e-8)
+                        .with_beta_1(settings.beta1 as f32)
+                        .with_beta_2(settings.beta2 as f32)
+                        .with_epsilon(settings.epsilon as f32)
                 };
                 adam().init().with_group(
                     ParamGroup::from_ids(matrix_ids(model)),
@@ -206,9 +200,9 @@ impl PlainConfig {
                     None,
                 )
             }
-            PlainOptimizer::AdamW { beta1, beta2 } => adamw(beta1, beta2, 0.0).init().with_group(
+            PlainOptimizer::AdamW(adam) => adamw(adam, 0.0).init().with_group(
                 ParamGroup::from_ids(matrix_ids(model)),
-                adamw(beta1, beta2, wd).build(),
+                adamw(adam, wd).build(),
                 None,
             ),
             // burn-optim's decays by the learning rate alone, where HF's (and ours) decays a
@@ -244,17 +238,13 @@ impl PlainConfig {
                     None,
                 )
             }
-            PlainOptimizer::AdamW8bit {
-                beta1,
-                beta2,
-                min_size,
-            } => adamw(beta1, beta2, 0.0)
+            PlainOptimizer::AdamW8bit { adam, min_size } => adamw(adam, 0.0)
                 .init()
                 .with_group(
                     ParamGroup::from_ids(param_ids(model, |dims| {
                         dims.len() >= 2 && !AdamW8bit::quantizes(dims, min_size)
                     })),
-                    adamw(beta1, beta2, wd).build(),
+                    adamw(adam, wd).build(),
                     None,
                 )
                 .with_group(
@@ -262,9 +252,9 @@ impl PlainConfig {
                         AdamW8bit::quantizes(dims, min_size)
                     })),
                     AdamW8bit {
-                        beta_1: beta1 as f32,
-                        beta_2: beta2 as f32,
-                        epsilon: 1e-8,
+                        beta_1: adam.beta1 as f32,
+                        beta_2: adam.beta2 as f32,
+                        epsilon: adam.epsilon as f32,
                         weight_decay: wd,
                     },
                     None,
@@ -273,11 +263,11 @@ impl PlainConfig {
     }
 }
 
-fn adamw(beta1: f64, beta2: f64, weight_decay: f32) -> AdamWConfig {
+fn adamw(adam: AdamSettings, weight_decay: f32) -> AdamWConfig {
     AdamWConfig::new()
-        .with_beta_1(beta1 as f32)
-        .with_beta_2(beta2 as f32)
-        .with_epsilon(1e-8)
+        .with_beta_1(adam.beta1 as f32)
+        .with_beta_2(adam.beta2 as f32)
+        .with_epsilon(adam.epsilon as f32)
         .with_weight_decay(weight_decay)
 }
 

@@ -226,6 +226,11 @@ pub struct TrainArgs {
     /// finetuning examples' 0.999).
     #[arg(long)]
     pub beta2: Option<f64>,
+    /// Adam, AdamW and adam8bit's epsilon, added to the root of the second moment (default
+    /// 1e-8, torch.optim's; HF's `adam_epsilon`): an element whose gradient is well below it
+    /// steps in proportion to its gradient, not by its sign.
+    #[arg(long)]
+    pub adam_epsilon: Option<f64>,
     /// SGD's momentum (default 0.9; 0 disables it).
     #[arg(long)]
     pub momentum: Option<f64>,
@@ -326,6 +331,17 @@ pub const ADAM_BETA1: f64 = 0.9;
 /// Adam's and AdamW's second-moment decay when `--beta2` is not given (nanoGPT's).
 pub const ADAM_BETA2: f64 = 0.95;
 
+/// Adam's, AdamW's and adam8bit's epsilon when `--adam-epsilon` is not given (torch.optim's).
+pub const ADAM_EPSILON: f64 = 1e-8;
+
+/// Adam's, AdamW's and adam8bit's hyperparameters besides the learning rate and weight decay.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamSettings {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub epsilon: f64,
+}
+
 /// SGD's momentum when `--momentum` is not given.
 pub const SGD_MOMENTUM: f64 = 0.9;
 
@@ -361,12 +377,13 @@ impl TrainArgs {
         <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.train)
     }
 
-    /// Adam's, AdamW's and adam8bit's `(beta1, beta2)`: the flags, or their defaults.
-    pub fn adam_betas(&self) -> (f64, f64) {
-        (
-            self.beta1.unwrap_or(ADAM_BETA1),
-            self.beta2.unwrap_or(ADAM_BETA2),
-        )
+    /// Adam's, AdamW's and adam8bit's settings: the flags, or their defaults.
+    pub fn adam(&self) -> AdamSettings {
+        AdamSettings {
+            beta1: self.beta1.unwrap_or(ADAM_BETA1),
+            beta2: self.beta2.unwrap_or(ADAM_BETA2),
+            epsilon: self.adam_epsilon.unwrap_or(ADAM_EPSILON),
+        }
     }
 
     /// SGD's momentum: `--momentum`, or its default.
@@ -397,6 +414,11 @@ impl TrainArgs {
                 "--beta2",
                 self.beta2.is_some() && !self.optimizer.has_beta2(),
                 format!("--optimizer {optimizer}, which keeps no second moment by beta2"),
+            ),
+            (
+                "--adam-epsilon",
+                self.adam_epsilon.is_some() && !self.optimizer.has_beta2(),
+                format!("--optimizer {optimizer}, which is not one of Adam's"),
             ),
             (
                 "--momentum",
@@ -608,6 +630,12 @@ impl TrainArgs {
                 return invalid(format!("{flag} must be in [0, 1), got {value}"));
             }
         }
+        // A zero epsilon divides a zero second moment (a parameter no gradient reached) by 0.
+        if let Some(epsilon) = self.adam_epsilon.filter(|&e| !(usable(e) && e > 0.0)) {
+            return invalid(format!(
+                "--adam-epsilon must be finite and above 0, got {epsilon}"
+            ));
+        }
         if let Some(momentum) = self.momentum.filter(|&m| !usable(m)) {
             return invalid(format!(
                 "--momentum must be finite and not negative (0 disables it), got {momentum}"
@@ -738,6 +766,14 @@ mod tests {
             (&["--beta1", "1"][..], "--beta1 must be in [0, 1), got 1"),
             (&["--beta2", "1.5"], "--beta2 must be in [0, 1), got 1.5"),
             (&["--beta2=-0.1"], "--beta2 must be in [0, 1)"),
+            (
+                &["--adam-epsilon", "0"],
+                "--adam-epsilon must be finite and above 0",
+            ),
+            (
+                &["--adam-epsilon", "inf"],
+                "--adam-epsilon must be finite and above 0",
+            ),
             (
                 &["--optimizer", "sgd", "--momentum=-0.5"],
                 "--momentum must be finite and not negative",
@@ -919,6 +955,10 @@ mod tests {
             (&["--optimizer", "sgd", "--beta1", "0.8"][..], "--beta1"),
             (&["--optimizer", "sgd", "--beta2", "0.99"][..], "--beta2"),
             (
+                &["--optimizer", "adafactor", "--adam-epsilon", "1e-6"][..],
+                "--adam-epsilon",
+            ),
+            (
                 &["--optimizer", "adafactor", "--beta2", "0.99"][..],
                 "--beta2",
             ),
@@ -959,11 +999,14 @@ mod tests {
             .with_default_beta2(0.999);
         sgd.validate().unwrap();
         let adamw = parse(&[]).unwrap().with_default_beta2(0.999);
-        assert_eq!(adamw.adam_betas(), (ADAM_BETA1, 0.999));
+        assert_eq!(
+            (adamw.adam().beta1, adamw.adam().beta2),
+            (ADAM_BETA1, 0.999)
+        );
         let given = parse(&["--beta2", "0.9"])
             .unwrap()
             .with_default_beta2(0.999);
-        assert_eq!(given.adam_betas().1, 0.9);
+        assert_eq!(given.adam().beta2, 0.9);
     }
 
     #[test]

@@ -62,8 +62,8 @@ impl ParamOptimizer {
     /// The optimizer `args` name, for rank `rank` (whose `--offload-dir` files are its own),
     /// for the parameters of `model` (whole, before any sharding).
     pub fn new<M: Module>(args: &TrainArgs, rank: usize, model: &M) -> Result<Self, TrainError> {
-        let (b1, b2) = args.adam_betas();
-        let (b1, b2) = (b1 as f32, b2 as f32);
+        let adam = args.adam();
+        let (b1, b2, eps) = (adam.beta1 as f32, adam.beta2 as f32, adam.epsilon as f32);
         let adafactor = |weight_decay: f64| Adafactor {
             beta_1: args.beta1,
             weight_decay,
@@ -73,14 +73,14 @@ impl ParamOptimizer {
             let wd = weight_decay as f32;
             let optim: Arc<dyn DynOptimizer> = match args.optimizer {
                 OptimizerKind::Adamw | OptimizerKind::Adam8bit => {
-                    let adamw = Arc::new(FusedAdamW::new(b1, b2, 1e-8, wd));
+                    let adamw = Arc::new(FusedAdamW::new(b1, b2, eps, wd));
                     return (adamw.clone(), Some(adamw));
                 }
                 OptimizerKind::Adam => Arc::new(
                     AdamConfig::new()
                         .with_beta_1(b1)
                         .with_beta_2(b2)
-                        .with_epsilon(1e-8)
+                        .with_epsilon(eps)
                         .with_weight_decay((wd > 0.0).then(|| WeightDecayConfig::new(wd)))
                         .build(),
                 ),
@@ -106,7 +106,7 @@ impl ParamOptimizer {
             let optim: Arc<dyn DynOptimizer> = Arc::new(AdamW8bit {
                 beta_1: b1,
                 beta_2: b2,
-                epsilon: 1e-8,
+                epsilon: eps,
                 weight_decay: args.weight_decay as f32,
             });
             (optim, eight_bit_paths(model, args))
