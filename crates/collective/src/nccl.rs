@@ -14,6 +14,7 @@
 //! NCCL cannot be interrupted: a watchdog ends the process when a collective outlasts the
 //! timeout (a dead peer), so the launcher stops every rank instead of letting them hang.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,6 +45,9 @@ pub struct NcclComm {
     stream: Arc<CudaStream>,
     watchdog: Arc<Watchdog>,
     agreement: Agreement,
+    /// The agreement's integers on the GPU, allocated once: a rank whose GPU is full (the
+    /// error it leaves on) can still agree to leave.
+    call: RefCell<CudaSlice<i64>>,
 }
 
 // SAFETY: the communicator is used by one thread at a time (the trait takes `&self` from the
@@ -99,16 +103,30 @@ impl NcclComm {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let comms = Comm::from_devices(streams).map_err(|e| failed(format!("{e:?}")))?;
-        Ok(comms
+        comms
             .into_iter()
             .enumerate()
-            .map(|(rank, comm)| Self {
-                stream: comm.stream(),
-                comm,
-                watchdog: Watchdog::start(rank, timeout),
-                agreement: Agreement::default(),
-            })
-            .collect())
+            .map(|(rank, comm)| Self::new(comm, rank, timeout))
+            .collect()
+    }
+
+    /// Rank `me`'s engine on `comm`, with its watchdog.
+    fn new(comm: Comm, me: usize, timeout: Duration) -> Result<Self, CollectiveError> {
+        let stream = comm.stream();
+        let call = stream
+            .alloc_zeros(CALL_LEN)
+            .map_err(|e| CollectiveError::Device {
+                me,
+                op: "init",
+                detail: format!("{e:?}"),
+            })?;
+        Ok(Self {
+            comm,
+            stream,
+            watchdog: Watchdog::start(me, timeout),
+            agreement: Agreement::default(),
+            call: RefCell::new(call),
+        })
     }
 
     /// Runs `f` on one thread per GPU in `devices`, each with its rank's communicator; their
@@ -156,18 +174,13 @@ impl NcclComm {
             .map(|ctx| ctx.default_stream())
             .map_err(|e| failed(format!("GPU {device}: {e:?}")))?;
         let comm = Comm::from_rank(
-            stream.clone(),
+            stream,
             me,
             mpi.world_size(),
             cudarc::nccl::Id::uninit(internal),
         )
         .map_err(|e| failed(format!("{e:?}")))?;
-        Ok(Self {
-            comm,
-            stream,
-            watchdog: Watchdog::start(me, timeout),
-            agreement: Agreement::default(),
-        })
+        Self::new(comm, me, timeout)
     }
 
     fn error(&self, op: &'static str) -> impl Fn(String) -> CollectiveError {
@@ -239,12 +252,19 @@ impl NcclComm {
         len: Option<usize>,
     ) -> Result<(), CollectiveError> {
         let proposal = self.agreement.propose(self.rank(), op, dtype, len)?;
-        let mut call = self.upload(&proposal, 0, op)?;
-        self.nccl(op, self.comm.all_reduce_in_place(&mut call, &NcclOp::Max))?;
-        let max: [i64; CALL_LEN] = self
-            .download(&call, op)?
-            .try_into()
-            .map_err(|_| self.error(op)("the agreement lost elements".into()))?;
+        let err = self.error(op);
+        let mut call = self.call.borrow_mut();
+        self.stream
+            .memcpy_htod(&proposal[..], &mut *call)
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.nccl(op, self.comm.all_reduce_in_place(&mut *call, &NcclOp::Max))?;
+        let mut max = [0; CALL_LEN];
+        self.stream
+            .memcpy_dtoh(&*call, &mut max[..])
+            .map_err(|e| err(format!("{e:?}")))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| err(format!("{e:?}")))?;
         self.agreement.read(self.rank(), &max, op, dtype, len)
     }
 
