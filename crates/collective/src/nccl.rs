@@ -75,8 +75,12 @@ impl Element for u64 {}
 impl Element for i64 {}
 
 impl NcclComm {
-    /// GPUs this process sees.
+    /// GPUs this process sees (none without a CUDA driver).
     pub fn device_count() -> Result<usize, CollectiveError> {
+        // SAFETY: it only tries to open the driver's library by its candidate names.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Ok(0);
+        }
         CudaContext::device_count()
             .map(|n| n as usize)
             .map_err(|e| CollectiveError::Device {
@@ -89,6 +93,7 @@ impl NcclComm {
     /// One communicator per GPU in `devices` (their CUDA ordinals), for ranks that are threads
     /// of this process; rank i runs on `devices[i]`.
     pub fn group(devices: &[usize], timeout: Duration) -> Result<Vec<Self>, CollectiveError> {
+        libraries(0)?;
         let failed = |detail: String| CollectiveError::Device {
             me: 0,
             op: "init",
@@ -150,6 +155,7 @@ impl NcclComm {
         timeout: Duration,
     ) -> Result<Self, CollectiveError> {
         let me = mpi.rank();
+        libraries(me)?;
         let failed = |detail: String| CollectiveError::Device {
             me,
             op: "init",
@@ -363,6 +369,28 @@ impl NcclComm {
         let counts = self.all_gather_typed(&[len as u64], &vec![1; self.world_size()])?;
         Ok(counts.into_iter().map(|c| c as usize).collect())
     }
+}
+
+/// The CUDA driver's and NCCL's libraries, which cudarc opens at their first call and panics
+/// without: their absence as an error naming what to install.
+fn libraries(me: usize) -> Result<(), CollectiveError> {
+    let missing = |detail: &str| CollectiveError::Device {
+        me,
+        op: "init",
+        detail: detail.into(),
+    };
+    // SAFETY: each only tries to open a library by its candidate names.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(missing(
+            "the CUDA driver (libcuda.so) is not installed: this machine has no usable GPU",
+        ));
+    }
+    if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+        return Err(missing(
+            "NCCL (libnccl.so) was not found: install it and put its directory on LD_LIBRARY_PATH (PyPI's nvidia-nccl wheels ship libnccl.so.2: link it as libnccl.so)",
+        ));
+    }
+    Ok(())
 }
 
 /// A flat CUDA tensor's memory as NCCL sees it: resolved out of Burn's fusion graph, with

@@ -30,6 +30,16 @@ pub fn use_cublas(on: bool) {
 /// Whether this build can run cuBLAS's GEMM (the `cublas` feature).
 pub const HAS_CUBLAS: bool = cfg!(feature = "cublas");
 
+/// Whether this machine has cuBLAS's library, which a `cublas` build opens at its first
+/// product (and panics without).
+pub fn cublas_library_found() -> bool {
+    #[cfg(feature = "cublas")]
+    // SAFETY: it only tries to open the library by its candidate names.
+    return unsafe { cudarc::cublas::sys::is_culib_present() };
+    #[cfg(not(feature = "cublas"))]
+    false
+}
+
 /// `layer` applied to `x` (`[.., d_in]` -> `[.., d_out]`): where [`takes`] says so, one
 /// [`gemm`] of its rows ([`linear_forward`]); elsewhere `Linear::forward`.
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {

@@ -527,6 +527,11 @@ impl TrainArgs {
             ));
         }
         accelerator.check(self.devices)?;
+        if self.matmul == Matmul::Cublas && !burnscale_nn::gemm::cublas_library_found() {
+            return invalid(
+                "--matmul cublas: cuBLAS's library (libcublas.so) was not found: install CUDA's cuBLAS (or PyPI's nvidia-cublas wheel) and put its directory on LD_LIBRARY_PATH".into(),
+            );
+        }
         if self.adafactor_relative_step && self.optimizer != OptimizerKind::Adafactor {
             return invalid(format!(
                 "--adafactor-relative-step sets Adafactor's step size; --optimizer is {}",
