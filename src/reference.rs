@@ -187,16 +187,16 @@ impl PlainConfig {
                     None,
                 )
             }
-            PlainOptimizer::Adam(settings) => {
-                let adam = || {
+            PlainOptimizer::Adam(adam) => {
+                let config = || {
                     AdamConfig::new()
-                        .with_beta_1(settings.beta1 as f32)
-                        .with_beta_2(settings.beta2 as f32)
-                        .with_epsilon(settings.epsilon as f32)
+                        .with_beta_1(adam.beta1 as f32)
+                        .with_beta_2(adam.beta2 as f32)
+                        .with_epsilon(adam.epsilon as f32)
                 };
-                adam().init().with_group(
+                config().init().with_group(
                     ParamGroup::from_ids(matrix_ids(model)),
-                    adam().with_weight_decay(decay).build(),
+                    config().with_weight_decay(decay).build(),
                     None,
                 )
             }

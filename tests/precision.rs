@@ -200,18 +200,23 @@ fn loss_scaler_skips_overflow_on_every_rank_and_grows_after_good_steps() {
     }
 }
 
+/// The flags of a 16-bit `precision` checked against the plain loop.
+fn policy(precision: &str) -> Vec<&str> {
+    let mut flags = vec!["--precision", precision];
+    if precision == "16-mixed" {
+        // Scaled by 2^16, tiny-minGPT's gradients (up to ~3) overflow f16 by step 5, a
+        // skipped step the f32 plain loop does not take; 2^10 still scales.
+        flags.extend(["--initial-loss-scale", "1024"]);
+    }
+    flags
+}
+
 #[test]
 fn every_precision_composes_with_every_strategy() {
     for precision in ["bf16-mixed", "16-mixed", "bf16-true", "16-true"] {
         for strategy in ["ddp", "zero1", "zero2", "zero3"] {
             for world in [2, 3] {
-                let mut flags = [&["--precision", precision], SGD].concat();
-                if precision == "16-mixed" {
-                    // Scaled by 2^16, tiny-minGPT's gradients (up to ~3) overflow f16 by step
-                    // 5, a skipped step the f32 plain loop does not take; 2^10 still scales.
-                    flags.extend(["--initial-loss-scale", "1024"]);
-                }
-                assert_matches_plain(strategy, world, &flags);
+                assert_matches_plain(strategy, world, &[&policy(precision)[..], SGD].concat());
             }
         }
     }
@@ -222,10 +227,7 @@ fn every_precision_composes_with_every_strategy() {
 #[test]
 fn sixteen_bit_policies_compose_with_adamw() {
     for precision in ["bf16-mixed", "bf16-true", "16-mixed"] {
-        let mut policy = vec!["--precision", precision];
-        if precision == "16-mixed" {
-            policy.extend(["--initial-loss-scale", "1024"]);
-        }
+        let policy = policy(precision);
         for optimizer in [ADAMW, ADAM8BIT] {
             let flags = [&policy[..], optimizer, ABOVE_16_BIT_ROUNDING].concat();
             for (strategy, world) in [("single", 1), ("zero2", 2), ("zero3", 3)] {
@@ -240,10 +242,7 @@ fn sixteen_bit_policies_compose_with_adamw() {
 #[test]
 fn sixteen_bit_policies_compose_with_adafactor_and_clipping() {
     for precision in ["bf16-mixed", "bf16-true", "16-mixed"] {
-        let mut policy = vec!["--precision", precision];
-        if precision == "16-mixed" {
-            policy.extend(["--initial-loss-scale", "1024"]);
-        }
+        let policy = policy(precision);
         for strategy in ["zero2", "zero3"] {
             for world in [2, 3] {
                 assert_matches_plain(strategy, world, &[&policy[..], ADAFACTOR].concat());

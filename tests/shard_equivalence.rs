@@ -7,7 +7,7 @@
 use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAMW, KEPT_GATHERED, SGD, check_with_dropout};
+use burnscale::equivalence::{ADAM8BIT, ADAMW, KEPT_GATHERED, SGD, check_with_dropout};
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
@@ -46,6 +46,19 @@ fn every_strategy_takes_the_plain_momentum_and_adam_steps() {
     ];
     for flags in [&momentum[..], &adam[..]] {
         assert_every_strategy_matches_plain(&[flags, &["--grad-clip", "0"]].concat(), 1..=3);
+    }
+}
+
+/// `--adam-epsilon` reaches Adam, AdamW and 8-bit AdamW alike in the engine and the plain
+/// loop: at 1e-3 it changes the steps of the elements whose gradients are below it, far
+/// beyond f32's tolerance, so either side keeping 1e-8 fails.
+#[test]
+fn every_adam_takes_the_given_epsilon() {
+    let adam = ["--optimizer", "adam", "--lr", "1e-2", "--grad-clip", "0"];
+    for optimizer in [&adam[..], ADAMW, ADAM8BIT] {
+        let flags = [optimizer, &["--adam-epsilon", "1e-3"]].concat();
+        assert_matches_plain("single", 1, &flags);
+        assert_matches_plain("zero3", 2, &flags);
     }
 }
 

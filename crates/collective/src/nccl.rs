@@ -72,13 +72,11 @@ impl Element for f32 {}
 impl Element for f16 {}
 impl Element for bf16 {}
 impl Element for u64 {}
-impl Element for i64 {}
 
 impl NcclComm {
     /// GPUs this process sees (none without a CUDA driver).
     pub fn device_count() -> Result<usize, CollectiveError> {
-        // SAFETY: it only tries to open the driver's library by its candidate names.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        if !driver_present() {
             return Ok(0);
         }
         CudaContext::device_count()
@@ -99,39 +97,37 @@ impl NcclComm {
             op: "init",
             detail,
         };
-        let streams = devices
+        let (streams, calls): (Vec<_>, Vec<_>) = devices
             .iter()
             .map(|&d| {
-                CudaContext::new(d)
+                let stream = CudaContext::new(d)
                     .map(|ctx| ctx.default_stream())
-                    .map_err(|e| failed(format!("GPU {d}: {e:?}")))
+                    .map_err(|e| failed(format!("GPU {d}: {e:?}")))?;
+                Ok((stream.clone(), call_buffer(&stream, 0)?))
             })
-            .collect::<Result<Vec<_>, _>>()?;
-        let comms = Comm::from_devices(streams).map_err(|e| failed(format!("{e:?}")))?;
-        comms
+            .collect::<Result<Vec<_>, CollectiveError>>()?
             .into_iter()
+            .unzip();
+        let comms = Comm::from_devices(streams).map_err(|e| failed(format!("{e:?}")))?;
+        Ok(comms
+            .into_iter()
+            .zip(calls)
             .enumerate()
-            .map(|(rank, comm)| Self::new(comm, rank, timeout))
-            .collect()
+            .map(|(rank, (comm, call))| Self::new(comm, call, rank, timeout))
+            .collect())
     }
 
-    /// Rank `me`'s engine on `comm`, with its watchdog.
-    fn new(comm: Comm, me: usize, timeout: Duration) -> Result<Self, CollectiveError> {
-        let stream = comm.stream();
-        let call = stream
-            .alloc_zeros(CALL_LEN)
-            .map_err(|e| CollectiveError::Device {
-                me,
-                op: "init",
-                detail: format!("{e:?}"),
-            })?;
-        Ok(Self {
+    /// Rank `me`'s engine on `comm`, with its agreement's buffer (allocated before the
+    /// communicator: a rank that failed after it would leave through an agreement nobody else
+    /// joins) and its watchdog.
+    fn new(comm: Comm, call: CudaSlice<i64>, me: usize, timeout: Duration) -> Self {
+        Self {
+            stream: comm.stream(),
             comm,
-            stream,
             watchdog: Watchdog::start(me, timeout),
             agreement: Agreement::default(),
             call: RefCell::new(call),
-        })
+        }
     }
 
     /// Runs `f` on one thread per GPU in `devices`, each with its rank's communicator; their
@@ -179,6 +175,7 @@ impl NcclComm {
         let stream = CudaContext::new(device)
             .map(|ctx| ctx.default_stream())
             .map_err(|e| failed(format!("GPU {device}: {e:?}")))?;
+        let call = call_buffer(&stream, me)?;
         let comm = Comm::from_rank(
             stream,
             me,
@@ -186,7 +183,7 @@ impl NcclComm {
             cudarc::nccl::Id::uninit(internal),
         )
         .map_err(|e| failed(format!("{e:?}")))?;
-        Self::new(comm, me, timeout)
+        Ok(Self::new(comm, call, me, timeout))
     }
 
     fn error(&self, op: &'static str) -> impl Fn(String) -> CollectiveError {
@@ -371,20 +368,38 @@ impl NcclComm {
     }
 }
 
-/// The CUDA driver's and NCCL's libraries, which cudarc opens at their first call and panics
-/// without: their absence as an error naming what to install.
+/// The agreement's integers on `stream`'s GPU (`NcclComm::call`).
+fn call_buffer(stream: &Arc<CudaStream>, me: usize) -> Result<CudaSlice<i64>, CollectiveError> {
+    stream
+        .alloc_zeros(CALL_LEN)
+        .map_err(|e| CollectiveError::Device {
+            me,
+            op: "init",
+            detail: format!("{e:?}"),
+        })
+}
+
+/// Whether the CUDA driver's library is installed (cudarc opens it at its first call, and
+/// panics without).
+fn driver_present() -> bool {
+    // SAFETY: it only tries to open the library by its candidate names.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// The CUDA driver's and NCCL's libraries: their absence as an error naming what to install,
+/// not cudarc's panic at the first call.
 fn libraries(me: usize) -> Result<(), CollectiveError> {
     let missing = |detail: &str| CollectiveError::Device {
         me,
         op: "init",
         detail: detail.into(),
     };
-    // SAFETY: each only tries to open a library by its candidate names.
-    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+    if !driver_present() {
         return Err(missing(
             "the CUDA driver (libcuda.so) is not installed: this machine has no usable GPU",
         ));
     }
+    // SAFETY: it only tries to open the library by its candidate names.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
         return Err(missing(
             "NCCL (libnccl.so) was not found: install it and put its directory on LD_LIBRARY_PATH (PyPI's nvidia-nccl wheels ship libnccl.so.2: link it as libnccl.so)",

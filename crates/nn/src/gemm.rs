@@ -34,8 +34,12 @@ pub const HAS_CUBLAS: bool = cfg!(feature = "cublas");
 /// product (and panics without).
 pub fn cublas_library_found() -> bool {
     #[cfg(feature = "cublas")]
-    // SAFETY: it only tries to open the library by its candidate names.
-    return unsafe { cudarc::cublas::sys::is_culib_present() };
+    {
+        // Opened once: each `auto` candidate's validation asks.
+        static FOUND: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        // SAFETY: it only tries to open the library by its candidate names.
+        *FOUND.get_or_init(|| unsafe { cudarc::cublas::sys::is_culib_present() })
+    }
     #[cfg(not(feature = "cublas"))]
     false
 }

@@ -309,7 +309,7 @@ mod tests {
                 &host,
             )
         };
-        let (b1, b2, eps) = (0.9, 0.95, 1e-8);
+        let (b1, b2) = (0.9, 0.95);
         for device in devices() {
             for dtype in [FloatDType::F32, FloatDType::BF16, FloatDType::F16] {
                 // One rounding of a value of the dtype, against f32 operations in another order.
@@ -318,7 +318,13 @@ mod tests {
                     FloatDType::BF16 => Tolerance::rel_abs(2f32.powi(-8), 2f32.powi(-14)),
                     _ => Tolerance::rel_abs(2f32.powi(-10), 2f32.powi(-16)),
                 };
-                for (dims, weight_decay) in [([3, 37], 0.0), ([3, 37], 0.1), ([4, 64], 0.1)] {
+                // An epsilon of 1e-2 is 2% of these gradients' root mean square: a kernel
+                // that read another would be off by more than the dtype's rounding.
+                for (dims, weight_decay, eps) in [
+                    ([3, 37], 0.0, 1e-8),
+                    ([3, 37], 0.1, 1e-8),
+                    ([4, 64], 0.1, 1e-2),
+                ] {
                     let plain = AdamWConfig::new()
                         .with_beta_1(b1)
                         .with_beta_2(b2)
@@ -361,7 +367,7 @@ mod tests {
                             }));
                             assert!(
                                 ok.is_ok(),
-                                "{device:?} {dtype:?} {dims:?}: {what} at step {time} (weight decay {weight_decay})"
+                                "{device:?} {dtype:?} {dims:?}: {what} at step {time} (weight decay {weight_decay}, epsilon {eps})"
                             );
                         }
                         param = p;

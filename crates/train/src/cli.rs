@@ -635,10 +635,12 @@ impl TrainArgs {
                 return invalid(format!("{flag} must be in [0, 1), got {value}"));
             }
         }
-        // A zero epsilon divides a zero second moment (a parameter no gradient reached) by 0.
-        if let Some(epsilon) = self.adam_epsilon.filter(|&e| !(usable(e) && e > 0.0)) {
+        // A zero epsilon divides a zero second moment (a parameter no gradient reached) by 0;
+        // the optimizers step in f32, where 1e-50 is 0 and 1e39 infinite (every step 0).
+        let in_f32 = |e: f64| (e as f32).is_finite() && e as f32 > 0.0;
+        if let Some(epsilon) = self.adam_epsilon.filter(|&e| !in_f32(e)) {
             return invalid(format!(
-                "--adam-epsilon must be finite and above 0, got {epsilon}"
+                "--adam-epsilon must be above 0 and finite in f32, got {epsilon}"
             ));
         }
         if let Some(momentum) = self.momentum.filter(|&m| !usable(m)) {
@@ -771,13 +773,14 @@ mod tests {
             (&["--beta1", "1"][..], "--beta1 must be in [0, 1), got 1"),
             (&["--beta2", "1.5"], "--beta2 must be in [0, 1), got 1.5"),
             (&["--beta2=-0.1"], "--beta2 must be in [0, 1)"),
+            (&["--adam-epsilon", "0"], "--adam-epsilon must be above 0"),
             (
-                &["--adam-epsilon", "0"],
-                "--adam-epsilon must be finite and above 0",
+                &["--adam-epsilon", "1e-50"],
+                "--adam-epsilon must be above 0",
             ),
             (
-                &["--adam-epsilon", "inf"],
-                "--adam-epsilon must be finite and above 0",
+                &["--adam-epsilon", "1e39"],
+                "--adam-epsilon must be above 0",
             ),
             (
                 &["--optimizer", "sgd", "--momentum=-0.5"],
@@ -1004,10 +1007,14 @@ mod tests {
             .with_default_beta2(0.999);
         sgd.validate().unwrap();
         let adamw = parse(&[]).unwrap().with_default_beta2(0.999);
-        assert_eq!(
-            (adamw.adam().beta1, adamw.adam().beta2),
-            (ADAM_BETA1, 0.999)
-        );
+        let defaults = AdamSettings {
+            beta1: ADAM_BETA1,
+            beta2: 0.999,
+            epsilon: ADAM_EPSILON,
+        };
+        assert_eq!(adamw.adam(), defaults);
+        let epsilon = parse(&["--adam-epsilon", "1e-6"]).unwrap();
+        assert_eq!(epsilon.adam().epsilon, 1e-6);
         let given = parse(&["--beta2", "0.9"])
             .unwrap()
             .with_default_beta2(0.999);

@@ -338,9 +338,9 @@ mod tests {
                 .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()))
     }
 
-    /// Three steps in f32, bf16 and f16, with and without weight decay, on a parameter whose
-    /// size is not a multiple of the chunk: every value and moment equals burn-optim's, bit
-    /// for bit.
+    /// Three steps in f32, bf16 and f16, with and without weight decay, and with an epsilon a
+    /// step reads (1e-2 of gradients of 1), on a parameter whose size is not a multiple of the
+    /// chunk: every value and moment equals burn-optim's, bit for bit.
     #[test]
     fn steps_as_burn_optim_bit_for_bit() {
         let device = Device::flex();
@@ -348,8 +348,8 @@ mod tests {
             Tensor::<2>::random(shape, Distribution::Normal(0.0, 1.0), &device).cast(dtype)
         };
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            for weight_decay in [0.0, 0.1] {
-                let fused = FusedAdamW::new(0.9, 0.95, 1e-8, weight_decay);
+            for (weight_decay, epsilon) in [(0.0, 1e-8), (0.1, 1e-8), (0.1, 1e-2)] {
+                let fused = FusedAdamW::new(0.9, 0.95, epsilon, weight_decay);
                 let plain = fused.elsewhere.clone();
                 let shape = [3, CHUNK / 2 + 7];
                 let mut a = normal(shape, dtype);
@@ -372,7 +372,7 @@ mod tests {
                     ] {
                         assert!(
                             same_bits(x, y),
-                            "{dtype:?} {what} differs at step {step} (weight decay {weight_decay})"
+                            "{dtype:?} {what} differs at step {step} (weight decay {weight_decay}, epsilon {epsilon})"
                         );
                     }
                 }
