@@ -25,16 +25,16 @@ fn tokens() -> Vec<i64> {
     (0..4000).map(|i| ((i * 7 + i / 97) % 11) as i64).collect()
 }
 
-/// Trains minGPT-tiny for `steps` under `precision`; the per-step losses and the model.
-fn run(precision: &str, steps: usize, dir: &Path) -> Result<(Vec<f64>, Gpt), TrainError> {
+/// Trains minGPT-tiny for `steps` under `precision` (`policy`: its flags); the per-step
+/// losses and the model.
+fn run(policy: &[&str], steps: usize, dir: &Path) -> Result<(Vec<f64>, Gpt), TrainError> {
+    let name = policy.join("_");
     let model = common::seeded_model(3, |device| {
         Gpt::new(&GptConfig::tiny().with_dropout(0.0), device).unwrap()
     });
-    let csv = dir.join(format!("{precision}.csv"));
+    let csv = dir.join(format!("{name}.csv"));
     let steps = steps.to_string();
-    let args = TrainArgs::from_flags(&[
-        "--precision",
-        precision,
+    let flags = [
         "--max-steps",
         &steps,
         "--batch-size",
@@ -43,8 +43,8 @@ fn run(precision: &str, steps: usize, dir: &Path) -> Result<(Vec<f64>, Gpt), Tra
         "3e-3",
         "--metrics-csv",
         csv.to_str().unwrap(),
-    ])
-    .unwrap();
+    ];
+    let args = TrainArgs::from_flags(&[policy, &flags].concat()).unwrap();
     let mut task = NextToken::new(tokens(), 8, 8, 3).unwrap();
     let (model, _) = train(model, &mut task, &args, &Device::default().autodiff())?;
     let model = model.expect("one device holds the whole model");
@@ -60,12 +60,12 @@ fn run(precision: &str, steps: usize, dir: &Path) -> Result<(Vec<f64>, Gpt), Tra
 #[test]
 fn mixed_precision_follows_32_true_with_f32_masters() {
     let dir = tempfile::tempdir().unwrap();
-    let (reference, model) = run("32-true", 50, dir.path()).unwrap();
+    let (reference, model) = run(&["--precision", "32-true"], 50, dir.path()).unwrap();
     assert_eq!(param_dtypes(&model), vec![DType::F32]);
     assert!(reference[49] < 0.8 * reference[0], "{reference:?}");
     // Stated tolerances: the largest per-step loss difference over 50 steps.
     for (precision, tolerance) in [("bf16-mixed", 0.02), ("16-mixed", 0.005)] {
-        let (losses, model) = run(precision, 50, dir.path()).unwrap();
+        let (losses, model) = run(&["--precision", precision], 50, dir.path()).unwrap();
         let worst = losses
             .iter()
             .zip(&reference)
@@ -88,7 +88,7 @@ fn mixed_precision_follows_32_true_with_f32_masters() {
 #[test]
 fn true_precisions_store_16_bit_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let (losses, model) = run("bf16-true", 30, dir.path()).unwrap();
+    let (losses, model) = run(&["--precision", "bf16-true"], 30, dir.path()).unwrap();
     assert_eq!(param_dtypes(&model), vec![DType::BF16]);
     assert!(
         losses[29] < 0.8 * losses[0],
@@ -99,12 +99,15 @@ fn true_precisions_store_16_bit_weights() {
 #[test]
 fn sixteen_true_stops_on_nan_where_sixteen_mixed_trains() {
     let dir = tempfile::tempdir().unwrap();
-    match run("16-true", 50, dir.path()) {
+    let sixteen_true = ["--precision", "16-true"];
+    match run(&sixteen_true, 50, dir.path()) {
         Err(e @ TrainError::NonFiniteLoss { .. }) => {
             let message = e.to_string();
             eprintln!("16-true: {message}");
             assert!(
-                message.contains("16-true") && message.contains("65504"),
+                message.contains("16-true")
+                    && message.contains("65504")
+                    && message.contains("--adam-epsilon"),
                 "{message}"
             );
         }
@@ -113,11 +116,18 @@ fn sixteen_true_stops_on_nan_where_sixteen_mixed_trains() {
             other.map(|r| r.0)
         ),
     }
-    let (losses, _) = run("16-mixed", 50, dir.path()).unwrap();
+    let (losses, _) = run(&["--precision", "16-mixed"], 50, dir.path()).unwrap();
     assert!(losses.iter().all(|l| l.is_finite()));
     assert!(
         losses[49] < 0.8 * losses[0],
         "16-mixed must train: {losses:?}"
+    );
+    // Adam's default epsilon, 1e-8, is 0 in f16: one f16 holds lets 16-true train too.
+    let held = [&sixteen_true[..], &["--adam-epsilon", "1e-4"]].concat();
+    let (losses, _) = run(&held, 50, dir.path()).unwrap();
+    assert!(
+        losses[49] < 0.8 * losses[0],
+        "16-true with --adam-epsilon 1e-4 must train: {losses:?}"
     );
 }
 

@@ -73,7 +73,7 @@ impl TrainError {
 
 fn non_finite_hint(precision: &Precision) -> &'static str {
     if *precision == Precision::F16True {
-        "f16 holds only magnitudes up to 65504 and flushes values below 6e-8 to zero: activations or optimizer updates overflowed; use bf16-true, or 16-mixed with its loss scaler"
+        "f16 holds only magnitudes up to 65504 and flushes values below 6e-8 to zero: activations or optimizer updates overflowed, or Adam divided by its epsilon, whose default 1e-8 is 0 in f16; use bf16-true, 16-mixed with its loss scaler, or an --adam-epsilon f16 holds (1e-4)"
     } else {
         "lower --lr, enable --grad-clip, or use a wider precision"
     }
