@@ -114,10 +114,10 @@ fn report(comm: &dyn Communicator, engine: &str, cli: &Cli, device: &Device) -> 
 /// each rank's tensors on its own GPU.
 #[cfg(feature = "cuda")]
 fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
-    // Under mpirun, the GPU `run_gpu_ranks` put the communicator on.
+    // The GPU `run_gpu_ranks` put the communicator on.
     let gpu = |comm: &dyn Communicator| match launched_by_mpirun() {
-        true => burnscale::collective::nccl::NcclComm::device_count()
-            .map_or(0, burnscale::collective::mpi_local_gpu),
+        true => burnscale::collective::mpi_nccl_gpu()
+            .expect("run_gpu_ranks found this process's GPU the same way"),
         false => comm.rank(),
     };
     let devices = cli

@@ -304,13 +304,14 @@ fn model_flops_sum_the_ranks_parts() {
         })
         .sum::<f64>()
         / (2 * batch) as f64;
+    let batch = batch.to_string();
     let args = TrainArgs::from_flags(&[
         "--strategy",
         "zero2",
         "--devices",
         "2",
         "--batch-size",
-        "4",
+        &batch,
         "--max-steps",
         "3",
     ])

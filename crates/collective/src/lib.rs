@@ -199,8 +199,7 @@ pub fn run_gpu_ranks<T: Send>(
         #[cfg(feature = "mpi")]
         {
             let world = mpi::MpiComm::init(timeout)?;
-            let gpu = mpi_local_gpu(nccl::NcclComm::device_count()?);
-            let comm = nccl::NcclComm::over_mpi(&world, gpu, timeout)?;
+            let comm = nccl::NcclComm::over_mpi(&world, mpi_nccl_gpu()?, timeout)?;
             return Ok(vec![Ok(f(&comm))]);
         }
         #[cfg(not(feature = "mpi"))]
@@ -210,6 +209,12 @@ pub fn run_gpu_ranks<T: Send>(
     }
     let gpus: Vec<usize> = (0..devices).collect();
     nccl::NcclComm::run(&gpus, timeout, f)
+}
+
+/// The GPU this process's NCCL rank takes under mpirun: [`mpi_local_gpu`] of those it sees.
+#[cfg(feature = "nccl")]
+pub fn mpi_nccl_gpu() -> Result<usize, CollectiveError> {
+    Ok(mpi_local_gpu(nccl::NcclComm::device_count()?))
 }
 
 /// `--devices` in-process ranks: at least one, and only one (this process) under mpirun, where

@@ -81,22 +81,14 @@ impl NcclComm {
         }
         CudaContext::device_count()
             .map(|n| n as usize)
-            .map_err(|e| CollectiveError::Device {
-                me: 0,
-                op: "init",
-                detail: format!("{e:?}"),
-            })
+            .map_err(|e| init_failed(0)(format!("{e:?}")))
     }
 
     /// One communicator per GPU in `devices` (their CUDA ordinals), for ranks that are threads
     /// of this process; rank i runs on `devices[i]`.
     pub fn group(devices: &[usize], timeout: Duration) -> Result<Vec<Self>, CollectiveError> {
         libraries(0)?;
-        let failed = |detail: String| CollectiveError::Device {
-            me: 0,
-            op: "init",
-            detail,
-        };
+        let failed = init_failed(0);
         let (streams, calls): (Vec<_>, Vec<_>) = devices
             .iter()
             .map(|&d| {
@@ -152,11 +144,7 @@ impl NcclComm {
     ) -> Result<Self, CollectiveError> {
         let me = mpi.rank();
         libraries(me)?;
-        let failed = |detail: String| CollectiveError::Device {
-            me,
-            op: "init",
-            detail,
-        };
+        let failed = init_failed(me);
         // The id's 128 bytes travel as f32s (each exact), over the group's own broadcast.
         let mut id = Buffer::F32(vec![0.0; 128]);
         if me == 0 {
@@ -187,8 +175,7 @@ impl NcclComm {
     }
 
     fn error(&self, op: &'static str) -> impl Fn(String) -> CollectiveError {
-        let me = self.rank();
-        move |detail| CollectiveError::Device { me, op, detail }
+        failure(self.rank(), op)
     }
 
     /// `values` on this rank's GPU, followed by `pad` default values.
@@ -372,11 +359,17 @@ impl NcclComm {
 fn call_buffer(stream: &Arc<CudaStream>, me: usize) -> Result<CudaSlice<i64>, CollectiveError> {
     stream
         .alloc_zeros(CALL_LEN)
-        .map_err(|e| CollectiveError::Device {
-            me,
-            op: "init",
-            detail: format!("{e:?}"),
-        })
+        .map_err(|e| init_failed(me)(format!("{e:?}")))
+}
+
+/// Rank `me`'s `op` failing on the device, for the detail given.
+fn failure(me: usize, op: &'static str) -> impl Fn(String) -> CollectiveError {
+    move |detail| CollectiveError::Device { me, op, detail }
+}
+
+/// Rank `me`'s setup failing, for the detail given.
+fn init_failed(me: usize) -> impl Fn(String) -> CollectiveError {
+    failure(me, "init")
 }
 
 /// Whether the CUDA driver's library is installed (cudarc opens it at its first call, and
@@ -389,20 +382,16 @@ fn driver_present() -> bool {
 /// The CUDA driver's and NCCL's libraries: their absence as an error naming what to install,
 /// not cudarc's panic at the first call.
 fn libraries(me: usize) -> Result<(), CollectiveError> {
-    let missing = |detail: &str| CollectiveError::Device {
-        me,
-        op: "init",
-        detail: detail.into(),
-    };
+    let missing = init_failed(me);
     if !driver_present() {
         return Err(missing(
-            "the CUDA driver (libcuda.so) is not installed: this machine has no usable GPU",
+            "the CUDA driver (libcuda.so) is not installed: this machine has no usable GPU".into(),
         ));
     }
     // SAFETY: it only tries to open the library by its candidate names.
     if !unsafe { cudarc::nccl::sys::is_culib_present() } {
         return Err(missing(
-            "NCCL (libnccl.so) was not found: install it and put its directory on LD_LIBRARY_PATH (PyPI's nvidia-nccl wheels ship libnccl.so.2: link it as libnccl.so)",
+            "NCCL (libnccl.so) was not found: install it and put its directory on LD_LIBRARY_PATH (PyPI's nvidia-nccl wheels ship libnccl.so.2: link it as libnccl.so)".into(),
         ));
     }
     Ok(())
@@ -488,10 +477,9 @@ impl NcclComm {
     /// A fresh tensor of `recv_len` elements on `send`'s device (in its dtype), for NCCL to
     /// write, and the pins of both for NCCL (none under cubecl's dry run, the device plan:
     /// kernels are dropped there, and pinning would back buffers that NCCL would then move
-    /// unwritten). Called
-    /// before the ranks agree on the call: a rank that fails here (out of memory) leaves at
-    /// the agreement, where the others see it, rather than after, out of step with their
-    /// NCCL call.
+    /// unwritten). Called before the ranks agree on the call: a rank that fails here (out of
+    /// memory) leaves at the agreement, where the others see it, rather than after, out of
+    /// step with their NCCL call.
     fn pinned(
         &self,
         op: &'static str,
