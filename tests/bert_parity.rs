@@ -64,6 +64,68 @@ fn tiny_models_match_transformers() {
     }
 }
 
+/// bert-base-uncased's file is `BertForPreTraining`'s: LayerNorm parameters named `gamma` and
+/// `beta` (the TensorFlow port's names) and a next-sentence head beside the masked-LM one. It
+/// loads as transformers loads it: as a masked LM, and, with a fresh head, as a BERT or BigBird
+/// classifier; a masked-LM file (no pooler) finetunes with a fresh pooler.
+#[test]
+fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
+    let device = Device::default();
+    let (tensors, io) = fixture("bert", "tiny_bert_mlm.safetensors");
+    let d = BertConfig::tiny().hidden_size;
+    let mut pretraining: Vec<Weight> = tensors
+        .into_iter()
+        .map(|w| Weight {
+            key: w
+                .key
+                .replace("LayerNorm.weight", "LayerNorm.gamma")
+                .replace("LayerNorm.bias", "LayerNorm.beta"),
+            ..w
+        })
+        .collect();
+    assert!(
+        pretraining
+            .iter()
+            .any(|w| w.key.ends_with("LayerNorm.gamma"))
+    );
+    let nsp = |key: &str, shape: Vec<usize>| Weight {
+        key: key.to_string(),
+        values: vec![0.5; shape.iter().product()],
+        shape,
+    };
+    pretraining.push(nsp("cls.seq_relationship.weight", vec![2, d]));
+    pretraining.push(nsp("cls.seq_relationship.bias", vec![2]));
+    let path = Path::new("pretraining.safetensors");
+    let load = |config: &BertConfig, head| {
+        loader::load_weights(pretraining.clone(), path, config, head, &device)
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+
+    let mlm = load(
+        &BertConfig::tiny().with_head(BertHead::MaskedLm),
+        Head::Load,
+    );
+    let hidden = mlm.hidden_states(input(&io, &device));
+    let diff = max_abs_diff(mlm.logits(hidden.clone()), &io["output.logits"]);
+    assert!(diff < TOLERANCE, "logits differ by {diff}");
+
+    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let classifier = load(&cls, Head::Fresh);
+    let same = classifier.hidden_states(input(&io, &device));
+    assert!(same.equal(hidden).all().into_scalar::<bool>());
+    let err = loader::load_weights(pretraining.clone(), path, &cls, Head::Load, &device)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("cls.predictions.bias"), "{err}");
+
+    let bigbird = burnscale::bigbird::BigBirdConfig {
+        encoder: BertConfig::tiny(),
+        ..burnscale::bigbird::BigBirdConfig::tiny().with_num_labels(2)
+    };
+    burnscale::bigbird::loader::load_weights(pretraining, path, &bigbird, Head::Fresh, &device)
+        .unwrap_or_else(|e| panic!("BigBird: {e}"));
+}
+
 #[test]
 fn minilm_matches_transformers_and_its_tokenizer() {
     let device = Device::default();

@@ -485,6 +485,14 @@ fn fill(template: &str, index: Option<usize>) -> Option<String> {
     })
 }
 
+/// Whether a file's task head is loaded or a fresh one is kept (finetuning on other labels or
+/// classes, or from a pretraining checkpoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Load,
+    Fresh,
+}
+
 /// How a model's loader names things, for [`apply`]'s checks and messages.
 pub trait KeyMap {
     /// The file key of a parameter path, for "missing" messages.

@@ -21,11 +21,16 @@
 //! | `cls.predictions.transform.LayerNorm.*`           | `vocab_layer_norm.*`                    | `mlm.layer_norm.*` |
 //! | `cls.predictions.bias`                            | `vocab_projector.bias`                  | `mlm.bias` |
 //! | `cls.predictions.decoder.{weight,bias}`, `embeddings.position_ids` | `vocab_projector.weight` | — (tied to the word embeddings / `mlm.bias`; a buffer) |
+//! | `cls.seq_relationship.*`                          | —                                       | — (`BertForPreTraining`'s next-sentence head, which no model here has) |
+//!
+//! LayerNorm parameters named `gamma` and `beta` (bert-base-uncased's file, from the
+//! TensorFlow port) are read as `weight` and `bias`, as transformers renames them.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use burn::prelude::*;
+pub use burnscale_nn::weights::Head;
 use burnscale_nn::weights::{self, KeyMap, KeyTable, Saved, Weight};
 
 use burn::module::Module;
@@ -77,6 +82,8 @@ pub const BERT_HEADS: KeyTable = KeyTable(&[
     ("cls.predictions.bias", "mlm.bias"),
     ("cls.predictions.decoder.weight", ""),
     ("cls.predictions.decoder.bias", ""),
+    ("cls.seq_relationship.weight", ""),
+    ("cls.seq_relationship.bias", ""),
 ]);
 
 #[rustfmt::skip]
@@ -112,13 +119,6 @@ pub const DISTILBERT: KeyTable = KeyTable(&[
     ("vocab_projector.bias", "mlm.bias"),
     ("vocab_projector.weight", ""),
 ]);
-
-/// Whether the file's task head is loaded or a fresh one is kept (finetuning on other labels).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Head {
-    Load,
-    Fresh,
-}
 
 /// How an HF encoder checkpoint maps onto a model: its key table, the model prefix its
 /// encoder keys may carry, and which parameter paths belong to the task head (those sit
@@ -164,8 +164,8 @@ impl Checkpoint {
     ) -> Result<M, WeightError> {
         let mut weights = HashMap::new();
         for w in tensors {
-            let bare = w.key.strip_prefix(self.prefix).unwrap_or(&w.key);
-            match self.tables.iter().find_map(|t| t.to_path(bare)) {
+            let bare = current_name(w.key.strip_prefix(self.prefix).unwrap_or(&w.key));
+            match self.tables.iter().find_map(|t| t.to_path(&bare)) {
                 // Unknown keys stay in the map under their own name, for `apply` to report.
                 None => {
                     weights.insert(format!("?{}", w.key), w);
@@ -201,8 +201,10 @@ impl KeyMap for Checkpoint {
         }
     }
 
+    /// With a fresh head, the head and the pooler: a masked-LM file (`BertForMaskedLM` is built
+    /// without a pooler) finetunes as a classifier with a fresh pooler, as transformers does.
     fn may_stay_initialised(&self, path: &str) -> bool {
-        self.head == Head::Fresh && self.is_head(path)
+        self.head == Head::Fresh && (self.is_head(path) || path.starts_with("pooler."))
     }
 
     fn saved_as(&self, path: &str, dims: &[usize]) -> Vec<Saved> {
@@ -274,6 +276,19 @@ pub fn checkpoint_keys(model: &Bert) -> Checkpoint {
         });
     }
     keys
+}
+
+/// `key` with LayerNorm's `gamma` and `beta` named `weight` and `bias`.
+fn current_name(key: &str) -> String {
+    for (old, new) in [
+        ("LayerNorm.gamma", "LayerNorm.weight"),
+        ("LayerNorm.beta", "LayerNorm.bias"),
+    ] {
+        if let Some(stem) = key.strip_suffix(old) {
+            return format!("{stem}{new}");
+        }
+    }
+    key.to_string()
 }
 
 /// `nn.Linear` weights, stored `[out, in]` by PyTorch (embeddings are not transposed).

@@ -9,14 +9,15 @@
 //! | `classifier.out_proj.*` | `classifier.out_proj.*` | transposed; with [`Head::Fresh`] left initialised |
 //!
 //! Since the encoder is BERT's, a BERT checkpoint (all-MiniLM-L6-v2) loads as a BigBird of
-//! its size.
+//! its size. A pretraining checkpoint's heads (`cls.*`, BERT's names) load with [`Head::Fresh`]
+//! only: they are left out.
 
 use std::path::Path;
 
 use burn::prelude::*;
 use burnscale_bert::BertError;
 pub use burnscale_bert::loader::Head;
-use burnscale_bert::loader::{BERT_ENCODER, Checkpoint};
+use burnscale_bert::loader::{BERT_ENCODER, BERT_HEADS, Checkpoint};
 use burnscale_nn::weights::{self, KeyTable, Weight};
 
 use crate::{BigBird, BigBirdConfig};
@@ -34,9 +35,11 @@ pub const BIGBIRD: KeyTable = KeyTable(&[
 
 fn checkpoint(head: Head) -> Checkpoint {
     Checkpoint {
-        tables: &[BIGBIRD, BERT_ENCODER],
+        tables: &[BIGBIRD, BERT_ENCODER, BERT_HEADS],
         prefix: "bert.",
-        heads: &["classifier."],
+        // `mlm.`: the masked-LM head of `BigBirdForPreTraining` files (google/bigbird-roberta-base),
+        // which no BigBird here has: left out with a fresh head.
+        heads: &["classifier.", "mlm."],
         head,
         tied_decoder: None,
     }

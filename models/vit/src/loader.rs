@@ -24,6 +24,7 @@ use std::path::Path;
 use burn::prelude::*;
 use burn::tensor::module::interpolate;
 use burn::tensor::ops::{InterpolateMode, InterpolateOptions};
+pub use burnscale_nn::weights::Head;
 use burnscale_nn::weights::{self, KeyMap, Saved, Weight};
 
 use crate::{Vit, VitConfig, VitError};
@@ -53,14 +54,6 @@ const LAYER_RENAMES_V5: [(&str, &str); 6] = [
 
 const POSITIONS: &str = "embeddings.position_embeddings";
 const CLASSIFIER: &str = "classifier.";
-
-/// Whether the file's classification head is loaded or a fresh one is kept (finetuning on
-/// other classes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Head {
-    Load,
-    Fresh,
-}
 
 /// `name` with its longest prefix among `table`'s `from` sides replaced by the `to` side.
 fn rename(name: &str, table: &[(&str, &str)], forward: bool) -> String {
