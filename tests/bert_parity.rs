@@ -230,12 +230,39 @@ fn bad_input_gives_errors_that_name_the_problem() {
         "{err}"
     );
     let out_of_vocab = BertInput {
-        input_ids: Tensor::from_data([[1i64, 99]], &device),
+        input_ids: Tensor::from_data([[1i64, 99, 7, 2]], &device),
         ..probe.clone()
     };
     assert!(matches!(
         model.check_input(&out_of_vocab),
         Err(BertError::TokenOutOfRange { id: 99, .. })
+    ));
+    let other_type = BertInput {
+        token_type_ids: Tensor::from_data([[0i64, 0, 2, 0]], &device),
+        ..probe.clone()
+    };
+    assert!(matches!(
+        model.check_input(&other_type),
+        Err(BertError::TokenTypeOutOfRange { id: 2, types: 2 })
+    ));
+    let short_mask = BertInput {
+        attention_mask: Tensor::ones([1, 3], &device),
+        ..probe.clone()
+    };
+    let err = model.check_input(&short_mask).unwrap_err().to_string();
+    assert!(err.contains("attention_mask is [1, 3]"), "{err}");
+    let empty = BertInput {
+        input_ids: Tensor::zeros([1, 0], &device),
+        token_type_ids: Tensor::zeros([1, 0], &device),
+        attention_mask: Tensor::zeros([1, 0], &device),
+    };
+    assert!(matches!(
+        model.check_input(&empty),
+        Err(BertError::EmptySequence)
+    ));
+    assert!(matches!(
+        model.embeddings.check_ids(&[]),
+        Err(BertError::EmptySequence)
     ));
 
     let vocab = dir.path().join("vocab.txt");

@@ -20,7 +20,6 @@ pub fn check_heads(width: (&str, usize), heads: (&str, usize)) -> Result<(), Str
     }
 }
 
-/// `Err` naming the first dropout probability outside `[0, 1)`.
 /// `Ok` if the layer norms' epsilon is positive and finite (else every loss is NaN).
 pub fn check_layer_norm_eps(eps: f64) -> Result<(), String> {
     match eps > 0.0 && eps.is_finite() {
@@ -31,6 +30,7 @@ pub fn check_layer_norm_eps(eps: f64) -> Result<(), String> {
     }
 }
 
+/// `Err` naming the first dropout probability outside `[0, 1)`.
 pub fn check_probabilities(probabilities: &[(&str, f64)]) -> Result<(), String> {
     match probabilities.iter().find(|(_, p)| !(0.0..1.0).contains(p)) {
         Some((name, p)) => Err(format!("{name} {p} is not in [0, 1)")),

@@ -67,9 +67,9 @@ pub struct BertConfig {
     pub layer_norm_eps: f64,
     pub hidden_dropout_prob: f64,
     pub attention_probs_dropout_prob: f64,
-    /// Dropout before the classifier (DistilBERT's `seq_classif_dropout`).
+    /// Dropout before the classifier: HF's `classifier_dropout`, `hidden_dropout_prob`
+    /// unless set (DistilBERT's `seq_classif_dropout`).
     pub classifier_dropout_prob: f64,
-    pub pad_token_id: usize,
 }
 
 impl BertConfig {
@@ -97,7 +97,6 @@ impl BertConfig {
             hidden_dropout_prob: 0.1,
             attention_probs_dropout_prob: 0.1,
             classifier_dropout_prob: 0.1,
-            pad_token_id: 0,
         }
     }
 
@@ -187,10 +186,6 @@ impl BertConfig {
                     .ok_or_else(|| error(format!("`{key}` is {v}, not a number"))),
             }
         };
-        let pad_token_id = || match json.get("pad_token_id") {
-            None | Some(serde_json::Value::Null) => Ok(0),
-            Some(_) => int("pad_token_id"),
-        };
         let act = |key: &str| -> Result<Activation, BertError> {
             match json.get(key).and_then(|v| v.as_str()) {
                 None => Ok(Activation::Gelu),
@@ -212,8 +207,11 @@ impl BertConfig {
                 layer_norm_eps: float("layer_norm_eps", 1e-12)?,
                 hidden_dropout_prob: float("hidden_dropout_prob", 0.1)?,
                 attention_probs_dropout_prob: float("attention_probs_dropout_prob", 0.1)?,
-                classifier_dropout_prob: float("hidden_dropout_prob", 0.1)?,
-                pad_token_id: pad_token_id()?,
+                // HF's BertForSequenceClassification: hidden_dropout_prob unless set.
+                classifier_dropout_prob: float(
+                    "classifier_dropout",
+                    float("hidden_dropout_prob", 0.1)?,
+                )?,
                 ..Self::bert_base()
             },
             Some("distilbert") => Self {
@@ -227,7 +225,6 @@ impl BertConfig {
                 hidden_dropout_prob: float("dropout", 0.1)?,
                 attention_probs_dropout_prob: float("attention_dropout", 0.1)?,
                 classifier_dropout_prob: float("seq_classif_dropout", 0.2)?,
-                pad_token_id: pad_token_id()?,
                 ..Self::distilbert_base()
             },
             other => {
@@ -361,8 +358,11 @@ mod tests {
             err.contains("`hidden_dropout_prob` is \"0.1\", not a number"),
             "{err}"
         );
-        let err = read(r#", "pad_token_id": "0""#).unwrap_err();
-        assert!(err.contains("pad_token_id"), "{err}");
+        let err = read(r#", "num_hidden_layers": 2.5"#).unwrap_err();
+        assert!(err.contains("num_hidden_layers"), "{err}");
+        assert_eq!(read("").unwrap().classifier_dropout_prob, 0.1);
+        let set = read(r#", "classifier_dropout": 0.3"#).unwrap();
+        assert_eq!(set.classifier_dropout_prob, 0.3);
         std::fs::remove_file(&path).unwrap();
     }
 }

@@ -18,6 +18,18 @@ pub enum BertError {
     SequenceTooLong { len: usize, max: usize },
     #[error("token id {id} is outside the vocabulary of {vocab} tokens")]
     TokenOutOfRange { id: i64, vocab: usize },
+    #[error("an empty sequence: every sequence needs at least one token")]
+    EmptySequence,
+    #[error("token type {id} is outside the model's {types} token types (type_vocab_size)")]
+    TokenTypeOutOfRange { id: i64, types: usize },
+    #[error(
+        "the batch's {what} is {found:?} and its input_ids {expected:?}: they must have one shape"
+    )]
+    InputShape {
+        what: &'static str,
+        found: [usize; 2],
+        expected: [usize; 2],
+    },
     #[error("{path}: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
     #[error(

@@ -20,7 +20,8 @@ pub struct BertInput {
     pub attention_mask: Tensor<2, Int>, // [batch, seq]
 }
 
-/// Word, position and token-type embeddings, summed and layer-normed.
+/// Word, position and token-type embeddings, summed, layer-normed and dropped out (BigBird's:
+/// dropped out, then layer-normed).
 #[derive(Module, Debug)]
 pub struct Embeddings {
     pub word_embeddings: Embedding,
@@ -29,6 +30,8 @@ pub struct Embeddings {
     pub token_type_embeddings: Option<Embedding>,
     pub layer_norm: LayerNorm,
     dropout: Dropout,
+    #[module(skip)]
+    dropout_before_norm: bool,
 }
 
 impl Embeddings {
@@ -46,6 +49,15 @@ impl Embeddings {
                 .then(|| embedding(config.type_vocab_size, d)),
             layer_norm: layer_norm(config, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            dropout_before_norm: false,
+        }
+    }
+
+    /// HF's `BigBirdEmbeddings`, which drop out the sum before the layer norm.
+    pub fn bigbird(config: &BertConfig, device: &Device) -> Self {
+        Self {
+            dropout_before_norm: true,
+            ..Self::new(config, device)
         }
     }
 
@@ -61,23 +73,50 @@ impl Embeddings {
         }
     }
 
-    /// [`Embeddings::check_ids`] for a batch already on the device (reads its ids back).
+    /// [`Embeddings::check_ids`] for a batch already on the device (reads its ids and token
+    /// types back), and the token types and the mask in the ids' shape.
     pub fn check_input(&self, input: &BertInput) -> Result<(), BertError> {
-        let [_, t] = input.input_ids.dims();
+        let expected = input.input_ids.dims();
+        for (what, found) in [
+            ("token_type_ids", input.token_type_ids.dims()),
+            ("attention_mask", input.attention_mask.dims()),
+        ] {
+            if found != expected {
+                return Err(BertError::InputShape {
+                    what,
+                    found,
+                    expected,
+                });
+            }
+        }
+        let host = |ids: &Tensor<2, Int>| -> Vec<i64> {
+            ids.to_data().try_to_vec_as().unwrap_or_default()
+        };
+        let t = expected[1];
         self.check_len(t)?;
-        let ids: Vec<i64> = input
-            .input_ids
-            .to_data()
-            .try_to_vec_as()
-            .unwrap_or_default();
-        ids.chunks(t.max(1)).try_for_each(|row| self.check_ids(row))
+        host(&input.input_ids)
+            .chunks(t)
+            .try_for_each(|row| self.check_ids(row))?;
+        // DistilBERT has no token types and reads none.
+        let Some(types) = &self.token_type_embeddings else {
+            return Ok(());
+        };
+        let [types, _] = types.weight.lazy_shape().dims();
+        match host(&input.token_type_ids)
+            .into_iter()
+            .find(|&id| id < 0 || id as usize >= types)
+        {
+            Some(id) => Err(BertError::TokenTypeOutOfRange { id, types }),
+            None => Ok(()),
+        }
     }
 
     fn check_len(&self, len: usize) -> Result<(), BertError> {
         let [max, _] = self.position_embeddings.weight.lazy_shape().dims();
-        match len > max {
-            true => Err(BertError::SequenceTooLong { len, max }),
-            false => Ok(()),
+        match len {
+            0 => Err(BertError::EmptySequence),
+            len if len > max => Err(BertError::SequenceTooLong { len, max }),
+            _ => Ok(()),
         }
     }
 
@@ -108,8 +147,12 @@ impl Embeddings {
         if let Some(types) = &self.token_type_embeddings {
             x = x + types.forward(token_type_ids);
         }
-        self.dropout
-            .forward(autocast::layer_norm(&self.layer_norm, x))
+        match self.dropout_before_norm {
+            true => autocast::layer_norm(&self.layer_norm, self.dropout.forward(x)),
+            false => self
+                .dropout
+                .forward(autocast::layer_norm(&self.layer_norm, x)),
+        }
     }
 }
 
@@ -174,6 +217,9 @@ pub struct Layer {
     pub output: Linear,
     pub output_norm: LayerNorm,
     dropout: Dropout,
+    /// BERT drops out the attention output before its residual sum; DistilBERT does not.
+    #[module(skip)]
+    attention_output_dropout: bool,
     #[module(skip)]
     activation: Activation,
 }
@@ -189,6 +235,7 @@ impl Layer {
             output: linear(f, d, INITIALIZER_RANGE, device),
             output_norm: layer_norm(config, device),
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
+            attention_output_dropout: config.layout == Layout::Bert,
             activation: config.hidden_act,
         }
     }
@@ -198,7 +245,11 @@ impl Layer {
             &self.attention_output,
             self.attention.forward(x.clone(), mask, kernel),
         );
-        let x = autocast::layer_norm(&self.attention_norm, x + self.dropout.forward(a));
+        let a = match self.attention_output_dropout {
+            true => self.dropout.forward(a),
+            false => a,
+        };
+        let x = autocast::layer_norm(&self.attention_norm, x + a);
         let h = self
             .activation
             .forward(regather::linear(&self.intermediate, x.clone())); // [b, t, f]
@@ -407,5 +458,32 @@ impl BlockModel for Bert {
 
     fn checkpoint_keys(&self) -> Box<dyn burnscale_nn::weights::KeyMap> {
         Box::new(crate::loader::checkpoint_keys(self))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burnscale_nn::dropout;
+
+    /// A training layer draws one mask for the attention probabilities and one per residual
+    /// branch it drops out: HF's `BertLayer` both, DistilBERT's `TransformerBlock` only the
+    /// feed-forward's.
+    #[test]
+    fn distilbert_adds_its_attention_output_undropped() {
+        let device = Device::default().autodiff();
+        let draws = |layout| {
+            let config = BertConfig {
+                layout,
+                ..BertConfig::tiny()
+            };
+            let layer = Layer::new(&config, &device);
+            let x = Tensor::<3>::ones([1, 4, config.hidden_size], &device);
+            let before = dropout::position();
+            let _ = layer.forward(x, &None, &full_attention);
+            dropout::position().1 - before.1
+        };
+        assert_eq!(draws(Layout::Bert), 3);
+        assert_eq!(draws(Layout::DistilBert), 2);
     }
 }

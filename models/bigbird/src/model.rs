@@ -34,7 +34,7 @@ impl BigBird {
         let enc = &config.encoder;
         let d = enc.hidden_size;
         Ok(Self {
-            embeddings: Embeddings::new(enc, device),
+            embeddings: Embeddings::bigbird(enc, device),
             layer: (0..enc.num_hidden_layers)
                 .map(|_| Layer::new(enc, device))
                 .collect(),
@@ -168,6 +168,23 @@ impl BlockModel for BigBird {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// HF's `BigBirdEmbeddings` drop out before the layer norm (BERT's after it): with a fresh
+    /// norm (gain 1, bias 0) every element comes out normalised, none a dropped zero.
+    #[test]
+    fn embeddings_drop_out_before_the_norm() {
+        let device = Device::default().autodiff();
+        let mut config = BigBirdConfig::tiny();
+        config.encoder.hidden_dropout_prob = 0.5;
+        let ids = Tensor::<2, Int>::from_data([[1i64, 2, 3, 4]], &device);
+        let zeros = |embeddings: &Embeddings| {
+            let x = embeddings.forward(ids.clone(), ids.zeros_like());
+            x.equal_elem(0.0).int().sum().into_scalar::<i64>()
+        };
+        let bigbird = BigBird::new(&config, &device).unwrap();
+        assert_eq!(zeros(&bigbird.embeddings), 0);
+        assert!(zeros(&Embeddings::new(&config.encoder, &device)) > 0);
+    }
 
     /// bigbird-roberta-base (blocks of 64, 3 random) at 4096 tokens, 64 blocks: 2 query
     /// blocks score all 64 key blocks, the 62 others the 8 they gather (3 window, 2 global,

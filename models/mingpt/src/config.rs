@@ -89,10 +89,6 @@ impl GptConfig {
         self
     }
 
-    pub fn head_dim(&self) -> usize {
-        self.n_embd / self.n_head
-    }
-
     /// Rejects configs that cannot build a model, naming the fix.
     pub fn validate(&self) -> Result<(), GptError> {
         use burnscale_nn::config::{check_heads, check_positive, check_probabilities};

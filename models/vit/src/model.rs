@@ -1,6 +1,6 @@
 use burn::module::{Param, ParamId, list_param_ids};
-use burn::nn::Linear;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::{Initializer, Linear};
 use burn::prelude::*;
 use burn::tensor::activation::gelu;
 use burnscale_nn::autocast;
@@ -27,12 +27,15 @@ impl Embeddings {
         let d = config.hidden_size;
         let p = config.patch_size;
         let normal = normal(INITIALIZER_RANGE);
+        let mut projection = Conv2dConfig::new([config.num_channels, d], [p, p])
+            .with_stride([p, p])
+            .with_initializer(normal.clone())
+            .init(device);
+        projection.bias = Some(Initializer::Zeros.init([d], device));
         Self {
             cls_token: normal.init([1, 1, d], device),
             position_embeddings: normal.init([1, config.seq_len(), d], device),
-            projection: Conv2dConfig::new([config.num_channels, d], [p, p])
-                .with_stride([p, p])
-                .init(device),
+            projection,
             dropout: DropoutConfig::new(config.hidden_dropout_prob).init(),
         }
     }
@@ -272,5 +275,24 @@ impl BlockModel for Vit {
         Box::new(crate::loader::VitKeys {
             head: crate::loader::Head::Load,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// HF's `_init_weights`: the patch projection as every linear layer, N(0, 0.02) weights
+    /// and a zero bias (Burn's convolution default is Kaiming-uniform, std 0.14 here).
+    #[test]
+    fn the_patch_projection_starts_as_hf_initialises_it() {
+        let device = Device::default();
+        let vit = Vit::new(&VitConfig::tiny(), &device).unwrap();
+        let projection = &vit.embeddings.projection;
+        let bias = projection.bias.as_ref().expect("a bias").val();
+        assert!(bias.equal_elem(0.0).all().into_scalar::<bool>());
+        let weight = projection.weight.val(); // [32, 3, 8, 8]: 6144 draws
+        let std = weight.reshape([-1]).var(0).sqrt().into_scalar::<f32>();
+        assert!((0.018..0.022).contains(&std), "std {std}");
     }
 }
