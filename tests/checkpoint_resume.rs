@@ -667,6 +667,16 @@ fn a_consolidated_checkpoint_is_the_saved_model() {
     let count = ckpt.consolidate(&with_state, true).unwrap();
     let params = weights::read_safetensors(&saved).unwrap().len();
     assert_eq!(count, 3 * params, "AdamW's two moments per parameter");
+    // A mistyped path is named as missing, not as an interrupted save.
+    let typo = dir.join("no-such-dir");
+    let err = Checkpoint::find(&typo)
+        .err()
+        .expect("no checkpoint")
+        .to_string();
+    assert!(
+        err.contains("no-such-dir") && err.contains("No such file"),
+        "{err}"
+    );
     fs::remove_file(&saved).unwrap();
     fs::remove_dir_all(&dir).unwrap();
 }

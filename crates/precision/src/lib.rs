@@ -9,9 +9,10 @@
 //! | `bf16-true` | bf16 | bf16 | bf16 (loss f32) | bf16 |
 //!
 //! `16-mixed` scales the loss ([`LossScaler`]) so small f16 gradients do not flush to zero.
-//! The sharding engine applies the policy: it keeps the weights in [`Precision::param_dtype`],
-//! runs each forward on a [`cast`] copy in [`Precision::compute_dtype`] under an autocast
-//! scope, and steps the optimizer on the f32 masters.
+//! The sharding engine applies the policy: it keeps the weights in [`Precision::param_dtype`];
+//! under the mixed policies it runs each forward on a [`cast`] copy in
+//! [`Precision::compute_dtype`] under an autocast scope and steps the optimizer on the f32
+//! masters, and under the true ones it computes with the 16-bit weights and steps them.
 //!
 //! [autocast]: burnscale_nn::autocast
 

@@ -308,7 +308,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         let unscale = self.scaler.as_ref().map(|s| 1.0 / s.scale());
         // The squared norm stays on the device (summed over the ranks when sharded; when
-        // replicated, the ranks' maximum, so that they skip or clip alike): it is not finite
+        // replicated, the ranks' mean of their equal norms, so that they skip or clip alike:
+        // a sum carries any rank's NaN on every engine, where a maximum may drop it): not finite
         // when any gradient overflowed (or squares past f32's range, a norm, still scaled,
         // above ~1.8e19). Unscaling the sum is exact for power-of-two loss scales (the
         // scaler's default and its steps), one rounding otherwise.
@@ -319,7 +320,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if world > 1 && (self.sharding.optimizer_state || self.scaler.is_some()) {
             let op = match self.sharding.optimizer_state {
                 true => ReduceOp::Sum,
-                false => ReduceOp::Max,
+                false => ReduceOp::Mean,
             };
             sum_sq = self.comm.all_reduce_tensor(sum_sq, op)?;
         }
@@ -393,8 +394,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// The model's logits for `input` (built on [`Sharded::eval_device`]) in evaluation mode
     /// (no dropout, no graph), computed as training computes (a mixed policy's 16-bit copy,
     /// with autocast). It runs unit by unit: sharded parameters are gathered one unit at a
-    /// time, as for training, and a mixed replica casts one unit at a time, so an evaluation
-    /// never holds the whole model twice. Without `input` it only takes part in the gathers
+    /// time, as for training, and a mixed replica casts one unit at a time (its root, the
+    /// embeddings and the head, whole: once for each), so an evaluation never holds the whole
+    /// model twice. Without `input` it only takes part in the gathers
     /// (`None`): what a rank whose share of a distributed evaluation is done does while the
     /// others compute, since every rank joins each of ZeRO-3's gathers.
     pub fn eval_logits(&self, input: Option<M::Input>) -> Result<Option<M::Logits>, ShardError> {

@@ -68,7 +68,9 @@ impl Strategy {
 pub struct Sharding {
     /// Each rank steps only its shard of the parameters (ZeRO-1).
     pub optimizer_state: bool,
-    /// Gradients are reduce-scattered, unit by unit as backward leaves each (ZeRO-2).
+    /// Gradients are reduce-scattered and each rank keeps only its shards' (ZeRO-2): unit by
+    /// unit as backward leaves each when the blocks are checkpointed or the parameters
+    /// sharded, else in buckets after the whole backward.
     pub gradients: bool,
     /// Each rank holds only its parameter shards between uses; a unit is gathered for its
     /// forward and again for its backward, or once for both ([`Sharding::reshard_after_forward`])

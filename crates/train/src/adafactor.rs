@@ -730,12 +730,16 @@ impl Optimizer for Adafactor {
     }
 }
 
+/// The state name of a matrix's column moment: its statistics over all of the parameter's
+/// rows, which every rank holds whole whatever its rows (a checkpoint writes it once).
+pub(crate) const COLUMN_MOMENT: &str = "column_second_moment";
+
 impl<const D: usize> RecordState for AdafactorState<D> {
     fn state_flatten(&self, prefix: &str, out: &mut StateSink) {
         out.push_scalar(prefix, "time", Scalar::UInt(self.time as u64));
         out.push_tensor(prefix, "second_moment", self.second_moment.to_data());
         if let Some(column) = &self.column_second_moment {
-            out.push_tensor(prefix, "column_second_moment", column.to_data());
+            out.push_tensor(prefix, COLUMN_MOMENT, column.to_data());
         }
         if let Some(exp_avg) = &self.exp_avg {
             out.push_tensor(prefix, "exp_avg", exp_avg.to_data());
@@ -754,7 +758,7 @@ impl<const D: usize> RecordState for AdafactorState<D> {
         Some(Self {
             time,
             second_moment: tensor("second_moment")?,
-            column_second_moment: tensor("column_second_moment"),
+            column_second_moment: tensor(COLUMN_MOMENT),
             exp_avg: tensor("exp_avg"),
         })
     }

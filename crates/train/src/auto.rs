@@ -60,10 +60,10 @@ impl Budget {
     }
 
     /// The budget of ranks whose smallest device holds `capacity` bytes (when the runtime
-    /// says): the given one, or the device's memory where the given one is above it, since
-    /// no plan above it can run; with none given, the device's memory, less
-    /// [`DEVICE_HEADROOM`] where `auto` chooses. None where nothing bounds the plan; an error
-    /// where `auto` would have nothing to choose within.
+    /// says): the given one; with none given, or one above the device's memory (no plan
+    /// above it can run), the device's memory, less [`DEVICE_HEADROOM`] where `auto`
+    /// chooses. None where nothing bounds the plan; an error where `auto` would have nothing
+    /// to choose within.
     pub fn on_device(
         args: &TrainArgs,
         capacity: Option<usize>,
@@ -72,13 +72,16 @@ impl Budget {
             bytes,
             device_memory: true,
         };
+        let usable = |capacity: usize| match args.strategy {
+            Strategy::Auto => (capacity as f64 * (1.0 - DEVICE_HEADROOM)) as usize,
+            _ => capacity,
+        };
         match (args.memory_budget, capacity) {
-            (Some(given), Some(capacity)) if given > capacity => Ok(Some(device(capacity))),
+            (Some(given), Some(capacity)) if given > capacity => {
+                Ok(Some(device(usable(capacity))))
+            }
             (Some(given), _) => Ok(Some(Budget::given(given))),
-            (None, Some(capacity)) if args.strategy == Strategy::Auto => Ok(Some(device(
-                (capacity as f64 * (1.0 - DEVICE_HEADROOM)) as usize,
-            ))),
-            (None, Some(capacity)) => Ok(Some(device(capacity))),
+            (None, Some(capacity)) => Ok(Some(device(usable(capacity)))),
             (None, None) if args.strategy == Strategy::Auto => Err(TrainError::InvalidArgs(
                 "--strategy auto without --memory-budget plans within the device's memory, but this device's runtime does not say how much it has: give --memory-budget".into(),
             )),
@@ -525,6 +528,12 @@ mod tests {
             Budget::on_device(&auto, Some(1000)).unwrap(),
             Some(device(900)),
             "auto leaves the headroom"
+        );
+        let above = args(&["--strategy", "auto", "--memory-budget", "1TiB"]);
+        assert_eq!(
+            Budget::on_device(&above, Some(1000)).unwrap(),
+            Some(device(900)),
+            "a budget above the device's memory is bounded as none is"
         );
         let err = Budget::on_device(&auto, None).unwrap_err().to_string();
         assert!(err.contains("give --memory-budget"), "{err}");

@@ -494,11 +494,15 @@ fn write_rank_file<M: BlockModel>(
     Ok((bytes, crc, states))
 }
 
-/// Whether an optimizer state tensor of `dims` is the same on every rank (its dim 0 is 1
-/// where its parameter has more rows, as Adafactor's column moment of a matrix) rather than
-/// its parameter's rows (or its shard's) along dim 0, sliced by rows; its other dims are its
-/// own (8-bit AdamW's absmax has one column per block of a row). Any other shape is an error.
+/// Whether an optimizer state tensor of `dims` is the same on every rank (Adafactor's column
+/// moment of a matrix, by its name: its one row is also a shard's when a rank owns one row;
+/// or any state with one row where its parameter has more) rather than its parameter's rows
+/// (or its shard's) along dim 0, sliced by rows; its other dims are its own (8-bit AdamW's
+/// absmax has one column per block of a row). Any other shape is an error.
 fn replicated(name: &str, dims: &[usize], slot: &Slot) -> Result<bool, TrainError> {
+    if name.ends_with(crate::adafactor::COLUMN_MOMENT) {
+        return Ok(true);
+    }
     match dims.first() {
         Some(&d0) if d0 == slot.dims[0] || d0 == slot.rows => Ok(false),
         Some(1) => Ok(true),
@@ -842,6 +846,8 @@ impl Checkpoint {
         if path.join(META).is_file() {
             return Self::open(path);
         }
+        // A mistyped path is not an interrupted save.
+        fs::metadata(path).map_err(io_error(path))?;
         Self::latest(path)?.ok_or_else(|| CheckpointError::Incomplete {
             path: path.to_path_buf(),
         })
@@ -1166,13 +1172,14 @@ pub fn restore<T: TrainTask>(
     {
         dropout::rewind(dropout::StreamPosition(seed, calls));
     }
-    // A schedule the checkpoint did not record (an older program's) is not compared.
+    // A schedule the checkpoint did not record (an older program's) is not compared, nor a
+    // flag this run's schedule does not read (--schedule itself says a change of kind).
     let ours = LrSchedule::flags(args);
     let changes: Vec<String> = meta
         .schedule
         .iter()
         .filter_map(|(flag, saved)| {
-            let now = ours.get(flag).map_or("none", String::as_str);
+            let now = ours.get(flag)?;
             (saved != now).then(|| format!("{flag} {saved}, this run {now}"))
         })
         .collect();
@@ -1211,5 +1218,24 @@ mod tests {
             assert_eq!(format!("{back:?}"), format!("{s:?}"));
         }
         assert!(decode("x1").is_none() && decode("").is_none());
+    }
+
+    /// A `[2, 4]` matrix over 2 ranks: each owns one row, so a state of one row is a shard's
+    /// (AdamW's moments) unless it is Adafactor's column moment, the same on every rank.
+    #[test]
+    fn a_column_moment_is_whole_when_a_rank_owns_one_row() {
+        let slot = Slot {
+            id: burn::module::ParamId::new(),
+            path: "embeddings.token_type_embeddings.weight".into(),
+            dims: vec![2, 4],
+            rows: 0,
+        }
+        .over(2);
+        let column = format!("p.{}", crate::adafactor::COLUMN_MOMENT);
+        assert!(replicated(&column, &[1, 4], &slot).unwrap());
+        assert!(!replicated("p.moment_1", &[1, 4], &slot).unwrap());
+        assert!(!replicated("p.moment_1", &[2, 4], &slot).unwrap());
+        assert!(replicated("p.moment_1", &[3, 4], &slot).is_err());
+        assert!(replicated(&column, &[1, 4], &slot.over(1)).unwrap());
     }
 }

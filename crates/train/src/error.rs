@@ -47,6 +47,11 @@ pub enum TrainError {
     Checkpoint(#[from] CheckpointError),
     #[error("the device failed around the memory plan's dry run: {0}")]
     DryRun(String),
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,

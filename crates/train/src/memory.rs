@@ -169,8 +169,11 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
             ));
         }
     };
+    // At least a byte: "0.4" is not a budget.
     match number.parse::<f64>() {
-        Ok(value) if value > 0.0 && (value * scale).is_finite() => Ok((value * scale) as usize),
+        Ok(value) if value * scale >= 1.0 && (value * scale).is_finite() => {
+            Ok((value * scale) as usize)
+        }
         _ => Err(format!(
             "{text:?}: expected a positive size such as 1.5GiB, 800MB or 16G"
         )),
@@ -188,7 +191,7 @@ mod tests {
         assert_eq!(parse_bytes("16G"), Ok(16 << 30));
         assert_eq!(parse_bytes("800 MB"), Ok(800_000_000));
         assert_eq!(parse_bytes("512mib"), Ok(512 << 20));
-        for bad in ["", "0", "-1G", "12 parsecs", "G", "1.2.3G"] {
+        for bad in ["", "0", "0.4", "-1G", "12 parsecs", "G", "1.2.3G"] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
     }

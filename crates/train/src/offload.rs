@@ -102,7 +102,9 @@ impl DiskStates {
             path: file.clone(),
             source,
         };
-        let in_place = offset > 0
+        // A state of scalars only (SGD without momentum) has no file.
+        let written = offset > 0;
+        let in_place = written
             && self.entries.contains_key(path)
             && fs::metadata(&file).is_ok_and(|m| m.len() == offset as u64);
         if in_place {
@@ -114,7 +116,7 @@ impl DiskStates {
             for ((_, data), stored) in sink.tensors.iter().zip(&tensors) {
                 map[stored.offset..stored.offset + stored.len].copy_from_slice(data.as_bytes());
             }
-        } else {
+        } else if written {
             let mut out = File::create(&file).map_err(io)?;
             for (_, data) in &sink.tensors {
                 out.write_all(data.as_bytes()).map_err(io)?;
@@ -143,6 +145,10 @@ impl DiskStates {
         let Some(entry) = self.entries.get(path) else {
             return Ok(sink);
         };
+        sink.scalars = entry.scalars.clone();
+        if entry.tensors.is_empty() {
+            return Ok(sink);
+        }
         let io = |source| TrainError::Offload {
             path: entry.file.clone(),
             source,
@@ -165,7 +171,6 @@ impl DiskStates {
             let data = TensorData::from_bytes_vec(bytes.to_vec(), t.shape.clone(), t.dtype);
             sink.tensors.push((t.name.clone(), data));
         }
-        sink.scalars = entry.scalars.clone();
         Ok(sink)
     }
 
@@ -234,5 +239,35 @@ mod tests {
         assert!(err.contains("truncated") && err.contains("w.bin"), "{err}");
         drop(disk);
         fs::remove_dir(&root).expect("the rank's directory is gone, and nothing else was there");
+    }
+
+    /// SGD without momentum keeps no tensor: no file is written (or synced) at each step.
+    #[test]
+    fn a_state_without_tensors_writes_no_file() {
+        let device = Device::flex();
+        let optim = burn::optim::SgdConfig::new().build();
+        let root = std::env::temp_dir().join(format!("burnscale-sgd-{}", std::process::id()));
+        let mut disk = DiskStates::create(&root, 0).unwrap();
+        let param = Tensor::<2>::ones([2, 3], &device);
+        let (_, state) = optim.step_dyn(
+            2,
+            0.1,
+            param.clone().into_bridge(),
+            param.into_bridge(),
+            None,
+        );
+        let state = state.expect("SGD keeps a state, without momentum");
+        disk.store(&optim, "w", &state).unwrap();
+        assert!(!disk.dir.path().join("w.bin").exists());
+        let mut stored = StateSink::default();
+        optim.state_flatten("w", &state, &mut stored);
+        let loaded = disk.flattened("w").unwrap();
+        assert!(loaded.tensors.is_empty() && stored.tensors.is_empty());
+        assert_eq!(
+            format!("{:?}", loaded.scalars),
+            format!("{:?}", stored.scalars)
+        );
+        drop(disk);
+        fs::remove_dir(&root).unwrap();
     }
 }

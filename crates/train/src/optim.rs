@@ -6,8 +6,6 @@ use std::sync::Arc;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::decay::WeightDecayConfig;
-use burn::optim::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
-use burn::optim::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::momentum::{MomentumConfig, MomentumState};
 use burn::optim::{
     AdamConfig, AdamState, AdamWState, AdaptiveMomentumState, DynOptimizer, DynState, RecordState,
@@ -268,7 +266,7 @@ impl ParamOptimizer {
         let device = self.host.clone().unwrap_or_else(|| device.clone());
         let state = self.unflatten(rank, path, saved, &device).ok_or_else(|| {
             TrainError::InvalidData(format!(
-                "the saved optimizer state of `{path}` does not fit this optimizer"
+                "the saved optimizer state of `{path}` does not fit this optimizer: resume with the checkpoint's --optimizer, --min-8bit-size and --embedding-state-32bit (which choose each parameter's 8-bit or 32-bit state)"
             ))
         })?;
         self.put_state(rank, path.to_string(), state)
@@ -756,49 +754,46 @@ fn cast_ranked<const D: usize>(
     }
 }
 
-/// Learning rate per optimizer step: linear warm-up, then constant or burn-optim's cosine
-/// annealing down to `min_lr_ratio * lr` at the last step.
+/// Learning rate per optimizer step: linear warm-up to `--lr`, then constant, or cosine
+/// annealing to `min_lr_ratio * lr` at the last step. The cosine is transformers'
+/// `get_cosine_with_min_lr_schedule_with_warmup` at 1-based steps: step `s` of a warm-up of
+/// `w` takes `s / w` of the peak, so no step runs at 0 and the peak is the warm-up's last
+/// step's, once; step `w + k` of the `n` after it is annealed by `k / n`.
 pub struct LrSchedule {
     warmup: usize,
     peak: f64,
-    cosine: Option<ModuleLrScheduler>,
+    /// The cosine's final rate, and the steps it anneals over.
+    cosine: Option<(f64, usize)>,
     step: usize,
 }
 
 impl LrSchedule {
-    pub fn new(args: &TrainArgs) -> Result<Self, TrainError> {
-        let cosine = match args.schedule {
-            Schedule::Constant => None,
-            Schedule::Cosine => Some(
-                CosineAnnealingLrSchedulerConfig::new(
-                    args.lr,
-                    args.max_steps.saturating_sub(args.warmup_steps).max(1),
-                )
-                .with_min_lr(args.lr * args.min_lr_ratio.unwrap_or(MIN_LR_RATIO))
-                .init()
-                .map_err(TrainError::InvalidArgs)?,
-            ),
-        };
-        Ok(Self {
+    pub fn new(args: &TrainArgs) -> Self {
+        let cosine = (args.schedule == Schedule::Cosine).then(|| {
+            let min = args.lr * args.min_lr_ratio.unwrap_or(MIN_LR_RATIO);
+            (min, args.max_steps.saturating_sub(args.warmup_steps).max(1))
+        });
+        Self {
             warmup: args.warmup_steps,
             peak: args.lr,
             cosine,
             step: 0,
-        })
+        }
     }
 
     /// The flags that make the schedule, each with its value: what a checkpoint records, so
-    /// that a resumed run whose schedule is another's says so.
+    /// that a resumed run whose schedule is another's says so. A constant rate does not
+    /// depend on the run's length.
     pub fn flags(args: &TrainArgs) -> BTreeMap<String, String> {
         let mut flags = BTreeMap::from([
             ("--lr".to_string(), args.lr.to_string()),
             ("--schedule".to_string(), value_name(args.schedule)),
             ("--warmup-steps".to_string(), args.warmup_steps.to_string()),
-            ("--max-steps".to_string(), args.max_steps.to_string()),
         ]);
         if args.schedule == Schedule::Cosine {
             let ratio = args.min_lr_ratio.unwrap_or(MIN_LR_RATIO);
             flags.insert("--min-lr-ratio".to_string(), ratio.to_string());
+            flags.insert("--max-steps".to_string(), args.max_steps.to_string());
         }
         flags
     }
@@ -823,8 +818,11 @@ impl LrSchedule {
         if self.step <= self.warmup {
             return self.peak * self.step as f64 / self.warmup as f64;
         }
-        match &mut self.cosine {
-            Some(cosine) => cosine.step().base(),
+        match self.cosine {
+            Some((min, steps)) => {
+                let progress = ((self.step - self.warmup) as f64 / steps as f64).min(1.0);
+                min + (self.peak - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
             None => self.peak,
         }
     }
@@ -841,12 +839,21 @@ mod tests {
 
     #[test]
     fn cosine_with_warmup() {
-        let mut s = LrSchedule::new(&args(&["--warmup-steps", "2"])).unwrap();
+        // transformers' lambda at steps 1..=10 (warm-up 2, min ratio 0.1): 0.5, 1, then
+        // 0.1 + 0.9 * 0.5 * (1 + cos(pi * k / 8)) for k = 1..=8.
+        let mut s = LrSchedule::new(&args(&["--warmup-steps", "2"]));
         let lrs: Vec<f64> = (0..10).map(|_| s.next_lr()).collect();
-        assert!((lrs[0] - 0.05).abs() < 1e-12 && (lrs[1] - 0.1).abs() < 1e-12);
-        assert!((lrs[2] - 0.1).abs() < 1e-12, "cosine starts at the peak");
-        assert!(lrs.windows(2).skip(2).all(|w| w[1] < w[0]), "{lrs:?}");
-        assert!(lrs[9] > 0.01 && lrs[9] < 0.03, "{lrs:?}");
+        let near = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(near(lrs[0], 0.05) && near(lrs[1], 0.1), "{lrs:?}");
+        assert!(
+            lrs.windows(2).skip(1).all(|w| w[1] < w[0]),
+            "the peak once: {lrs:?}"
+        );
+        assert!(near(lrs[5], 0.055), "half-way: {lrs:?}");
+        assert!(near(lrs[9], 0.01), "the minimum at the last step: {lrs:?}");
+        let mut s = LrSchedule::new(&args(&["--min-lr-ratio", "0"]));
+        let last = (0..10).map(|_| s.next_lr()).last();
+        assert_eq!(last, Some(0.0));
     }
 
     #[test]
@@ -864,7 +871,12 @@ mod tests {
 
     #[test]
     fn constant_schedule() {
-        let mut s = LrSchedule::new(&args(&["--schedule", "constant"])).unwrap();
+        let flags = |extra: &[&str]| LrSchedule::flags(&args(extra));
+        let constant = ["--schedule", "constant"];
+        let longer = [&constant[..], &["--max-steps", "40"]].concat();
+        assert_eq!(flags(&constant), flags(&longer));
+        assert_ne!(flags(&[]), flags(&["--max-steps", "40"]));
+        let mut s = LrSchedule::new(&args(&["--schedule", "constant"]));
         assert!((0..10).all(|_| s.next_lr() == 0.1));
     }
 

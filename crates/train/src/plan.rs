@@ -271,12 +271,10 @@ fn optimizer_step_bytes<M: Module>(
     let one = One {
         weight: Param::from_tensor(Tensor::zeros([rows, cols], (&inner, dtype))),
     };
-    // No disk files for a probe: the state stays in memory, as a plan counts it apart.
-    let probe_args = TrainArgs {
-        offload_dir: None,
-        ..args.clone()
-    };
-    let mut optim = ParamOptimizer::new(&probe_args, 0, &one)?;
+    // Under --offload-dir the probe's state goes to disk too (its own directory there,
+    // removed with it): the step then adds the state it reads in and the copy it writes back,
+    // which the plan, holding no state in memory between steps, counts nowhere else.
+    let mut optim = ParamOptimizer::new(args, 0, &one)?;
     // Clipping and 16-mixed's unscaling hand the step its gradients with a factor, which each
     // optimizer multiplies in where it reads a gradient (Adafactor twice before its update).
     let multiplied = args.grad_clip > 0.0 || args.precision.scales_loss();

@@ -126,7 +126,8 @@ pub struct StepMetrics {
     pub loss: f64,
     pub grad_norm: f64,
     pub items_per_s: f64,
-    /// Seconds since training began (a resumed run's go on from its earlier rows').
+    /// Seconds since this run's training began (in `--metrics-csv`, a resumed run's rows go
+    /// on from the earlier run's).
     pub elapsed_s: f64,
     /// Whether the loss scaler skipped the update (`16-mixed`: the gradients overflowed);
     /// its forward and backward ran.
@@ -311,7 +312,7 @@ fn run_rank<T: TrainTask>(
     }
     let keys = model.checkpoint_keys();
     let mut optim = ParamOptimizer::new(args, rank, &model)?;
-    let mut schedule = LrSchedule::new(args)?;
+    let mut schedule = LrSchedule::new(args);
     if let Some(note) = LrSchedule::unreached(args).filter(|_| lead) {
         eprintln!("note: {note}");
     }
@@ -382,8 +383,8 @@ fn run_rank<T: TrainTask>(
     // Time, items and model FLOPs of the steady-state training steps (evaluations left out):
     // what the throughput divides.
     let mut train_s = 0.0;
-    let mut step_times = Vec::with_capacity(args.max_steps);
-    let mut history = Vec::with_capacity(args.max_steps);
+    let mut step_times = Vec::new();
+    let mut history = Vec::new();
     // Host transfers in training steps, without evaluations.
     let mut transferred = 0;
     // The process peak of training so far, before a checkpoint reset it.
@@ -866,22 +867,28 @@ impl MetricsCsv {
     const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s,skipped";
 
     /// The file at `path`, new; or for a run resumed after step `resumed`, the rows an earlier
-    /// run wrote there up to that step (those after it are retrained), continued.
+    /// run wrote there up to that step (those after it are retrained), continued. The kept
+    /// rows go to a file beside it that then replaces it, so that a run killed meanwhile
+    /// leaves the earlier file whole.
     fn open(path: &std::path::Path, resumed: Option<usize>) -> Result<Self, TrainError> {
-        let io = |source| TrainError::Io {
-            path: path.to_path_buf(),
-            source,
-        };
         let earlier = match resumed {
             Some(step) if path.exists() => Self::rows_up_to(path, step)?,
             _ => Vec::new(),
         };
-        let mut out = BufWriter::new(File::create(path).map_err(io)?);
-        writeln!(out, "{}", Self::HEADER).map_err(io)?;
+        let mut name = path.file_name().unwrap_or_default().to_owned();
+        name.push(".partial");
+        let partial = path.with_file_name(name);
+        let io = |path: &std::path::Path| {
+            let path = path.to_path_buf();
+            move |source| TrainError::Io { path, source }
+        };
+        let mut out = BufWriter::new(File::create(&partial).map_err(io(&partial))?);
+        writeln!(out, "{}", Self::HEADER).map_err(io(&partial))?;
         for row in &earlier {
-            writeln!(out, "{row}").map_err(io)?;
+            writeln!(out, "{row}").map_err(io(&partial))?;
         }
-        out.flush().map_err(io)?;
+        out.flush().map_err(io(&partial))?;
+        std::fs::rename(&partial, path).map_err(io(path))?;
         let elapsed_before = earlier
             .last()
             .and_then(|row| row.split(',').nth(5))
@@ -897,7 +904,7 @@ impl MetricsCsv {
     /// The rows of the metrics file at `path` for steps up to `step`; an error for a file that
     /// is not one (it is left as it is).
     fn rows_up_to(path: &std::path::Path, step: usize) -> Result<Vec<String>, TrainError> {
-        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Io {
+        let text = std::fs::read_to_string(path).map_err(|source| TrainError::Read {
             path: path.to_path_buf(),
             source,
         })?;
