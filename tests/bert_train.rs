@@ -123,6 +123,48 @@ fn bigbird_block_sparse_zero3_recomputes_the_same_random_blocks() {
     assert_same(&single, &sharded, "bigbird zero3");
 }
 
+/// BigBird's classifier reads the first token, not the pooler (HF's
+/// `BigBirdForSequenceClassification`), so backward never reaches the pooler: as in PyTorch and
+/// the plain Burn loop, the optimizer leaves it as it was (AdamW's decoupled decay too), under
+/// every strategy, while it trains the rest.
+#[test]
+fn a_parameter_backward_never_reaches_is_not_stepped() {
+    let config = BigBirdConfig::tiny().with_num_labels(2);
+    let build = || seeded_model(3, |device| BigBird::new(&config, device).unwrap());
+    let values = |p: &burn::module::Param<Tensor<2>>| -> Vec<f32> {
+        p.val().into_data().convert::<f32>().to_vec().unwrap()
+    };
+    let fresh = build();
+    let adamw = [
+        "--optimizer",
+        "adamw",
+        "--weight-decay",
+        "0.1",
+        "--lr",
+        "0.01",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "4",
+    ];
+    for sharded in [
+        &[][..],
+        &["--strategy", "zero2", "--devices", "2"],
+        &["--strategy", "zero3", "--devices", "2"],
+    ] {
+        let flags = [&adamw[..], sharded].concat();
+        let (trained, _) = run_task(build(), data(64, 1), data(8, 2), &flags);
+        let what = flags.join(" ");
+        let pooler = values(&trained.pooler.weight) == values(&fresh.pooler.weight);
+        assert!(pooler, "{what}: the pooler was stepped");
+        let head = |m: &BigBird| values(&m.classifier.as_ref().expect("a head").dense.weight);
+        assert!(
+            head(&trained) != head(&fresh),
+            "{what}: the head did not train"
+        );
+    }
+}
+
 /// A sequence the model cannot read (longer than the position table, or a token outside
 /// the vocabulary) stops the run before its first step with an error naming the example.
 #[test]

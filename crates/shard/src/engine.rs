@@ -1,4 +1,4 @@
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
@@ -58,6 +58,11 @@ pub struct Sharded<'c, M: BlockModel> {
     /// Gradients after the collective (flat, in the gradient dtype): full, or this rank's
     /// shards, summed over the micro-steps.
     reduced: Flat,
+    /// The parameters this rank's backward reached in this step. The others' reductions
+    /// count zeros (every rank joins each collective), but, as in PyTorch and a plain Burn
+    /// loop, the optimizer does not step them (AdamW would decay them): BigBird's pooler,
+    /// which its classifier does not read. Every rank runs the same graph, so they agree.
+    reached: HashSet<ParamId>,
     /// The most gradient bytes (`local` and `reduced` together) held at once so far in this
     /// step, and in the last finished one.
     grad_peak: usize,
@@ -140,6 +145,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             model: None,
             flops: model.flops(),
             local: HashMap::new(),
+            reached: HashSet::new(),
             reduced: HashMap::new(),
             grad_peak: 0,
             grad_bytes: 0,
@@ -297,6 +303,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     ) -> Result<StepOutcome, ShardError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let mut grads = std::mem::take(&mut self.reduced);
+        let reached = std::mem::take(&mut self.reached);
         self.grad_bytes = std::mem::take(&mut self.grad_peak);
         if self.sharding.optimizer_state && !self.sharding.gradients {
             // Copied out, so that each bucket's full gradients go as its last shard is cut.
@@ -360,6 +367,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         } else {
             (model, None)
         };
+        grads.retain(|id, _| reached.contains(id));
         let grads = StepGrads::new(params::to_grads(&target, grads), factor);
         let updated = optimize(target, grads);
         self.model = Some(match replica {
@@ -773,10 +781,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let (device, grad_dtype) = (self.inner_device(), self.grad_dtype());
         let local: Vec<Tensor<1>> = slots
             .iter()
-            .map(|s| {
-                self.local
-                    .remove(&s.id)
-                    .unwrap_or_else(|| Tensor::zeros([s.numel()], (&device, grad_dtype)))
+            .map(|s| match self.local.remove(&s.id) {
+                Some(grad) => {
+                    self.reached.insert(s.id);
+                    grad
+                }
+                None => Tensor::zeros([s.numel()], (&device, grad_dtype)),
             })
             .collect();
         let dtype = tensor_dtype(self.reduce_dtype);
