@@ -132,7 +132,7 @@ fn a_parameter_backward_never_reaches_is_not_stepped() {
     let config = BigBirdConfig::tiny().with_num_labels(2);
     let build = || seeded_model(3, |device| BigBird::new(&config, device).unwrap());
     let values = |p: &burn::module::Param<Tensor<2>>| -> Vec<f32> {
-        p.val().into_data().convert::<f32>().to_vec().unwrap()
+        p.val().into_data().try_into_vec::<f32>().unwrap()
     };
     let fresh = build();
     let adamw = [
