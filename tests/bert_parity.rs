@@ -126,6 +126,27 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
         .unwrap_or_else(|e| panic!("BigBird: {e}"));
 }
 
+/// A sequence all padding (every key masked) attends uniformly, as transformers' mask of the
+/// dtype's minimum makes it, in bf16 too: a mask of -inf there (f32::MIN rounds to it) made
+/// its hidden states NaN.
+#[test]
+fn a_sequence_of_padding_stays_finite_in_bf16() {
+    let device = Device::default();
+    let (tensors, _) = fixture("bert", "tiny_bert_cls.safetensors");
+    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, &device).unwrap();
+    let model = burnscale::precision::cast(model, burn::tensor::FloatDType::BF16);
+    let input = BertInput {
+        input_ids: Tensor::from_data([[2i64, 5, 3], [0, 0, 0]], &device),
+        token_type_ids: Tensor::zeros([2, 3], &device),
+        attention_mask: Tensor::from_data([[1i64, 1, 1], [0, 0, 0]], &device),
+    };
+    let hidden = model
+        .hidden_states(input)
+        .cast(burn::tensor::FloatDType::F32);
+    assert!(hidden.is_finite().all().into_scalar::<bool>());
+}
+
 #[test]
 fn minilm_matches_transformers_and_its_tokenizer() {
     let device = Device::default();

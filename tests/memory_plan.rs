@@ -6,11 +6,12 @@
 
 use std::sync::Mutex;
 
+use burnscale::collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
 use burnscale::plan_check::{ONE_RANK, TOLERANCE, run, setup};
 use burnscale::train::auto::resolve;
 use burnscale::train::memory::{CountingAllocator, human_bytes};
 use burnscale::train::plan::{Probe, off};
-use burnscale::train::{RunSummary, TrainError};
+use burnscale::train::{RunSummary, TrainError, train_on};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -137,6 +138,18 @@ fn planned_against_measured(flags: &[&str], summary: &RunSummary) -> (f64, Strin
     );
     eprintln!("{line}");
     (off, line)
+}
+
+/// `train_on` is handed its ranks, after the point where `train`'s probe runs: it refuses to
+/// plan host memory rather than run unplanned (its `--plan` printed nothing, its budget bound
+/// nothing).
+#[test]
+fn train_on_refuses_a_host_memory_plan() {
+    let (model, mut task, args, device) = setup(&[]).unwrap();
+    assert!(args.plan);
+    let comm = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
+    let err = train_on(&comm, model, &mut task, &args, &device).expect_err("refused");
+    assert!(err.to_string().contains("call train"), "{err}");
 }
 
 #[test]

@@ -62,6 +62,18 @@ pub fn layer_norm<const D: usize>(norm: &LayerNorm, x: Tensor<D>) -> Tensor<D> {
         .cast(FloatDType::from(dtype))
 }
 
+/// The most negative finite value of `activations`' dtype, as an f32: what an additive mask
+/// puts on a key that may not be attended (transformers' `finfo(dtype).min`). `f32::MIN`
+/// rounds to -inf in f16 and bf16, and a row whose every key is masked would then be NaN
+/// rather than uniform.
+pub fn lowest<const D: usize>(activations: &Tensor<D>) -> f32 {
+    match activations.dtype() {
+        DType::F16 => half::f16::MIN.to_f32(),
+        DType::BF16 => half::bf16::MIN.to_f32(),
+        _ => f32::MIN,
+    }
+}
+
 /// `created` (a mask or bias built in f32) in the dtype of the activations it meets.
 pub fn like<const D: usize, const E: usize>(
     created: Tensor<D>,

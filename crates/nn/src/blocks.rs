@@ -9,8 +9,8 @@ use crate::flops::Flops;
 use crate::weights::{KeyMap, OwnNames};
 
 /// What blocks read besides the activations: an additive attention bias `[batch, 1, 1, seq]`
-/// (0 for keys that may be attended, a large negative value for padding), or `None` when
-/// every key is visible.
+/// (0 for keys that may be attended, the dtype's most negative finite value for padding:
+/// [`crate::autocast::lowest`]), or `None` when every key is visible.
 pub type Mask = Option<Tensor<4>>;
 
 pub trait BlockModel: Module {

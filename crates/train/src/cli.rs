@@ -460,7 +460,7 @@ impl TrainArgs {
 
     /// Whether the run's memory is planned before it starts: `--plan`, `--memory-budget`, or
     /// `--strategy auto` (which chooses by the plans).
-    fn plans_memory(&self) -> bool {
+    pub fn plans_memory(&self) -> bool {
         self.plan || self.memory_budget.is_some() || self.strategy == Strategy::Auto
     }
 

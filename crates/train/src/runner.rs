@@ -212,7 +212,9 @@ pub fn train<T: TrainTask>(
 /// its process group). Every rank calls it with the same model, task and arguments. Returns
 /// the trained model when the strategy keeps it whole on every rank, or under zero3 when
 /// `args.gather_model` asks for it (`None` otherwise), with this rank's summary.
-/// Without [`train`]'s memory plan (its probe runs before any rank starts).
+/// Host memory is not planned here (`--plan`, `--memory-budget` and `--strategy auto` are
+/// refused): [`train`]'s probe runs before any rank starts. A cubecl device's pools are
+/// planned by each rank's dry run, as under [`train`].
 pub fn train_on<T: TrainTask>(
     comm: &dyn Communicator,
     model: T::Model,
@@ -220,6 +222,11 @@ pub fn train_on<T: TrainTask>(
     args: &TrainArgs,
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
+    if args.plans_memory() && !args.plans_device() {
+        return Err(TrainError::InvalidArgs(
+            "--plan, --memory-budget and --strategy auto plan host memory before the ranks start, which train does and train_on (given its ranks) cannot: call train, or drop them".into(),
+        ));
+    }
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
     optim::check_flags_act_on(&model, args)?;

@@ -136,7 +136,8 @@ impl Embeddings {
             .equal_elem(0)
             .float()
             .reshape([b, 1, 1, t]);
-        (x.clone(), Some(autocast::like(padding * f32::MIN, &x)))
+        let bias = padding * autocast::lowest(&x);
+        (x.clone(), Some(autocast::like(bias, &x)))
     }
 
     pub fn forward(&self, input_ids: Tensor<2, Int>, token_type_ids: Tensor<2, Int>) -> Tensor<3> {

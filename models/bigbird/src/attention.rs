@@ -16,7 +16,7 @@
 //! 0, as HF's inference does.
 
 use burn::prelude::*;
-use burnscale_nn::autocast::like;
+use burnscale_nn::autocast::{like, lowest};
 use burnscale_nn::{Dropout, DropoutConfig, Mask, attention, dropout};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -60,7 +60,7 @@ pub fn block_sparse(
         match tp - t {
             0 => given,
             extra => {
-                let masked = like(Tensor::full([b, extra], f32::MIN, &device), &q);
+                let masked = like(Tensor::full([b, extra], lowest(&q), &device), &q);
                 Tensor::cat(vec![given, masked], 1)
             }
         }
@@ -89,6 +89,7 @@ pub fn block_sparse(
     let width = lists[0][0].len() * block;
     let rows = n - 2;
     let mut index = Vec::with_capacity(h * rows * width);
+    let masked_key = lowest(&q);
     let mut extra = Vec::with_capacity(rows * width);
     for (head, per_head) in lists.iter().enumerate() {
         for list in per_head {
@@ -96,7 +97,7 @@ pub fn block_sparse(
                 index.extend((kb * block..(kb + 1) * block).map(|i| i as i64));
                 if head == 0 {
                     extra.extend(std::iter::repeat_n(
-                        if live { 0.0 } else { f32::MIN },
+                        if live { 0.0 } else { masked_key },
                         block,
                     ));
                 }
