@@ -485,6 +485,25 @@ fn fill(template: &str, index: Option<usize>) -> Option<String> {
     })
 }
 
+/// `key` with a layer norm's PyTorch parameter names (`weight`, `bias`) as burnscale's
+/// [`crate::LayerNorm`] names them (`gamma`, `beta`), for the modules `is_layer_norm` picks.
+pub fn layer_norm_from_torch(key: &str, is_layer_norm: impl Fn(&str) -> bool) -> String {
+    match key.rsplit_once('.') {
+        Some((module, "weight")) if is_layer_norm(module) => format!("{module}.gamma"),
+        Some((module, "bias")) if is_layer_norm(module) => format!("{module}.beta"),
+        _ => key.to_string(),
+    }
+}
+
+/// `path` with [`crate::LayerNorm`]'s `gamma` and `beta` under PyTorch's names.
+pub fn layer_norm_to_torch(path: &str) -> String {
+    match path.rsplit_once('.') {
+        Some((module, "gamma")) => format!("{module}.weight"),
+        Some((module, "beta")) => format!("{module}.bias"),
+        _ => path.to_string(),
+    }
+}
+
 /// Whether a file's task head is loaded or a fresh one is kept (finetuning on other labels or
 /// classes, or from a pretraining checkpoint).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

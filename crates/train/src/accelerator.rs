@@ -43,8 +43,7 @@ impl Accelerator {
 
     /// The flag's value naming it (`cubecl-cpu`).
     pub fn name(self) -> String {
-        self.to_possible_value()
-            .map_or_else(String::new, |v| v.get_name().to_string())
+        crate::cli::value_name(self)
     }
 
     /// Runs `f` for each rank this process hosts (`devices` threads, or its one MPI rank),

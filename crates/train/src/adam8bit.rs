@@ -253,6 +253,13 @@ struct Blocks {
     count: usize,
 }
 
+/// The bytes of 8-bit state for a tensor of `dims`: per moment, a one-byte code per element
+/// and an f32 absmax per block of each row.
+pub(crate) fn state_bytes(dims: &[usize]) -> usize {
+    let blocks = Blocks::of(dims);
+    2 * (blocks.rows * blocks.row_len + 4 * blocks.rows * blocks.count)
+}
+
 impl Blocks {
     /// A tensor of `dims` as rows: the first dim, the rest flattened.
     fn of(dims: &[usize]) -> Self {

@@ -631,6 +631,30 @@ struct RankFile {
     header: Metadata,
 }
 
+impl RankFile {
+    /// The bytes of tensor `key`, which must hold `len` bytes of `dtype`; else the file at
+    /// `path` is corrupt, missing `what`.
+    fn tensor(
+        &self,
+        key: &str,
+        dtype: TensorDType,
+        len: usize,
+        path: PathBuf,
+        what: String,
+    ) -> Result<&[u8], CheckpointError> {
+        let info = self.header.info(key).filter(|i| {
+            tensor_dtype(i.dtype) == Some(dtype) && i.data_offsets.1 - i.data_offsets.0 == len
+        });
+        match info {
+            Some(info) => Ok(&self.map[self.data_start + info.data_offsets.0..][..len]),
+            None => Err(CheckpointError::Corrupt {
+                path,
+                reason: format!("no {} tensor `{key}` of {what}", dtype_name(dtype)),
+            }),
+        }
+    }
+}
+
 impl Checkpoint {
     /// The newest complete checkpoint under `root`, if any.
     pub fn latest(root: &Path) -> Result<Option<Self>, CheckpointError> {
@@ -792,19 +816,8 @@ impl Checkpoint {
                 continue;
             }
             let key = range_key(&name, start, real);
-            let path = self.dir.join(rank_file(r));
-            let file = self.file(r)?;
-            let info = file.header.info(&key).filter(|i| {
-                tensor_dtype(i.dtype) == Some(dtype)
-                    && i.data_offsets.1 - i.data_offsets.0 == real * row
-            });
-            let Some(info) = info else {
-                return Err(CheckpointError::Corrupt {
-                    path,
-                    reason: format!("no {} tensor `{key}` of {real} rows", tensor.dtype),
-                });
-            };
-            let data = &file.map[file.data_start + info.data_offsets.0..][..real * row];
+            let (path, what) = (self.dir.join(rank_file(r)), format!("{real} rows"));
+            let data = self.file(r)?.tensor(&key, dtype, real * row, path, what)?;
             bytes.extend_from_slice(&data[(lo - start) * row..(hi - start) * row]);
         }
         bytes.resize(pad_to.max(count) * row, 0);
@@ -821,17 +834,8 @@ impl Checkpoint {
     ) -> Result<TensorData, CheckpointError> {
         let key = whole_key(&tensor.name);
         let len = tensor.dims.iter().product::<usize>() * dtype.size();
-        let file = self.file(0)?;
-        let info = file.header.info(&key).filter(|i| {
-            tensor_dtype(i.dtype) == Some(dtype) && i.data_offsets.1 - i.data_offsets.0 == len
-        });
-        let Some(info) = info else {
-            return Err(CheckpointError::Corrupt {
-                path: self.dir.join(rank_file(0)),
-                reason: format!("no {} tensor `{key}` of {len} bytes", tensor.dtype),
-            });
-        };
-        let bytes = file.map[file.data_start + info.data_offsets.0..][..len].to_vec();
+        let (path, what) = (self.dir.join(rank_file(0)), format!("{len} bytes"));
+        let bytes = self.file(0)?.tensor(&key, dtype, len, path, what)?.to_vec();
         Ok(TensorData::from_bytes_vec(
             bytes,
             tensor.dims.clone(),

@@ -263,7 +263,7 @@ impl ParamOptimizer {
         saved: StateSink,
         device: &Device,
     ) -> Result<(), TrainError> {
-        let device = self.host.clone().unwrap_or_else(|| device.clone());
+        let device = self.home(device);
         let state = self.unflatten(rank, path, saved, &device).ok_or_else(|| {
             TrainError::InvalidData(format!(
                 "the saved optimizer state of `{path}` does not fit this optimizer: resume with the checkpoint's --optimizer, --min-8bit-size and --embedding-state-32bit (which choose each parameter's 8-bit or 32-bit state)"
@@ -326,10 +326,8 @@ impl ParamOptimizer {
             && paths.contains(path)
         {
             optim
-        } else if rank >= 2 {
-            &self.decay
         } else {
-            &self.no_decay
+            decayed(rank, &self.decay, &self.no_decay)
         }
     }
 
@@ -419,11 +417,16 @@ struct Factored {
 
 impl Factored {
     fn for_rank(&self, rank: usize) -> &Adafactor {
-        if rank >= 2 {
-            &self.decay
-        } else {
-            &self.no_decay
-        }
+        decayed(rank, &self.decay, &self.no_decay)
+    }
+}
+
+/// Which of an optimizer's two settings steps a `rank`-dimensional parameter: weight decay
+/// for matrices and embeddings (rank >= 2), none for biases and norms (as nanoGPT).
+fn decayed<'a, T: ?Sized>(rank: usize, decay: &'a T, no_decay: &'a T) -> &'a T {
+    match rank >= 2 {
+        true => decay,
+        false => no_decay,
     }
 }
 
@@ -653,12 +656,7 @@ pub(crate) fn state_bytes_of(
     let numel: usize = held.iter().product();
     let rank = held.len();
     match args.optimizer {
-        // Codes of one byte, and an f32 absmax per block of each row, per moment.
-        OptimizerKind::Adam8bit if eight_bit => {
-            let row_len: usize = held[1..].iter().product();
-            let blocks = row_len.div_ceil(row_len.clamp(1, crate::adam8bit::BLOCK));
-            2 * (numel + 4 * held[0] * blocks)
-        }
+        OptimizerKind::Adam8bit if eight_bit => crate::adam8bit::state_bytes(held),
         OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => 2 * weight * numel,
         OptimizerKind::Sgd if args.sgd_momentum() > 0.0 => weight * numel,
         OptimizerKind::Sgd => 0,

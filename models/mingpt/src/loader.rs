@@ -31,21 +31,12 @@ fn hf_to_burn(key: &str) -> Option<String> {
     if key.ends_with(".attn.bias") || key.ends_with(".attn.masked_bias") {
         return None;
     }
-    let renamed = match key.rsplit_once('.') {
-        Some((module, "weight")) if is_layer_norm(module) => format!("{module}.gamma"),
-        Some((module, "bias")) if is_layer_norm(module) => format!("{module}.beta"),
-        _ => key.to_string(),
-    };
-    Some(renamed)
+    Some(weights::layer_norm_from_torch(key, is_layer_norm))
 }
 
 /// The HF key of a burnscale parameter path (`h.0.ln_1.gamma` -> `transformer.h.0.ln_1.weight`).
 pub fn burn_to_hf(path: &str) -> String {
-    let hf = match path.rsplit_once('.') {
-        Some((module, "gamma")) => format!("{module}.weight"),
-        Some((module, "beta")) => format!("{module}.bias"),
-        _ => path.to_string(),
-    };
+    let hf = weights::layer_norm_to_torch(path);
     if hf == LM_HEAD {
         hf
     } else {

@@ -95,20 +95,12 @@ fn hf_to_burn(key: &str) -> Option<String> {
             None => rename(key, &TOP_RENAMES, true),
         },
     };
-    Some(match path.rsplit_once('.') {
-        Some((module, "weight")) if is_layer_norm(module) => format!("{module}.gamma"),
-        Some((module, "bias")) if is_layer_norm(module) => format!("{module}.beta"),
-        _ => path,
-    })
+    Some(weights::layer_norm_from_torch(&path, is_layer_norm))
 }
 
 /// The HF key of a burnscale parameter path.
 pub fn burn_to_hf(path: &str) -> String {
-    let path = match path.rsplit_once('.') {
-        Some((module, "gamma")) => format!("{module}.weight"),
-        Some((module, "beta")) => format!("{module}.bias"),
-        _ => path.to_string(),
-    };
+    let path = weights::layer_norm_to_torch(path);
     if path.starts_with(CLASSIFIER) {
         return path;
     }
