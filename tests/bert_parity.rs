@@ -34,6 +34,14 @@ fn input(io: &HashMap<String, Weight>, device: &Device) -> BertInput {
     }
 }
 
+/// The tiny BERT classifier of the fixtures, and its config.
+fn tiny_classifier(device: &Device) -> (burnscale::bert::Bert, BertConfig) {
+    let (tensors, _) = fixture("bert", "tiny_bert_cls.safetensors");
+    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, device).unwrap();
+    (model, cls)
+}
+
 #[test]
 fn tiny_models_match_transformers() {
     let device = Device::default();
@@ -132,9 +140,7 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
 #[test]
 fn a_sequence_of_padding_stays_finite_in_bf16() {
     let device = Device::default();
-    let (tensors, _) = fixture("bert", "tiny_bert_cls.safetensors");
-    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
-    let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, &device).unwrap();
+    let (model, _) = tiny_classifier(&device);
     let model = burnscale::precision::cast(model, burn::tensor::FloatDType::BF16);
     let input = BertInput {
         input_ids: Tensor::from_data([[2i64, 5, 3], [0, 0, 0]], &device),
@@ -191,9 +197,7 @@ fn minilm_matches_transformers_and_its_tokenizer() {
 #[test]
 fn bad_input_gives_errors_that_name_the_problem() {
     let device = Device::default();
-    let (tensors, _) = fixture("bert", "tiny_bert_cls.safetensors");
-    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
-    let model = loader::load_weights(tensors, Path::new("t"), &cls, Head::Load, &device).unwrap();
+    let (model, cls) = tiny_classifier(&device);
     let dir = tempfile::tempdir().unwrap();
     let good = dir.path().join("good.safetensors");
     loader::save(&model, &good).unwrap();
