@@ -116,6 +116,22 @@ fn sixteen_true_stops_on_nan_where_sixteen_mixed_trains() {
             other.map(|r| r.0)
         ),
     }
+    // Reduced in f16 over ranks without a loss scaler, the error names that reduction too.
+    let reduced = [
+        "--strategy",
+        "ddp",
+        "--devices",
+        "2",
+        "--grad-reduce-dtype",
+        "f16",
+    ];
+    match run(&[&sixteen_true[..], &reduced].concat(), 50, dir.path()) {
+        Err(e @ TrainError::NonFiniteLoss { .. }) => {
+            let message = e.to_string();
+            assert!(message.contains("--grad-reduce-dtype f16"), "{message}");
+        }
+        other => panic!("16-true stops on NaN, got {:?}", other.map(|r| r.0)),
+    }
     let (losses, _) = run(&["--precision", "16-mixed"], 50, dir.path()).unwrap();
     assert!(losses.iter().all(|l| l.is_finite()));
     assert!(

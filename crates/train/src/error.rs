@@ -20,13 +20,16 @@ pub enum TrainError {
     #[error("invalid data: {0}")]
     InvalidData(String),
     #[error(
-        "loss became {loss} at step {step} under --precision {precision}; training stopped instead of continuing on NaN/inf ({})",
-        non_finite_hint(precision)
+        "loss became {loss} at step {step} under --precision {precision}; training stopped instead of continuing on NaN/inf ({}{})",
+        non_finite_hint(precision),
+        if *f16_reduce { "; gradients reduced in f16 (--grad-reduce-dtype f16) without a loss scaler overflow above 65504 and flush below 6e-8: reduce in bf16 or f32, or train 16-mixed" } else { "" }
     )]
     NonFiniteLoss {
         step: usize,
         loss: f64,
         precision: Precision,
+        /// Whether gradients were reduced in f16 without 16-mixed's loss scaler.
+        f16_reduce: bool,
     },
     #[error(transparent)]
     Precision(#[from] burnscale_precision::PrecisionError),

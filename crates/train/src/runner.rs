@@ -413,6 +413,7 @@ fn run_rank<T: TrainTask>(
                 step,
                 loss: step_loss,
                 precision: args.precision,
+                f16_reduce: args.grad_reduce_dtype == ReduceDtype::F16 && world > 1,
             });
         }
         transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
