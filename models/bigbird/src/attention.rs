@@ -23,9 +23,9 @@ use rand::rngs::StdRng;
 use rand::seq::index::sample;
 
 /// Block-sparse attention of scaled `q`, `k`, `v` (`[b, heads, t, head_dim]`) under a
-/// padding mask (`[b, 1, 1, t]`), for `t >= 5 · block` after padding to whole blocks. Like
-/// HF, no dropout is applied to the sparse attention probabilities; `dropout` only says
-/// whether this is training.
+/// padding mask (`[b, 1, 1, t]`), for `t >= 5 · block` after padding to whole blocks; padded
+/// queries' outputs are zero, as HF's. Like HF, no dropout is applied to the sparse attention
+/// probabilities; `dropout` only says whether this is training.
 pub fn block_sparse(
     q: Tensor<4>,
     k: Tensor<4>,
@@ -143,7 +143,16 @@ pub fn block_sparse(
         ],
         2,
     ); // [b, h, tp, hd]
-    out.narrow(2, 0, t)
+    let out = out.narrow(2, 0, t);
+    // HF zeroes the padded queries' outputs (its `from_mask`); full attention does not.
+    match mask {
+        Some(bias) => {
+            let queries = bias.clone().equal_elem(0.0).float().reshape([b, 1, t, 1]);
+            let queries = like(queries, &out);
+            out * queries
+        }
+        None => out,
+    }
 }
 
 /// For each head and each query block 1..n-1: its key blocks, `(block, live)`; a dead slot
