@@ -82,6 +82,7 @@ fn run() -> Result<()> {
         );
     }
     let tokenizer = BertTokenizer::from_file(&files.tokenizer_json, true)?;
+    tokenizer.check_vocab(&minilm, &files.tokenizer_json)?;
     let (train_set, test_set) = spam::split(spam::load()?, cli.test_fraction, cli.train.seed);
     let encode = |emails: &[Email]| -> Result<Vec<(Vec<i64>, i64)>> {
         let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
@@ -109,10 +110,16 @@ fn run() -> Result<()> {
     let device = cli.train.device()?;
     device.seed(cli.train.seed);
     let pad = tokenizer.pad_id();
+    // What a resumed run must read again: the corpus, its split and the tokens kept.
+    let data = serde_json::json!({
+        "data": "spam-assassin",
+        "test_fraction": cli.test_fraction,
+        "max_length": cli.max_length,
+    });
     let summary = match cli.model {
         Model::Bert => {
             let model = loader::load(&files.weights, &minilm, Head::Fresh, &device)?;
-            let args = cli.train.with_model_config(&minilm)?;
+            let args = cli.train.with_model_and_data(&minilm, data.clone())?;
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
         Model::Distilbert => {
@@ -126,7 +133,7 @@ fn run() -> Result<()> {
                 train_rows,
                 test_rows,
                 pad,
-                &cli.train.with_model_config(&config)?,
+                &cli.train.with_model_and_data(&config, data.clone())?,
                 &device,
             )?
         }
@@ -154,7 +161,7 @@ fn run() -> Result<()> {
                 Head::Fresh,
                 &device,
             )?;
-            let args = cli.train.with_model_config(&config)?;
+            let args = cli.train.with_model_and_data(&config, data)?;
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
     };

@@ -28,7 +28,11 @@ struct Cli {
     inspect: bool,
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    burnscale::exit_code(run())
+}
+
+fn run() -> Result<()> {
     let cli = Cli::parse();
     let mut ckpt = Checkpoint::find(&cli.checkpoint)
         .with_context(|| format!("no checkpoint at {}", cli.checkpoint.display()))?;

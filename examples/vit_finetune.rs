@@ -115,7 +115,8 @@ fn run() -> Result<()> {
         cli.eval_batch,
         cli.train.seed,
     )?;
-    let args = cli.train.with_model_config(&config)?;
+    let data = serde_json::json!({ "data": cli.data, "test_fraction": cli.test_fraction });
+    let args = cli.train.with_model_and_data(&config, data)?;
     let (_, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

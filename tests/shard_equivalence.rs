@@ -121,6 +121,27 @@ fn gradients_reduced_in_16_bits_take_the_plain_steps() {
     }
 }
 
+/// The learning-rate schedule (a linear warm-up, then a cosine to `--min-lr-ratio` at the last
+/// step) is transformers', which the plain loop computes from its definition: every strategy
+/// takes its steps, offloaded too.
+#[test]
+fn the_schedule_is_transformers_cosine_with_warmup() {
+    let schedule = [
+        "--schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--min-lr-ratio",
+        "0.1",
+    ];
+    for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+        assert_matches_plain(strategy, 2, &[SGD, &schedule].concat());
+    }
+    assert_matches_plain("single", 1, &[ADAMW, &schedule].concat());
+    let offloaded = [ADAMW, &schedule, &["--offload", "optimizer"]].concat();
+    assert_matches_plain("zero3", 2, &offloaded);
+}
+
 #[test]
 fn checkpointed_blocks_take_the_plain_steps() {
     for strategy in ["ddp", "zero1", "zero2", "zero3"] {

@@ -363,6 +363,21 @@ impl TrainArgs {
         })
     }
 
+    /// [`TrainArgs::with_model_config`] with what the run reads as its data under `data`
+    /// (the dataset, its held-out share, a length limit): a run resumed on other data or
+    /// another split would train on what it had tested on, so it is stopped too.
+    pub fn with_model_and_data(
+        &self,
+        config: &impl Serialize,
+        data: serde_json::Value,
+    ) -> Result<Self, serde_json::Error> {
+        let mut recorded = serde_json::to_value(config)?;
+        if let Some(fields) = recorded.as_object_mut() {
+            fields.insert("data".to_string(), data);
+        }
+        self.with_model_config(&recorded)
+    }
+
     /// Runner flags from a list of arguments (without a program name), as a binary's parser
     /// would read them; a flag given twice takes its last value. For embedding the runner
     /// and for tests.
