@@ -19,10 +19,23 @@ use tempfile::TempDir;
 use crate::TrainError;
 
 /// This rank's optimizer state files under `--offload-dir`: a fresh `rank{N}-XXXXXX`
-/// directory of this run's own, removed when training ends.
+/// directory of this run's own, removed when training ends (and `--offload-dir` itself when
+/// the run made it and nothing else is left there).
 pub struct DiskStates {
-    dir: TempDir,
+    /// Always present until dropped.
+    dir: Option<TempDir>,
+    made_root: Option<PathBuf>,
     entries: HashMap<String, Entry>,
+}
+
+impl Drop for DiskStates {
+    fn drop(&mut self) {
+        drop(self.dir.take());
+        if let Some(root) = &self.made_root {
+            // Fails, as it should, while another rank's directory is still there.
+            let _ = fs::remove_dir(root);
+        }
+    }
 }
 
 /// Where one parameter's state is: its file, the tensors in it, and the scalars (step
@@ -49,6 +62,7 @@ impl DiskStates {
             path: root.to_path_buf(),
             source,
         };
+        let made_root = (!root.exists()).then(|| root.to_path_buf());
         fs::create_dir_all(root).map_err(io)?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("rank{rank}-"))
@@ -62,7 +76,8 @@ impl DiskStates {
                 source,
             })?;
         Ok(Self {
-            dir,
+            dir: Some(dir),
+            made_root,
             entries: HashMap::new(),
         })
     }
@@ -78,10 +93,7 @@ impl DiskStates {
     ) -> Result<(), TrainError> {
         let mut sink = StateSink::default();
         optim.state_flatten(path, state, &mut sink);
-        let file = self
-            .dir
-            .path()
-            .join(format!("{}.bin", path.replace('/', "_")));
+        let file = self.dir().join(format!("{}.bin", path.replace('/', "_")));
         let mut offset = 0;
         let tensors: Vec<Stored> = sink
             .tensors
@@ -132,6 +144,11 @@ impl DiskStates {
             },
         );
         Ok(())
+    }
+
+    /// This run's directory of state files.
+    fn dir(&self) -> &Path {
+        self.dir.as_ref().expect("present until dropped").path()
     }
 
     /// The paths of the parameters whose state is on disk.
@@ -228,7 +245,7 @@ mod tests {
             format!("{:?}", stored.scalars)
         );
 
-        let file = disk.dir.path().join("w.bin");
+        let file = disk.dir().join("w.bin");
         File::options()
             .write(true)
             .open(&file)
@@ -238,7 +255,10 @@ mod tests {
         let err = disk.flattened("w").err().unwrap().to_string();
         assert!(err.contains("truncated") && err.contains("w.bin"), "{err}");
         drop(disk);
-        fs::remove_dir(&root).expect("the rank's directory is gone, and nothing else was there");
+        assert!(
+            !root.exists(),
+            "the rank's directory and the root it made are gone"
+        );
     }
 
     /// SGD without momentum keeps no tensor: no file is written (or synced) at each step.
@@ -258,7 +278,7 @@ mod tests {
         );
         let state = state.expect("SGD keeps a state, without momentum");
         disk.store(&optim, "w", &state).unwrap();
-        assert!(!disk.dir.path().join("w.bin").exists());
+        assert!(!disk.dir().join("w.bin").exists());
         let mut stored = StateSink::default();
         optim.state_flatten("w", &state, &mut stored);
         let loaded = disk.flattened("w").unwrap();
@@ -268,6 +288,10 @@ mod tests {
             format!("{:?}", stored.scalars)
         );
         drop(disk);
-        fs::remove_dir(&root).unwrap();
+        assert!(!root.exists());
+        // A root that was there stays.
+        fs::create_dir(&root).unwrap();
+        drop(DiskStates::create(&root, 0).unwrap());
+        fs::remove_dir(&root).expect("the root stays, empty");
     }
 }
