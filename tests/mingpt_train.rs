@@ -26,13 +26,17 @@ fn task(batch: usize) -> NextToken {
 }
 
 fn run(extra: &[&str]) -> (Gpt, RunSummary) {
+    run_with_dropout(0.0, extra)
+}
+
+fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
     // Flex seeds one process-wide generator: runs on parallel test threads would interleave
     // their draws, so each run holds the generator for its whole init and training.
     static RNG: Mutex<()> = Mutex::new(());
     let _rng = RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let device = Device::default().autodiff();
     device.seed(7);
-    let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
+    let model = Gpt::new(&GptConfig::tiny().with_dropout(dropout), &device).unwrap();
     let mut args = args(extra);
     args.gather_model = true;
     let mut task = task(args.batch_size);
@@ -48,6 +52,30 @@ fn params(model: &Gpt) -> Vec<f32> {
         .into_data()
         .try_into_vec()
         .unwrap()
+}
+
+/// An evaluation between steps leaves training as it was: dropout back on afterwards, its
+/// stream and the sampler where they were. With dropout, the steps and the trained model
+/// are bit for bit those of a run that evaluates only at its end, alone and over 2 ranks.
+#[test]
+fn evaluating_between_steps_leaves_training_unchanged() {
+    for ranks in [
+        &["--strategy", "single"][..],
+        &["--strategy", "zero3", "--devices", "2"],
+    ] {
+        let trained = |interval: &str| {
+            let flags = [ranks, &["--max-steps", "4", "--eval-interval", interval]].concat();
+            let (model, summary) = run_with_dropout(0.1, &flags);
+            let losses: Vec<f64> = summary.history.iter().map(|m| m.loss).collect();
+            (params(&model), losses, summary.history.len())
+        };
+        let (every_step, at_the_end) = (trained("1"), trained("0"));
+        assert_eq!(every_step.2, 4);
+        assert!(
+            every_step == at_the_end,
+            "{ranks:?}: evaluating changed training"
+        );
+    }
 }
 
 #[test]
