@@ -9,6 +9,7 @@ use burn::prelude::*;
 use burnscale::collective::launcher_rank;
 use burnscale::mingpt::{Gpt, GptConfig, Sampling, loader};
 use burnscale::tasks::NextToken;
+use burnscale::train::checkpoint::config_path;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, train};
 use clap::Parser;
@@ -58,6 +59,9 @@ struct Cli {
     train: TrainArgs,
 }
 
+/// The field of the recorded configuration that holds the characters, in token order.
+const CHARACTERS: &str = "characters";
+
 /// Characters <-> token ids, the sorted set of characters in the text.
 struct CharVocab {
     chars: Vec<char>,
@@ -87,21 +91,11 @@ impl CharVocab {
         self.chars.iter().collect()
     }
 
-    /// Where the characters of `weights` are written beside them: a token id means nothing
-    /// without its text's character table.
-    fn path_beside(weights: &Path) -> PathBuf {
-        weights.with_extension("chars.json")
-    }
-
-    fn save_beside(&self, weights: &Path) -> Result<()> {
-        let path = Self::path_beside(weights);
-        std::fs::write(&path, serde_json::to_string(&self.table())?)
-            .with_context(|| format!("cannot write {}", path.display()))
-    }
-
-    /// Fails when `weights` were trained on another character table than this text's.
+    /// Fails when `weights` were trained on another character table than this text's: a
+    /// token id means nothing without its text's table, which the run's configuration
+    /// (written beside the weights by `--save` and `consolidate`) records.
     fn check_beside(&self, weights: &Path) -> Result<()> {
-        let path = Self::path_beside(weights);
+        let path = config_path(weights);
         let Ok(saved) = std::fs::read_to_string(&path) else {
             eprintln!(
                 "warning: no {} beside the weights: their token ids are taken to be this text's {} characters",
@@ -110,8 +104,14 @@ impl CharVocab {
             );
             return Ok(());
         };
-        let saved: String = serde_json::from_str(&saved)
-            .with_context(|| format!("{} is not a JSON string of characters", path.display()))?;
+        let saved: serde_json::Value = serde_json::from_str(&saved)
+            .with_context(|| format!("{} is not a JSON configuration", path.display()))?;
+        let Some(saved) = saved.get(CHARACTERS).and_then(serde_json::Value::as_str) else {
+            bail!(
+                "{} records no `{CHARACTERS}`: weights of another program's run?",
+                path.display()
+            );
+        };
         let ours = self.table();
         if saved != ours {
             bail!(
@@ -197,7 +197,7 @@ fn run() -> Result<()> {
     // A checkpoint records the characters the token ids stand for beside the configuration:
     // resumed on another text of as many characters, the ids would read as other ones.
     let mut recorded = serde_json::to_value(config)?;
-    recorded["characters"] = vocab.table().into();
+    recorded[CHARACTERS] = vocab.table().into();
     // Sampling reads the whole model: under zero3 it is gathered for it.
     let mut args = cli.train.with_model_config(&recorded)?;
     args.gather_model = cli.sample_len > 0;
@@ -206,9 +206,6 @@ fn run() -> Result<()> {
         return Ok(());
     }
     print!("{}", summary.table());
-    if let Some(path) = &args.save {
-        vocab.save_beside(path)?;
-    }
 
     if let Some(model) = model.filter(|_| cli.sample_len > 0) {
         let model = model.valid();

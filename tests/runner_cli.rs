@@ -219,12 +219,61 @@ fn bad_weight_files_are_named() {
         &["--weights", missing.to_str().unwrap()],
         "missing.safetensors",
     );
-    // Weights trained on another text's characters (written beside them by --save).
+    // Weights trained on another text's characters (recorded beside them by --save).
     let other = dir.path().join("other.safetensors");
-    std::fs::write(dir.path().join("other.chars.json"), "\"abc\"").unwrap();
+    let config = dir.path().join("other.config.json");
+    std::fs::write(&config, r#"{"characters": "abc"}"#).unwrap();
     fails_with(
         &["--weights", other.to_str().unwrap()],
         "trained on other characters (3 in",
+    );
+}
+
+/// A checkpoint consolidated into one file keeps the run's configuration beside it, minGPT's
+/// characters with it: weights trained on another text are refused as `--save`'s are.
+#[test]
+fn consolidated_weights_keep_their_characters() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, text) = (dir.path().join("ckpt"), dir.path().join("other.txt"));
+    std::fs::write(&text, "abcd efgh ".repeat(400)).unwrap();
+    let trained = Command::new(mingpt_char())
+        .args([
+            "--data",
+            text.to_str().unwrap(),
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "2",
+        ])
+        .args([
+            "--eval-batches",
+            "1",
+            "--sample-len",
+            "0",
+            "--block-size",
+            "16",
+        ])
+        .args(["--checkpoint-dir", ckpt.to_str().unwrap()])
+        .output()
+        .expect("mingpt_char runs");
+    assert!(
+        trained.status.success(),
+        "{}",
+        String::from_utf8_lossy(&trained.stderr)
+    );
+    let out = dir.path().join("out.safetensors");
+    let consolidated = Command::new(example("consolidate"))
+        .args([ckpt.to_str().unwrap(), out.to_str().unwrap()])
+        .output()
+        .expect("consolidate runs");
+    assert!(
+        consolidated.status.success(),
+        "{}",
+        String::from_utf8_lossy(&consolidated.stderr)
+    );
+    fails_with(
+        &["--weights", out.to_str().unwrap(), "--block-size", "16"],
+        "trained on other characters (9 in",
     );
 }
 

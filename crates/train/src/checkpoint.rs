@@ -844,6 +844,22 @@ impl Checkpoint {
     }
 }
 
+/// Where the configuration a run recorded ([`crate::TrainArgs::model_config`]: the model's,
+/// with what a program adds, such as minGPT's characters) is written beside a weights file
+/// (`--save`, `consolidate`): `FILE` with the extension `config.json`, as a Hugging Face
+/// directory keeps its `config.json` beside its weights.
+pub fn config_path(weights: &Path) -> PathBuf {
+    weights.with_extension("config.json")
+}
+
+/// Writes `config` beside `weights` ([`config_path`]).
+pub fn write_config(weights: &Path, config: &serde_json::Value) -> Result<(), TrainError> {
+    let path = config_path(weights);
+    let text = serde_json::to_string_pretty(config).map_err(std::io::Error::other);
+    text.and_then(|text| fs::write(&path, text))
+        .map_err(|source| TrainError::Io { path, source })
+}
+
 impl Checkpoint {
     /// The newest complete checkpoint under `path`, or the checkpoint `path` is.
     pub fn find(path: &Path) -> Result<Self, CheckpointError> {
@@ -925,7 +941,8 @@ impl Checkpoint {
     /// Writes the whole model to `out` in its own checkpoint layout (HF names and layouts,
     /// which the loaders' `--weights` read), as f32, one parameter at a time; with
     /// `with_optimizer`, every optimizer state tensor too (`optimizer.<name>`, also as f32:
-    /// 8-bit AdamW's codes as their map indices). Returns the number of tensors written.
+    /// 8-bit AdamW's codes as their map indices), and the run's recorded configuration beside
+    /// it ([`config_path`]). Returns the number of tensors written.
     pub fn consolidate(&mut self, out: &Path, with_optimizer: bool) -> Result<usize, TrainError> {
         let meta = self.meta.clone();
         let transposed = |dims: &[usize], t: bool| {
@@ -979,6 +996,9 @@ impl Checkpoint {
             writer.write(&format!("optimizer.{}", t.name), &weight.values)?;
         }
         writer.finish()?;
+        if let Some(config) = &meta.model_config {
+            write_config(out, config)?;
+        }
         Ok(plan.len())
     }
 

@@ -511,7 +511,13 @@ fn run_rank<T: TrainTask>(
         ],
     )?;
     let saved = match &args.save {
-        Some(path) => Some(save(&engine, path, &*keys, lead)?),
+        Some(path) => Some(save(
+            &engine,
+            path,
+            &*keys,
+            args.model_config.as_ref(),
+            lead,
+        )?),
         None => None,
     };
     // After the memory figures: the probe's matrices are no part of training's peak.
@@ -657,6 +663,7 @@ fn save<M: BlockModel>(
     engine: &Sharded<'_, M>,
     path: &std::path::Path,
     keys: &dyn KeyMap,
+    config: Option<&serde_json::Value>,
     lead: bool,
 ) -> Result<SaveReport, TrainError> {
     let start = Instant::now();
@@ -683,6 +690,9 @@ fn save<M: BlockModel>(
     written?;
     if let Some(saver) = saver {
         saver.finish()?;
+        if let Some(config) = config {
+            crate::checkpoint::write_config(path, config)?;
+        }
     }
     Ok(SaveReport {
         path: path.to_path_buf(),
