@@ -102,10 +102,15 @@ fn run() -> Result<()> {
             train_set.classes
         );
     }
+    // Images normalised as the weights were trained on them.
+    let (mean, std) = match cli.weights.as_str() {
+        "dinov2" | "none" => (dinov2::MEAN, dinov2::STD),
+        path => loader::image_normalization(std::path::Path::new(path))?,
+    };
     let prep = Preprocess {
         size: config.image_size,
-        mean: dinov2::MEAN,
-        std: dinov2::STD,
+        mean,
+        std,
     };
     let mut task = ImageClassification::new(
         train_set,

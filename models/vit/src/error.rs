@@ -18,6 +18,11 @@ pub enum VitError {
     #[error(transparent)]
     Weights(#[from] WeightError),
     #[error("{path}: {reason}")]
+    Preprocessor {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+    #[error("{path}: {reason}")]
     Onnx {
         path: std::path::PathBuf,
         reason: String,

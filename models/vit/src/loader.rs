@@ -239,9 +239,63 @@ pub fn resample_positions(w: Weight, config: &VitConfig, device: &Device) -> Wei
     }
 }
 
+/// transformers' `ViTImageProcessor` defaults (`IMAGENET_STANDARD_MEAN` and `_STD`).
+pub const HF_MEAN_STD: ([f32; 3], [f32; 3]) = ([0.5; 3], [0.5; 3]);
+
+/// The per-channel mean and std an HF ViT checkpoint's images are normalised with: its
+/// `preprocessor_config.json` beside `weights` (an HF model directory's), else
+/// `ViTImageProcessor`'s defaults ([`HF_MEAN_STD`], google/vit-*'s).
+pub fn image_normalization(weights: &Path) -> Result<([f32; 3], [f32; 3]), VitError> {
+    let path = weights.with_file_name("preprocessor_config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(HF_MEAN_STD);
+    };
+    let error = |reason: String| VitError::Preprocessor {
+        path: path.clone(),
+        reason,
+    };
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| error(format!("not JSON: {e}")))?;
+    let channels = |key: &str, default: [f32; 3]| -> Result<[f32; 3], VitError> {
+        let Some(value) = json.get(key) else {
+            return Ok(default);
+        };
+        let values: Option<Vec<f32>> = value
+            .as_array()
+            .map(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect())
+            .unwrap_or(None);
+        values
+            .and_then(|v| <[f32; 3]>::try_from(v).ok())
+            .ok_or_else(|| error(format!("`{key}` is {value}, not three numbers")))
+    };
+    let (mean, std) = HF_MEAN_STD;
+    Ok((channels("image_mean", mean)?, channels("image_std", std)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn images_are_normalised_as_the_checkpoint_says() {
+        let dir = std::env::temp_dir().join(format!("burnscale-vit-pre-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let weights = dir.join("model.safetensors");
+        assert_eq!(image_normalization(&weights).unwrap(), HF_MEAN_STD);
+        let config = dir.join("preprocessor_config.json");
+        let imagenet =
+            r#"{"image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}"#;
+        std::fs::write(&config, imagenet).unwrap();
+        let (mean, std) = image_normalization(&weights).unwrap();
+        assert_eq!((mean[0], std[2]), (0.485, 0.225));
+        std::fs::write(&config, r#"{"image_mean": [0.5, 0.5]}"#).unwrap();
+        let err = image_normalization(&weights).unwrap_err().to_string();
+        assert!(
+            err.contains("image_mean") && err.contains("three numbers"),
+            "{err}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn key_table_round_trips() {
