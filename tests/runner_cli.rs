@@ -65,6 +65,15 @@ fn fails_with(args: &[&str], needle: &str) {
     example_fails_with("mingpt_char", args, needle);
 }
 
+fn example_succeeds(name: &str, args: &[&str]) {
+    let out = Command::new(example(name))
+        .args(args)
+        .output()
+        .expect("the example runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {stderr}");
+}
+
 fn example_fails_with(name: &str, args: &[&str], needle: &str) {
     let out = Command::new(example(name))
         .args(args)
@@ -193,13 +202,10 @@ fn a_run_resumed_on_another_split_is_stopped() {
         "--checkpoint-dir",
         ckpt,
     ];
-    let first = Command::new(example("vit_finetune"))
-        .args(tiny)
-        .args(["--max-steps", "1", "--warmup-steps", "0"])
-        .output()
-        .expect("the example runs");
-    let stderr = String::from_utf8_lossy(&first.stderr);
-    assert!(first.status.success(), "{stderr}");
+    example_succeeds(
+        "vit_finetune",
+        &[&tiny[..], &["--max-steps", "1", "--warmup-steps", "0"]].concat(),
+    );
     let resumed = ["--max-steps", "2", "--resume", "--test-fraction", "0.3"];
     example_fails_with(
         "vit_finetune",
@@ -236,41 +242,32 @@ fn consolidated_weights_keep_their_characters() {
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, text) = (dir.path().join("ckpt"), dir.path().join("other.txt"));
     std::fs::write(&text, "abcd efgh ".repeat(400)).unwrap();
-    let trained = Command::new(mingpt_char())
-        .args([
+    let (text, ckpt) = (text.to_str().unwrap(), ckpt.to_str().unwrap());
+    example_succeeds(
+        "mingpt_char",
+        &[
             "--data",
-            text.to_str().unwrap(),
+            text,
             "--max-steps",
             "1",
             "--batch-size",
             "2",
-        ])
-        .args([
             "--eval-batches",
             "1",
+        ]
+        .into_iter()
+        .chain([
             "--sample-len",
             "0",
             "--block-size",
             "16",
+            "--checkpoint-dir",
+            ckpt,
         ])
-        .args(["--checkpoint-dir", ckpt.to_str().unwrap()])
-        .output()
-        .expect("mingpt_char runs");
-    assert!(
-        trained.status.success(),
-        "{}",
-        String::from_utf8_lossy(&trained.stderr)
+        .collect::<Vec<_>>(),
     );
     let out = dir.path().join("out.safetensors");
-    let consolidated = Command::new(example("consolidate"))
-        .args([ckpt.to_str().unwrap(), out.to_str().unwrap()])
-        .output()
-        .expect("consolidate runs");
-    assert!(
-        consolidated.status.success(),
-        "{}",
-        String::from_utf8_lossy(&consolidated.stderr)
-    );
+    example_succeeds("consolidate", &[ckpt, out.to_str().unwrap()]);
     fails_with(
         &["--weights", out.to_str().unwrap(), "--block-size", "16"],
         "trained on other characters (9 in",
