@@ -153,6 +153,14 @@ pub fn write_safetensors(path: &Path, tensors: &[Weight]) -> Result<(), WeightEr
     writer.finish()
 }
 
+/// Where a file is written before it is renamed to `path`, whole (`<path>.partial`): an
+/// interrupted write never leaves a file at `path` that looks whole.
+pub fn partial_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".partial");
+    path.with_file_name(name)
+}
+
 /// A safetensors file (f32) written one tensor at a time, in any order: the header is fixed
 /// up front from every tensor's key and shape, so nothing waits in memory for the tensors
 /// before it. The bytes go to `<path>.partial`, renamed to `path` by [`finish`] once every
@@ -238,9 +246,7 @@ impl SafetensorsWriter {
         // Data starts 8-byte aligned, as safetensors' own writer pads it.
         let mut header = header;
         header.resize(header.len().next_multiple_of(8), b' ');
-        let mut name = path.file_name().unwrap_or_default().to_os_string();
-        name.push(".partial");
-        let partial = path.with_file_name(name);
+        let partial = partial_path(path);
         let io = |source| WeightError::Write {
             path: partial.clone(),
             source,

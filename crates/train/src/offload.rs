@@ -22,16 +22,18 @@ use crate::TrainError;
 /// directory of this run's own, removed when training ends (and `--offload-dir` itself when
 /// the run made it and nothing else is left there).
 pub struct DiskStates {
-    /// Always present until dropped.
-    dir: Option<TempDir>,
-    made_root: Option<PathBuf>,
+    dir: TempDir,
+    /// Read only by its drop, which runs after `dir`'s (declared after it).
+    _made_root: MadeRoot,
     entries: HashMap<String, Entry>,
 }
 
-impl Drop for DiskStates {
+/// `--offload-dir` when the run made it: removed when dropped, if nothing is left there.
+struct MadeRoot(Option<PathBuf>);
+
+impl Drop for MadeRoot {
     fn drop(&mut self) {
-        drop(self.dir.take());
-        if let Some(root) = &self.made_root {
+        if let Some(root) = &self.0 {
             // Fails, as it should, while another rank's directory is still there.
             let _ = fs::remove_dir(root);
         }
@@ -62,7 +64,7 @@ impl DiskStates {
             path: root.to_path_buf(),
             source,
         };
-        let made_root = (!root.exists()).then(|| root.to_path_buf());
+        let made_root = MadeRoot((!root.exists()).then(|| root.to_path_buf()));
         fs::create_dir_all(root).map_err(io)?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("rank{rank}-"))
@@ -76,8 +78,8 @@ impl DiskStates {
                 source,
             })?;
         Ok(Self {
-            dir: Some(dir),
-            made_root,
+            dir,
+            _made_root: made_root,
             entries: HashMap::new(),
         })
     }
@@ -93,7 +95,10 @@ impl DiskStates {
     ) -> Result<(), TrainError> {
         let mut sink = StateSink::default();
         optim.state_flatten(path, state, &mut sink);
-        let file = self.dir().join(format!("{}.bin", path.replace('/', "_")));
+        let file = self
+            .dir
+            .path()
+            .join(format!("{}.bin", path.replace('/', "_")));
         let mut offset = 0;
         let tensors: Vec<Stored> = sink
             .tensors
@@ -144,11 +149,6 @@ impl DiskStates {
             },
         );
         Ok(())
-    }
-
-    /// This run's directory of state files.
-    fn dir(&self) -> &Path {
-        self.dir.as_ref().expect("present until dropped").path()
     }
 
     /// The paths of the parameters whose state is on disk.
@@ -245,7 +245,7 @@ mod tests {
             format!("{:?}", stored.scalars)
         );
 
-        let file = disk.dir().join("w.bin");
+        let file = disk.dir.path().join("w.bin");
         File::options()
             .write(true)
             .open(&file)
@@ -278,7 +278,7 @@ mod tests {
         );
         let state = state.expect("SGD keeps a state, without momentum");
         disk.store(&optim, "w", &state).unwrap();
-        assert!(!disk.dir().join("w.bin").exists());
+        assert!(!disk.dir.path().join("w.bin").exists());
         let mut stored = StateSink::default();
         optim.state_flatten("w", &state, &mut stored);
         let loaded = disk.flattened("w").unwrap();

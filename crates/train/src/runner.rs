@@ -893,9 +893,7 @@ impl MetricsCsv {
             Some(step) if path.exists() => Self::rows_up_to(path, step)?,
             _ => Vec::new(),
         };
-        let mut name = path.file_name().unwrap_or_default().to_owned();
-        name.push(".partial");
-        let partial = path.with_file_name(name);
+        let partial = burnscale_nn::weights::partial_path(path);
         let io = |path: &std::path::Path| {
             let path = path.to_path_buf();
             move |source| TrainError::Io { path, source }

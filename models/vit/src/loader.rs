@@ -262,8 +262,7 @@ pub fn image_normalization(weights: &Path) -> Result<([f32; 3], [f32; 3]), VitEr
         };
         let values: Option<Vec<f32>> = value
             .as_array()
-            .map(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect())
-            .unwrap_or(None);
+            .and_then(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect());
         values
             .and_then(|v| <[f32; 3]>::try_from(v).ok())
             .ok_or_else(|| error(format!("`{key}` is {value}, not three numbers")))
