@@ -16,7 +16,9 @@ use std::process::ExitCode;
 use burnscale::check_ranks;
 use burnscale::collective::Communicator;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAMW, Comparison, KEPT_GATHERED, SGD, check, check_resume};
+use burnscale::equivalence::{
+    ADAMW, Comparison, KEPT_GATHERED, SGD, check, check_padded, check_resume,
+};
 use burnscale::train::TrainError;
 use clap::Parser;
 
@@ -35,7 +37,8 @@ struct Cli {
 }
 
 /// SGD (scale-sensitive) alone, with accumulation, and reducing in bf16 (16-bit values on
-/// the wire); AdamW with accumulation and clipping.
+/// the wire); AdamW with accumulation and clipping. SGD with accumulation also runs on data
+/// whose targets are ignored unevenly (padding).
 const SETTINGS: [(&[&str], &[&str]); 4] = [
     (SGD, &[]),
     (SGD, &["--accumulate", "2"]),
@@ -71,6 +74,13 @@ fn report(comm: &dyn Communicator, cli: &Cli) -> usize {
             let case = format!("[rank {rank}/{world}] {strategy} {}", flags.join(" "));
             outcome(case, check(comm, strategy, &flags));
         }
+        // Targets ignored unevenly over the ranks and micro-batches.
+        let flags = [SETTINGS[1].0, SETTINGS[1].1, on].concat();
+        let case = format!(
+            "[rank {rank}/{world}] {strategy} {} with ignored targets",
+            flags.join(" ")
+        );
+        outcome(case, check_padded(comm, strategy, &flags));
         if let Some(dir) = &cli.checkpoint_dir {
             let case = format!("[rank {rank}/{world}] {strategy} resumed from a checkpoint");
             let flags = [ADAMW, on].concat();

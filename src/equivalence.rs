@@ -17,7 +17,8 @@ use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{self, Weight};
 use burnscale_train::{
-    OptimizerKind, RunSummary, TrainArgs, TrainError, eight_bit_paths, train_on,
+    Batch, BatchPart, OptimizerKind, RunSummary, Score, TrainArgs, TrainError, TrainTask,
+    eight_bit_paths, train_on,
 };
 
 use crate::reference::PlainConfig;
@@ -147,6 +148,28 @@ pub fn check_with_dropout(
     dropout: f64,
     flags: &[&str],
 ) -> Result<Comparison, TrainError> {
+    check_on(comm, strategy, dropout, flags, |task| task)
+}
+
+/// [`check`] on data whose targets below [`PADDING_BELOW`] are ignored (-1), as padding is:
+/// the micro-batches score different numbers of tokens on every rank and micro-step, and
+/// the step's loss is the mean over all of them (not the mean of the ranks' means).
+pub fn check_padded(
+    comm: &dyn Communicator,
+    strategy: &str,
+    flags: &[&str],
+) -> Result<Comparison, TrainError> {
+    check_on(comm, strategy, 0.0, flags, Padded)
+}
+
+/// [`check_with_dropout`] on the task `data` makes of the checks' next-token data.
+fn check_on<T: TrainTask<Model = Gpt>>(
+    comm: &dyn Communicator,
+    strategy: &str,
+    dropout: f64,
+    flags: &[&str],
+    data: impl Fn(NextToken) -> T,
+) -> Result<Comparison, TrainError> {
     let world = comm.world_size();
     if !GLOBAL_BATCH.is_multiple_of(world) {
         return Err(TrainError::InvalidArgs(format!(
@@ -182,7 +205,9 @@ pub fn check_with_dropout(
         .map_err(|e| TrainError::InvalidArgs(e.to_string()))?;
     let device = args.device()?;
     let model = || seeded_model_on(SEED, &device, |d| Gpt::new(&config, d).expect("validated"));
-    let task = |batch| NextToken::new(tokens(), BLOCK, batch, SEED);
+    let task = |batch| -> Result<T, TrainError> {
+        Ok(data(NextToken::new(tokens(), BLOCK, batch, SEED)?))
+    };
     let initial = weights::collect(&model());
     let (engine, summary) = train_on(comm, model(), &mut task(args.batch_size)?, &args, &device)?;
     let engine = engine.expect("asked for the whole model");
@@ -314,6 +339,44 @@ pub fn check_resume(
         differences,
         worst: 0.0,
     })
+}
+
+/// The targets [`check_padded`] ignores: below this token id (about a third of them, more in
+/// some windows than in others).
+pub const PADDING_BELOW: i64 = 4;
+
+/// [`NextToken`] with the targets below [`PADDING_BELOW`] ignored.
+#[derive(Clone)]
+struct Padded(NextToken);
+
+impl TrainTask for Padded {
+    type Model = Gpt;
+
+    fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
+        let (input, target) = self.0.next_batch(device, part);
+        let padding = target.clone().lower_elem(PADDING_BELOW);
+        (input, target.mask_fill(padding, -1))
+    }
+
+    fn items(&self, input: &Tensor<2, Int>) -> usize {
+        self.0.items(input)
+    }
+
+    fn counts_tokens(&self) -> bool {
+        true
+    }
+
+    fn eval_batches(&self) -> usize {
+        0
+    }
+
+    fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Gpt> {
+        self.0.eval_batch(k, device)
+    }
+
+    fn score(&self, logits: Tensor<3>, target: Tensor<2, Int>) -> Score {
+        self.0.score(logits, target)
+    }
 }
 
 /// How far the engine may drift from the plain loop, derived from the dtypes and the

@@ -143,9 +143,23 @@ impl PlainConfig {
             let start = std::time::Instant::now();
             let mut accumulator = GradientsAccumulator::new();
             let mut losses = Vec::with_capacity(self.accumulate);
-            for _ in 0..self.accumulate {
-                let (input, target) = task.next_batch(device, BatchPart::WHOLE);
-                let loss = model.loss(input, target) / self.accumulate as f64;
+            let batches: Vec<_> = (0..self.accumulate)
+                .map(|_| task.next_batch(device, BatchPart::WHOLE))
+                .collect();
+            // The step's loss is the mean over its items: a model whose loss ignores some
+            // targets weighs each micro-batch by the items it scores.
+            let items: Option<Vec<Tensor<1>>> =
+                batches.iter().map(|(_, t)| model.loss_items(t)).collect();
+            let total = items.as_ref().map(|items| {
+                let total = Tensor::cat(items.clone(), 0).sum();
+                total.clamp_min(1.0)
+            });
+            for (i, (input, target)) in batches.into_iter().enumerate() {
+                let loss = model.loss(input, target);
+                let loss = match (&items, &total) {
+                    (Some(items), Some(total)) => loss * items[i].clone() / total.clone(),
+                    _ => loss / self.accumulate as f64,
+                };
                 losses.push(loss.clone().detach().cast(FloatDType::F32));
                 accumulator
                     .accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));

@@ -259,7 +259,9 @@ fn zero3_gathers_the_embeddings_for_a_tied_decoder() {
             let rows = batch / world;
             for _ in 0..2 {
                 let (input, target) = part(comm.rank() * rows..(comm.rank() + 1) * rows);
-                engine.micro_step(input, target, 1, true).unwrap();
+                engine
+                    .micro_step(input, target, &burnscale_shard::Share::Even(1), true)
+                    .unwrap();
                 let span = engine.shard_group();
                 engine
                     .step(0.0, |m, g| optim.step(0.5, m, g, span).0)

@@ -176,7 +176,9 @@ fn scaled_step(
                     world,
                 },
             );
-            engine.micro_step(input, target, 1, true).unwrap();
+            engine
+                .micro_step(input, target, &burnscale_shard::Share::Even(1), true)
+                .unwrap();
             let mut optim = SgdConfig::new().init();
             let mut stepped = false;
             skipped = engine

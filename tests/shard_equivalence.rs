@@ -7,14 +7,16 @@
 use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
-use burnscale::equivalence::{ADAM8BIT, ADAMW, KEPT_GATHERED, SGD, check_with_dropout};
+use burnscale::equivalence::{
+    ADAM8BIT, ADAMW, KEPT_GATHERED, SGD, check_padded, check_with_dropout,
+};
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
 use burnscale::train::{TrainArgs, train};
 
 mod common;
-use common::{assert_every_strategy_matches_plain, assert_matches_plain};
+use common::{assert_check_agrees, assert_every_strategy_matches_plain, assert_matches_plain};
 
 fn every_strategy(optimizer: &[&str], extra: &[&str]) {
     assert_every_strategy_matches_plain(&[optimizer, extra].concat(), 1..=4);
@@ -66,6 +68,22 @@ fn every_adam_takes_the_given_epsilon() {
 fn accumulation_averages_micro_batches() {
     every_strategy(SGD, &["--accumulate", "2"]);
     every_strategy(ADAMW, &["--accumulate", "2"]);
+}
+
+/// Targets ignored unevenly (padding): the step's loss, and so its gradients, is the mean
+/// over every token scored on any rank and micro-batch, as the plain loop's over the
+/// whole global batch; a mean of the ranks' and micro-batches' means moves SGD's update.
+#[test]
+fn ignored_targets_average_over_the_global_batch() {
+    for flags in [SGD, ADAMW] {
+        let flags = [flags, &["--accumulate", "2"]].concat();
+        assert_check_agrees(check_padded, "single", 1, &flags);
+        for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+            for world in [2, 3] {
+                assert_check_agrees(check_padded, strategy, world, &flags);
+            }
+        }
+    }
 }
 
 #[test]

@@ -56,11 +56,23 @@ pub use burnscale::equivalence::seeded_model;
 /// Runs [`burnscale::equivalence::check`] of `strategy` on `world` thread ranks with
 /// `flags`; panics with every rank's differences from the plain reference.
 pub fn assert_matches_plain(strategy: &str, world: usize, flags: &[&str]) {
+    assert_check_agrees(burnscale::equivalence::check, strategy, world, flags);
+}
+
+/// Runs `check` (one of [`burnscale::equivalence`]'s) of `strategy` on `world` thread ranks
+/// with `flags`; panics with every rank's differences from the plain reference.
+pub fn assert_check_agrees(
+    check: fn(
+        &dyn burnscale::collective::Communicator,
+        &str,
+        &[&str],
+    ) -> Result<burnscale::equivalence::Comparison, burnscale::train::TrainError>,
+    strategy: &str,
+    world: usize,
+    flags: &[&str],
+) {
     use burnscale::collective::{run_ranks, threads::DEFAULT_TIMEOUT};
-    let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
-        burnscale::equivalence::check(comm, strategy, flags)
-    })
-    .unwrap();
+    let ranks = run_ranks(world, DEFAULT_TIMEOUT, |comm| check(comm, strategy, flags)).unwrap();
     for (rank, outcome) in ranks.into_iter().enumerate() {
         let found = outcome.unwrap().unwrap();
         if rank == 0 {

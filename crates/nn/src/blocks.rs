@@ -54,6 +54,14 @@ pub trait BlockModel: Module {
     fn head_loss(&self, x: Tensor<3>, target: Self::Target) -> Tensor<1>;
     /// The logits of the last block's output.
     fn logits(&self, x: Tensor<3>) -> Self::Logits;
+    /// The items [`BlockModel::head_loss`] averages over in `target` (`[1]`, f32), for a loss
+    /// whose batches can count differently (ignored targets: padding, unmasked tokens), so
+    /// that a step's loss is the mean over all its items however they fall on ranks and
+    /// micro-batches (transformers' `num_items_in_batch`); `None` (the default) when every
+    /// batch counts alike. Reads the configuration, not the parameters.
+    fn loss_items(&self, _target: &Self::Target) -> Option<Tensor<1>> {
+        None
+    }
 
     /// The parameters [`BlockModel::embed`] reads, and those [`BlockModel::head_loss`] reads:
     /// under ZeRO-3 the root is sharded as two units (the embeddings', and the rest), each

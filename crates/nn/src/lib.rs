@@ -29,7 +29,7 @@ pub use dropout::{Dropout, DropoutConfig};
 pub use flops::Flops;
 pub use gemm::{GemmOps, gemm};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
-pub use loss::cross_entropy;
+pub use loss::{cross_entropy, scored_items};
 
 use burn::prelude::*;
 

@@ -10,7 +10,7 @@ use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
 use crate::params::{self, Flat};
-use crate::{ShardError, Sharding, StepGrads, Strategy, host};
+use crate::{ShardError, Sharding, Share, StepGrads, Strategy, host};
 
 /// The root's units: the embeddings', then the rest (the head's); blocks follow them.
 const EMBEDDINGS: usize = 0;
@@ -67,7 +67,7 @@ pub struct Sharded<'c, M: BlockModel> {
     /// step, and in the last finished one.
     grad_peak: usize,
     grad_bytes: usize,
-    /// This step's micro-step losses (each divided by the accumulation), on the device:
+    /// This step's micro-step losses (each its share of the step's), on the device:
     /// read once, when the step ends, so that nothing waits for the device mid-step.
     losses: Vec<Tensor<1>>,
     /// Per-block activation checkpointing, as asked.
@@ -234,13 +234,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
     }
 
-    /// The loss backward starts from: divided over the accumulation steps, times the loss
-    /// scale. Keeps the micro-step's loss for the step's report, unread.
-    fn scaled(&mut self, loss: Tensor<1>, accumulate: usize) -> Tensor<1> {
+    /// The loss backward starts from: the micro-step's `share` of the step's, times the loss
+    /// scale. Keeps that share for the step's report, unread.
+    fn scaled(&mut self, loss: Tensor<1>, share: &Share) -> Tensor<1> {
         let scale = self.scaler.as_ref().map_or(1.0, LossScaler::scale);
+        let loss = share.of(loss, self.comm.world_size());
         self.losses
-            .push(loss.clone().inner().cast(TensorDType::F32) / accumulate as f64);
-        loss * (scale / accumulate as f64)
+            .push(loss.clone().inner().cast(TensorDType::F32));
+        loss * scale
     }
 
     /// This step's loss (the sum of its micro-steps' shares): the step's one read of it.
@@ -253,25 +254,30 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         values.iter::<f32>().map(f64::from).sum()
     }
 
-    /// Runs forward and backward on one micro-batch (this rank's slice), with the loss
-    /// divided by `accumulate`. Sharded gradients are reduce-scattered every micro-step;
+    /// The items the model's loss scores in `target` ([`BlockModel::loss_items`]).
+    pub fn loss_items(&self, target: &M::Target) -> Option<Tensor<1>> {
+        self.model.as_ref().expect(PRESENT).loss_items(target)
+    }
+
+    /// Runs forward and backward on one micro-batch (this rank's slice), its loss taken as
+    /// its `share` of the step's. Sharded gradients are reduce-scattered every micro-step;
     /// whole ones on the `last` micro-step of an optimizer step. Its loss is reported by
     /// [`Sharded::step`].
     pub fn micro_step(
         &mut self,
         input: M::Input,
         target: M::Target,
-        accumulate: usize,
+        share: &Share,
         last: bool,
     ) -> Result<(), ShardError> {
         if self.checkpoint {
-            return self.blockwise_micro_step(input, target, accumulate, last, Keep::Inputs);
+            return self.blockwise_micro_step(input, target, share, last, Keep::Inputs);
         }
         // Gathered units are dropped as backward leaves each (or, resharded, their weights
         // after forward); and in later micro-steps of an accumulation into whole sums a plain
         // backward would hand back every gradient at once, a second whole copy beside the sums.
         if self.acting().parameters || !self.local.is_empty() {
-            return self.blockwise_micro_step(input, target, accumulate, last, Keep::Graphs);
+            return self.blockwise_micro_step(input, target, share, last, Keep::Graphs);
         }
         // The whole model in one graph: a replica's own, or the shards of a rank acting as one
         // (alone, they are its whole parameters: taken as they are, tracked).
@@ -281,7 +287,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let _autocast = autocast::scope(self.precision.is_mixed());
             model.loss(input, target)
         };
-        let loss = self.scaled(loss, accumulate);
+        let loss = self.scaled(loss, share);
         self.add_grads(&model, loss.backward());
         if last || self.sharding.gradients {
             for bucket in self.all_buckets() {
@@ -448,6 +454,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         let shards = self.shards_on_device(&model, None);
         self.gather(model, shards, self.all_buckets(), true)
+    }
+
+    /// The ranks this engine keeps in step.
+    pub fn comm(&self) -> &'c dyn Communicator {
+        self.comm
     }
 
     /// The ranks among which each parameter's rows are split for the optimizer step (this
@@ -842,7 +853,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         &mut self,
         input: M::Input,
         target: M::Target,
-        accumulate: usize,
+        share: &Share,
         last: bool,
         keep: Keep,
     ) -> Result<(), ShardError> {
@@ -923,7 +934,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         let head_root = head.as_ref().unwrap_or(&root);
         let loss = head_root.head_loss(x.clone(), target);
-        let loss = self.scaled(loss, accumulate);
+        let loss = self.scaled(loss, share);
         let resume = dropout::position();
 
         let grads = loss.backward();

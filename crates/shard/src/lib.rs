@@ -27,9 +27,11 @@ mod engine;
 pub mod host;
 pub mod layout;
 pub mod params;
+mod share;
 mod step_grads;
 
 pub use engine::{BUCKET_ELEMS, Sharded, StepOutcome};
+pub use share::Share;
 pub use step_grads::StepGrads;
 
 use burnscale_collective::CollectiveError;

@@ -2,6 +2,7 @@
 //! sharding strategy, gradient accumulation, global-norm clipping, the optimizer and its
 //! schedule, per-step metrics, and the closing report.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Write};
 use std::sync::Mutex;
@@ -13,7 +14,7 @@ use burnscale_collective::{Buffer, Communicator, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
-use burnscale_shard::{Sharded, StepOutcome};
+use burnscale_shard::{Sharded, Share, StepOutcome};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 use crate::accelerator::Accelerator;
@@ -611,7 +612,9 @@ pub(crate) type Draw<T> = fn(&mut T, &Device, BatchPart) -> Batch<<T as TrainTas
 
 /// An optimizer step's forward and backward passes: `--accumulate` micro-batches of this
 /// rank's `part`, each drawn by `draw`. Returns the items and model FLOPs of this rank's
-/// part.
+/// part. Each micro-batch's loss counts for its share of the step's items: alike, or, for a
+/// model whose loss ignores some targets, as many as it scores, which takes all of the
+/// step's micro-batches drawn first and the ranks' counts added up.
 pub(crate) fn micro_steps<T: TrainTask>(
     engine: &mut Sharded<'_, T::Model>,
     task: &mut T,
@@ -620,12 +623,33 @@ pub(crate) fn micro_steps<T: TrainTask>(
     device: &Device,
     part: BatchPart,
 ) -> Result<(usize, f64), TrainError> {
+    let accumulate = args.accumulate;
+    let mut drawn = VecDeque::from([draw(task, device, part)]);
+    let shares = match engine.loss_items(&drawn[0].1) {
+        None => vec![Share::Even(accumulate); accumulate],
+        Some(_) => {
+            drawn.extend((1..accumulate).map(|_| draw(task, device, part)));
+            let items = drawn
+                .iter()
+                .map(|(_, target)| engine.loss_items(target))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    TrainError::InvalidData(
+                        "the model counts the items of some micro-batches' losses only".into(),
+                    )
+                })?;
+            Share::of_items(engine.comm(), items)?
+        }
+    };
     let (mut items, mut flops) = (0, 0.0);
-    for micro in 1..=args.accumulate {
-        let (input, target) = draw(task, device, part);
+    for (micro, share) in (1..).zip(&shares) {
+        let (input, target) = match drawn.pop_front() {
+            Some(batch) => batch,
+            None => draw(task, device, part),
+        };
         items += task.items(&input);
         flops += engine.train_flops(&input);
-        engine.micro_step(input, target, args.accumulate, micro == args.accumulate)?;
+        engine.micro_step(input, target, share, micro == accumulate)?;
     }
     Ok((items, flops))
 }

@@ -437,6 +437,14 @@ impl BlockModel for Bert {
         Bert::logits(self, x)
     }
 
+    /// Masked LM scores only the masked positions (the others' targets are -1); a classifier
+    /// scores every sequence.
+    fn loss_items(&self, target: &Tensor<1, Int>) -> Option<Tensor<1>> {
+        self.mlm
+            .as_ref()
+            .map(|_| burnscale_nn::scored_items(target.clone()))
+    }
+
     fn embedding_params(&self) -> Vec<ParamId> {
         list_param_ids(&self.embeddings)
     }
@@ -486,5 +494,23 @@ mod tests {
         };
         assert_eq!(draws(Layout::Bert), 3);
         assert_eq!(draws(Layout::DistilBert), 2);
+    }
+
+    /// Masked LM's loss scores the masked positions only, which a step's mean must count; a
+    /// classifier's every sequence alike.
+    #[test]
+    fn masked_lm_counts_the_masked_positions() {
+        let device = Device::default();
+        let target = Tensor::<1, Int>::from_ints([-1, 7, -1, -1, 3, 0], &device);
+        let model = |head| Bert::new(&BertConfig::tiny().with_head(head), &device).unwrap();
+        let items = model(BertHead::MaskedLm)
+            .loss_items(&target)
+            .map(|n| n.into_scalar::<f32>());
+        assert_eq!(items, Some(3.0));
+        assert!(
+            model(BertHead::SequenceClassification { num_labels: 2 })
+                .loss_items(&target)
+                .is_none()
+        );
     }
 }

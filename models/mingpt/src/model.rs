@@ -247,6 +247,11 @@ impl BlockModel for Gpt {
         Gpt::head(self, x)
     }
 
+    /// Targets of -1 (padding) are not scored.
+    fn loss_items(&self, targets: &Tensor<2, Int>) -> Option<Tensor<1>> {
+        Some(burnscale_nn::scored_items(targets.clone().flatten(0, 1)))
+    }
+
     fn embedding_params(&self) -> Vec<ParamId> {
         [list_param_ids(&self.wte), list_param_ids(&self.wpe)].concat()
     }
