@@ -23,7 +23,7 @@ use burnscale::pretrained;
 use burnscale::spam::{self, Email};
 use burnscale::tasks::{SequenceClassifier, TextClassification};
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{RunSummary, TrainArgs, train};
+use burnscale::train::{RunSummary, StopFlag, TrainArgs, train};
 use clap::{Parser, ValueEnum};
 
 #[global_allocator]
@@ -68,6 +68,8 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
+    // Ctrl-C (or a scheduler's SIGTERM) ends the run after its step, with a checkpoint of it.
+    cli.train.stop = Some(StopFlag::on_signals()?);
     if !(cli.test_fraction > 0.0 && cli.test_fraction < 1.0) {
         bail!("--test-fraction {} is not in (0, 1)", cli.test_fraction);
     }

@@ -11,7 +11,7 @@ use burnscale::mingpt::{Gpt, GptConfig, Sampling, loader};
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::config_path;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{TrainArgs, train};
+use burnscale::train::{StopFlag, TrainArgs, train};
 use clap::Parser;
 use rand::SeedableRng;
 
@@ -133,13 +133,15 @@ fn run() -> Result<()> {
     // Runner defaults for this example that reach val loss < 2.0 in a few minutes on 2 CPU
     // cores (as nanoGPT's CPU recipe for a 4-layer char model: short context, no dropout,
     // a high learning rate after a warm-up).
-    let cli: Cli = burnscale::parse_with_defaults(&[
+    let mut cli: Cli = burnscale::parse_with_defaults(&[
         ("lr", "2e-3"),
         ("warmup_steps", "100"),
         ("max_steps", "2500"),
         ("eval_interval", "250"),
     ]);
     cli.train.validate()?;
+    // Ctrl-C (or a scheduler's SIGTERM) ends the run after its step, with a checkpoint of it.
+    cli.train.stop = Some(StopFlag::on_signals()?);
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("cannot read training text {}", path.display()))?,

@@ -12,7 +12,7 @@ use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
 use burnscale::tasks::ImageClassification;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{TrainArgs, train};
+use burnscale::train::{StopFlag, TrainArgs, train};
 use burnscale::vit::loader::{self, Head};
 use burnscale::vit::{Vit, VitConfig, dinov2};
 use clap::Parser;
@@ -68,6 +68,8 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
+    // Ctrl-C (or a scheduler's SIGTERM) ends the run after its step, with a checkpoint of it.
+    cli.train.stop = Some(StopFlag::on_signals()?);
     let (train_set, test_set) = images::load(&cli.data, cli.test_fraction, cli.train.seed)?;
     let config = VitConfig::preset(&cli.model)?
         .with_image_size(cli.image_size)

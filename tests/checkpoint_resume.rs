@@ -16,7 +16,7 @@ use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::Checkpoint;
 use burnscale::train::{
-    Batch, BatchPart, RunSummary, Score, TrainArgs, TrainError, TrainTask, train,
+    Batch, BatchPart, RunSummary, Score, StopFlag, TrainArgs, TrainError, TrainTask, train,
 };
 use common::seeded_model;
 
@@ -41,17 +41,17 @@ fn run(
     dropout: f64,
     extra: &[&str],
 ) -> Result<(Gpt, RunSummary), TrainError> {
-    run_task(dir, strategy, world, dropout, extra, |task| task)
+    run_task(dir, strategy, world, dropout, extra, |task, _| task)
 }
 
-/// [`run`] on the task `wrap` makes of its data.
+/// [`run`] on the task `wrap` makes of its data (given the run's arguments too).
 fn run_task<T: TrainTask<Model = Gpt>>(
     dir: &Path,
     strategy: &str,
     world: usize,
     dropout: f64,
     extra: &[&str],
-    wrap: impl FnOnce(NextToken) -> T,
+    wrap: impl FnOnce(NextToken, &mut TrainArgs) -> T,
 ) -> Result<(Gpt, RunSummary), TrainError> {
     let (batch, devices) = ((12 / world).to_string(), world.to_string());
     let base = [
@@ -79,7 +79,10 @@ fn run_task<T: TrainTask<Model = Gpt>>(
         .unwrap();
     args.gather_model = true;
     let model = seeded_model(5, |device| Gpt::new(&config, device).unwrap());
-    let mut task = wrap(NextToken::new(tokens(), 8, args.batch_size, 5).unwrap());
+    let mut task = wrap(
+        NextToken::new(tokens(), 8, args.batch_size, 5).unwrap(),
+        &mut args,
+    );
     let (model, summary) = train(model, &mut task, &args, &model_device())?;
     Ok((model.expect("asked for the model"), summary))
 }
@@ -534,9 +537,16 @@ struct FailsAt {
     rank: usize,
     at: usize,
     drawn: usize,
-    /// Dies (panics, as a failing kernel or an out-of-memory abort would end it), or is late
-    /// by this long.
-    late: Option<Duration>,
+    fault: Fault,
+}
+
+#[derive(Clone)]
+enum Fault {
+    /// Panics, as a failing kernel or an out-of-memory abort would end it.
+    Dies,
+    Late(Duration),
+    /// Asks the run to stop (Ctrl-C in an example).
+    Stops(StopFlag),
 }
 
 impl TrainTask for FailsAt {
@@ -545,9 +555,10 @@ impl TrainTask for FailsAt {
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
         self.drawn += 1;
         if part.rank == self.rank && self.drawn == self.at {
-            match self.late {
-                Some(late) => std::thread::sleep(late),
-                None => panic!("rank {} dies drawing micro-batch {}", self.rank, self.at),
+            match &self.fault {
+                Fault::Late(late) => std::thread::sleep(*late),
+                Fault::Dies => panic!("rank {} dies drawing micro-batch {}", self.rank, self.at),
+                Fault::Stops(stop) => stop.request(),
             }
         }
         self.task.next_batch(device, part)
@@ -574,12 +585,12 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
     let (dir, whole) = (scratch("dies"), scratch("dies-whole"));
     let uninterrupted = steps(&run(&whole, "zero3", 2, 0.0, &[]).unwrap().1);
     // Micro-batch 5 is step 5's (one per step): after the step-3 checkpoint.
-    let dies = |task| FailsAt {
+    let dies = |task, _: &mut TrainArgs| FailsAt {
         task,
         rank: 1,
         at: 5,
         drawn: 0,
-        late: None,
+        fault: Fault::Dies,
     };
     let started = std::time::Instant::now();
     let err = run_task(&dir, "zero3", 2, 0.0, &[], dies).unwrap_err();
@@ -602,6 +613,54 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
     fs::remove_dir_all(&whole).unwrap();
 }
 
+/// A stop asked on one rank during step 5 (as Ctrl-C in an example): every rank ends that
+/// step, its checkpoint is written and the run returns `Stopped` naming it, with the
+/// optimizer state's scratch files under `--offload-dir` removed; resumed from it, the run
+/// takes the uninterrupted run's later steps.
+#[test]
+fn a_stop_asked_on_one_rank_ends_every_rank_after_the_step_with_its_checkpoint() {
+    let (dir, whole) = (scratch("stop"), scratch("stop-whole"));
+    let scratch_files = tempfile::tempdir().unwrap();
+    let offload = ["--offload-dir", scratch_files.path().to_str().unwrap()];
+    let uninterrupted = steps(&run(&whole, "zero2", 2, 0.0, &offload).unwrap().1);
+    let stops = |task, args: &mut TrainArgs| {
+        let stop = StopFlag::new();
+        args.stop = Some(stop.clone());
+        FailsAt {
+            task,
+            rank: 1,
+            at: 5,
+            drawn: 0,
+            fault: Fault::Stops(stop),
+        }
+    };
+    let err = run_task(&dir, "zero2", 2, 0.0, &offload, stops).unwrap_err();
+    let step_5 = dir.join("step-00000005");
+    assert!(
+        matches!(&err, TrainError::Stopped { step: 5, checkpoint: Some(at) } if *at == step_5),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains("--resume goes on from it"),
+        "{err}"
+    );
+    assert!(
+        fs::read_dir(scratch_files.path()).unwrap().next().is_none(),
+        "the ranks' scratch files are removed"
+    );
+    let (_, resumed) = run(
+        &dir,
+        "zero2",
+        2,
+        0.0,
+        &[&offload[..], &["--resume"]].concat(),
+    )
+    .unwrap();
+    assert_eq!(steps(&resumed), uninterrupted[5..]);
+    fs::remove_dir_all(&dir).unwrap();
+    fs::remove_dir_all(&whole).unwrap();
+}
+
 /// A rank 3 s late to step 5's collectives: within the default timeout the run goes on;
 /// with `--collective-timeout 2` it stops with an error naming the late rank (which, arriving
 /// well within `STUCK_GRACE` of that, stops at its collective rather than ending the
@@ -609,12 +668,12 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
 #[test]
 fn a_rank_late_past_the_collective_timeout_stops_the_run_naming_it() {
     let dir = scratch("late");
-    let late = |task| FailsAt {
+    let late = |task, _: &mut TrainArgs| FailsAt {
         task,
         rank: 1,
         at: 5,
         drawn: 0,
-        late: Some(Duration::from_secs(3)),
+        fault: Fault::Late(Duration::from_secs(3)),
     };
     run_task(&dir, "zero2", 2, 0.0, &[], late).unwrap();
     fs::remove_dir_all(&dir).unwrap();

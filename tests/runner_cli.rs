@@ -312,3 +312,61 @@ fn summary_reports_every_ranks_memory_and_no_host_transfers() {
         );
     }
 }
+
+/// Ctrl-C (SIGINT) during a run on 2 thread ranks ends it after its step with a checkpoint
+/// of that step, a non-zero exit and a message saying where the checkpoint is, no panic, and
+/// the optimizer state's scratch files under `--offload-dir` removed.
+#[test]
+fn ctrl_c_ends_the_run_after_its_step_with_a_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (checkpoints, scratch) = (dir.path().join("ckpt"), dir.path().join("offload"));
+    std::fs::create_dir(&scratch).unwrap();
+    let child = Command::new(mingpt_char())
+        .args(["--devices", "2", "--strategy", "zero2", "--batch-size", "4"])
+        .args([
+            "--eval-batches",
+            "1",
+            "--sample-len",
+            "0",
+            "--checkpoint-every",
+            "1",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(&checkpoints)
+        .arg("--offload-dir")
+        .arg(&scratch)
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("mingpt_char runs");
+    let started = std::time::Instant::now();
+    while !checkpoints.join("step-00000001").exists() {
+        assert!(started.elapsed().as_secs() < 300, "no checkpoint of step 1");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let sent = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let step: usize = stderr
+        .split("stopped on request after step ")
+        .nth(1)
+        .and_then(|rest| rest.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no stop message in {stderr}"));
+    let checkpoint = checkpoints.join(format!("step-{step:08}"));
+    assert!(checkpoint.is_dir(), "{stderr}");
+    assert!(
+        stderr.contains(&checkpoint.display().to_string()),
+        "{stderr}"
+    );
+    assert!(
+        std::fs::read_dir(&scratch).unwrap().next().is_none(),
+        "the ranks' scratch files are removed"
+    );
+}

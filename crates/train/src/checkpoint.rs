@@ -155,7 +155,7 @@ pub fn check_writable(root: &Path) -> Result<(), CheckpointError> {
         .map_err(not_writable)
 }
 
-fn step_dir(root: &Path, step: usize) -> PathBuf {
+pub(crate) fn step_dir(root: &Path, step: usize) -> PathBuf {
     root.join(format!("step-{step:08}"))
 }
 

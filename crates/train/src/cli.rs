@@ -8,8 +8,8 @@ use serde::Serialize;
 
 use burnscale_precision::Precision;
 
-use crate::TrainError;
 use crate::accelerator::Accelerator;
+use crate::{StopFlag, TrainError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -303,6 +303,10 @@ pub struct TrainArgs {
     /// always hand back their replica.
     #[arg(skip)]
     pub gather_model: bool,
+    /// Stops the run after the step in which it is raised (see [`StopFlag`]); the training
+    /// examples raise it on Ctrl-C and SIGTERM.
+    #[arg(skip)]
+    pub stop: Option<StopFlag>,
     /// The model's configuration (any JSON object; the examples give their model's config),
     /// written into each checkpoint's metadata: a run that resumes with another
     /// configuration is stopped with the fields that differ, which the parameter shapes

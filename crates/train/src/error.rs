@@ -31,6 +31,18 @@ pub enum TrainError {
         /// Whether gradients were reduced in f16 without 16-mixed's loss scaler.
         f16_reduce: bool,
     },
+    #[error(
+        "stopped on request after step {step}: {}",
+        match checkpoint {
+            Some(dir) => format!("its checkpoint is in {} (--resume goes on from it)", dir.display()),
+            None => "no checkpoint written (without --checkpoint-dir)".to_string(),
+        }
+    )]
+    Stopped {
+        step: usize,
+        /// The checkpoint of that step, when the run writes them.
+        checkpoint: Option<PathBuf>,
+    },
     #[error(transparent)]
     Precision(#[from] burnscale_precision::PrecisionError),
     #[error(transparent)]

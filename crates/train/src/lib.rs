@@ -22,6 +22,7 @@ mod prepare;
 mod report;
 mod runner;
 pub mod speed;
+mod stop;
 
 pub use burnscale_precision::Precision;
 pub use cli::{
@@ -34,3 +35,4 @@ pub use report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
 pub use runner::{Batch, BatchPart, Score, StepMetrics, TrainTask, train, train_on};
+pub use stop::StopFlag;

@@ -28,7 +28,7 @@ use crate::prepare::Prepare;
 use crate::report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
-use crate::{TrainArgs, TrainError, memory, speed};
+use crate::{StopFlag, TrainArgs, TrainError, memory, speed};
 
 /// A micro-batch: what the model's embeddings read, and what its loss compares against.
 pub type Batch<M> = (<M as BlockModel>::Input, <M as BlockModel>::Target);
@@ -407,8 +407,9 @@ fn run_rank<T: TrainTask>(
         let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
         // The loss is read once the step is queued; with a loss scaler an overflow was a
         // skipped step, without one training on NaN would only waste the run.
-        let (step_loss, step_items, step_flops) =
-            over_ranks(comm, outcome.loss, step_items, step_flops)?;
+        let asked = args.stop.as_ref().is_some_and(StopFlag::requested);
+        let (step_loss, step_items, step_flops, stop) =
+            over_ranks(comm, outcome.loss, step_items, step_flops, asked)?;
         if !step_loss.is_finite() && engine.loss_scale().is_none() {
             return Err(TrainError::NonFiniteLoss {
                 step,
@@ -443,6 +444,7 @@ fn run_rank<T: TrainTask>(
         }
         if let Some(dir) = &args.checkpoint_dir
             && (step == args.max_steps
+                || stop
                 || (args.checkpoint_every > 0 && step.is_multiple_of(args.checkpoint_every)))
         {
             // Saving's peak is reported on its own, not as training's.
@@ -454,6 +456,14 @@ fn run_rank<T: TrainTask>(
             checkpoints.save_s += saving.elapsed().as_secs_f64();
             checkpoints.save_peak_mem_bytes =
                 checkpoints.save_peak_mem_bytes.max(peak_then_reset(comm)?);
+        }
+        if stop {
+            progress.finish_and_clear();
+            return Err(TrainError::Stopped {
+                step,
+                checkpoint: (args.checkpoint_dir.as_deref())
+                    .map(|dir| checkpoint::step_dir(dir, step)),
+            });
         }
         history.push(last);
         progress.set_position(step as u64);
@@ -790,23 +800,35 @@ fn median(values: &mut [f64]) -> f64 {
     }
 }
 
-/// The mean of the ranks' losses, and the sums of their items and model FLOPs (each rank's
-/// part of a padded batch has a length of its own), in one all-reduce.
+/// The mean of the ranks' losses, the sums of their items and model FLOPs (each rank's part
+/// of a padded batch has a length of its own), and whether any rank was asked to stop, in
+/// one all-reduce.
 fn over_ranks(
     comm: &dyn Communicator,
     loss: f64,
     items: usize,
     flops: f64,
-) -> Result<(f64, usize, f64), TrainError> {
+    stop: bool,
+) -> Result<(f64, usize, f64, bool), TrainError> {
     if comm.world_size() == 1 {
-        return Ok((loss, items, flops));
+        return Ok((loss, items, flops, stop));
     }
-    let mut buf = Buffer::F32(vec![loss as f32, items as f32, flops as f32]);
+    let mut buf = Buffer::F32(vec![
+        loss as f32,
+        items as f32,
+        flops as f32,
+        stop as u8 as f32,
+    ]);
     comm.all_reduce(&mut buf, ReduceOp::Sum)?;
     let sums = buf.to_f32();
     // As ReduceOp::Mean divides, in f32; items in f32 are exact below 2^24 a step.
     let loss = sums[0] / comm.world_size() as f32;
-    Ok((loss as f64, sums[1].round() as usize, sums[2] as f64))
+    Ok((
+        loss as f64,
+        sums[1].round() as usize,
+        sums[2] as f64,
+        sums[3] > 0.0,
+    ))
 }
 
 /// Every rank's model-state bytes, process peak, device peak, planned peak and planned device
@@ -984,5 +1006,23 @@ impl MetricsCsv {
             path: self.path.clone(),
             source,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
+
+    use super::*;
+
+    /// A stop asked on one rank only (each process's own signal under mpirun) stops every
+    /// rank after the same step.
+    #[test]
+    fn a_stop_asked_on_any_rank_stops_them_all() {
+        let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
+            over_ranks(&comm, 1.0, 4, 8.0, comm.rank() == 1).map(|(.., stop)| stop)
+        });
+        let stops: Vec<bool> = ranks.into_iter().map(|r| r.unwrap().unwrap()).collect();
+        assert_eq!(stops, [true; 3]);
     }
 }
