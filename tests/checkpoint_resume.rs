@@ -616,25 +616,27 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
 /// A stop asked on one rank during step 5 (as Ctrl-C in an example): every rank ends that
 /// step, its checkpoint is written and the run returns `Stopped` naming it, with the
 /// optimizer state's scratch files under `--offload-dir` removed; resumed from it, the run
-/// takes the uninterrupted run's later steps.
+/// takes the uninterrupted run's later steps. Asked in the last step, it changes nothing.
 #[test]
 fn a_stop_asked_on_one_rank_ends_every_rank_after_the_step_with_its_checkpoint() {
     let (dir, whole) = (scratch("stop"), scratch("stop-whole"));
     let scratch_files = tempfile::tempdir().unwrap();
     let offload = ["--offload-dir", scratch_files.path().to_str().unwrap()];
     let uninterrupted = steps(&run(&whole, "zero2", 2, 0.0, &offload).unwrap().1);
-    let stops = |task, args: &mut TrainArgs| {
-        let stop = StopFlag::new();
-        args.stop = Some(stop.clone());
-        FailsAt {
-            task,
-            rank: 1,
-            at: 5,
-            drawn: 0,
-            fault: Fault::Stops(stop),
+    let stops_at = |at| {
+        move |task, args: &mut TrainArgs| {
+            let stop = StopFlag::new();
+            args.stop = Some(stop.clone());
+            FailsAt {
+                task,
+                rank: 1,
+                at,
+                drawn: 0,
+                fault: Fault::Stops(stop),
+            }
         }
     };
-    let err = run_task(&dir, "zero2", 2, 0.0, &offload, stops).unwrap_err();
+    let err = run_task(&dir, "zero2", 2, 0.0, &offload, stops_at(5)).unwrap_err();
     let step_5 = dir.join("step-00000005");
     assert!(
         matches!(&err, TrainError::Stopped { step: 5, checkpoint: Some(at) } if *at == step_5),
@@ -658,6 +660,10 @@ fn a_stop_asked_on_one_rank_ends_every_rank_after_the_step_with_its_checkpoint()
     .unwrap();
     assert_eq!(steps(&resumed), uninterrupted[5..]);
     fs::remove_dir_all(&dir).unwrap();
+    // Asked in the last step, the run ends as it would have.
+    fs::remove_dir_all(&whole).unwrap();
+    let (_, last) = run_task(&whole, "zero2", 2, 0.0, &offload, stops_at(9)).unwrap();
+    assert_eq!(steps(&last), uninterrupted);
     fs::remove_dir_all(&whole).unwrap();
 }
 

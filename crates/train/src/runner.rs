@@ -457,11 +457,14 @@ fn run_rank<T: TrainTask>(
             checkpoints.save_peak_mem_bytes =
                 checkpoints.save_peak_mem_bytes.max(peak_then_reset(comm)?);
         }
-        if stop {
+        // A stop asked in the last step lets the run end as it would have.
+        if stop && step < args.max_steps {
             progress.finish_and_clear();
             return Err(TrainError::Stopped {
                 step,
-                checkpoint: (args.checkpoint_dir.as_deref())
+                checkpoint: args
+                    .checkpoint_dir
+                    .as_deref()
                     .map(|dir| checkpoint::step_dir(dir, step)),
             });
         }
