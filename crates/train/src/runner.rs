@@ -638,7 +638,10 @@ pub(crate) fn micro_steps<T: TrainTask>(
 ) -> Result<(usize, f64), TrainError> {
     let accumulate = args.accumulate;
     let mut drawn = VecDeque::from([draw(task, device, part)]);
-    let shares = match engine.loss_items(&drawn[0].1) {
+    // One micro-batch on one rank is the whole step: its mean is the step's.
+    let alone = accumulate == 1 && engine.comm().world_size() == 1;
+    let counted = (!alone).then(|| engine.loss_items(&drawn[0].1)).flatten();
+    let shares = match counted {
         None => vec![Share::Even(accumulate); accumulate],
         Some(_) => {
             drawn.extend((1..accumulate).map(|_| draw(task, device, part)));
