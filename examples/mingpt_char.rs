@@ -140,7 +140,7 @@ fn run() -> Result<()> {
         ("eval_interval", "250"),
     ]);
     cli.train.validate()?;
-    // Ctrl-C (or a scheduler's SIGTERM) ends the run after its step, with a checkpoint of it.
+    // Ctrl-C, SIGTERM or SIGUSR1 (mpirun forwards it) end the run after its step, with its checkpoint.
     cli.train.stop = Some(StopFlag::on_signals()?);
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)

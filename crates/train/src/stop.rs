@@ -17,11 +17,14 @@ impl StopFlag {
         Self::default()
     }
 
-    /// A flag that SIGINT (Ctrl-C) and SIGTERM raise; a second signal ends the process at
-    /// once (exit status 130), as the default handler would have.
+    /// A flag that SIGINT (Ctrl-C), SIGTERM and SIGUSR1 raise; a second signal ends the
+    /// process at once (exit status 130), as the default handler would have. SIGUSR1 is for
+    /// mpirun, which forwards it to every rank, where its own SIGINT or SIGTERM ends the
+    /// ranks (SIGTERM, then SIGKILL) without waiting for a step to end.
     pub fn on_signals() -> std::io::Result<Self> {
+        use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
         let stop = Self::new();
-        for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        for signal in [SIGINT, SIGTERM, SIGUSR1] {
             // Registered first, so it sees the flag as it was before this signal.
             signal_hook::flag::register_conditional_shutdown(signal, 130, stop.0.clone())?;
             signal_hook::flag::register(signal, stop.0.clone())?;
