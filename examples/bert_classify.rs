@@ -68,7 +68,7 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
-    // Ctrl-C, SIGTERM or SIGUSR1 (mpirun forwards it) end the run after its step, with its checkpoint.
+    // Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its step.
     cli.train.stop = Some(StopFlag::on_signals()?);
     if !(cli.test_fraction > 0.0 && cli.test_fraction < 1.0) {
         bail!("--test-fraction {} is not in (0, 1)", cli.test_fraction);

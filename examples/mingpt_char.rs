@@ -140,7 +140,7 @@ fn run() -> Result<()> {
         ("eval_interval", "250"),
     ]);
     cli.train.validate()?;
-    // Ctrl-C, SIGTERM or SIGUSR1 (mpirun forwards it) end the run after its step, with its checkpoint.
+    // Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its step.
     cli.train.stop = Some(StopFlag::on_signals()?);
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)

@@ -68,7 +68,7 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
-    // Ctrl-C, SIGTERM or SIGUSR1 (mpirun forwards it) end the run after its step, with its checkpoint.
+    // Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its step.
     cli.train.stop = Some(StopFlag::on_signals()?);
     let (train_set, test_set) = images::load(&cli.data, cli.test_fraction, cli.train.seed)?;
     let config = VitConfig::preset(&cli.model)?
