@@ -150,15 +150,15 @@ impl PlainConfig {
             // targets weighs each micro-batch by the items it scores.
             let items: Option<Vec<Tensor<1>>> =
                 batches.iter().map(|(_, t)| model.loss_items(t)).collect();
-            let total = items.as_ref().map(|items| {
-                let total = Tensor::cat(items.clone(), 0).sum();
-                total.clamp_min(1.0)
+            let counted = items.map(|items| {
+                let total = Tensor::cat(items.clone(), 0).sum().clamp_min(1.0);
+                (items, total)
             });
             for (i, (input, target)) in batches.into_iter().enumerate() {
                 let loss = model.loss(input, target);
-                let loss = match (&items, &total) {
-                    (Some(items), Some(total)) => loss * items[i].clone() / total.clone(),
-                    _ => loss / self.accumulate as f64,
+                let loss = match &counted {
+                    Some((items, total)) => loss * items[i].clone() / total.clone(),
+                    None => loss / self.accumulate as f64,
                 };
                 losses.push(loss.clone().detach().cast(FloatDType::F32));
                 accumulator

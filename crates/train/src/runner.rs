@@ -643,10 +643,11 @@ pub(crate) fn micro_steps<T: TrainTask>(
     let counted = (!alone).then(|| engine.loss_items(&drawn[0].1)).flatten();
     let shares = match counted {
         None => vec![Share::Even(accumulate); accumulate],
-        Some(_) => {
+        Some(first) => {
             drawn.extend((1..accumulate).map(|_| draw(task, device, part)));
-            let items = drawn
+            let rest = drawn
                 .iter()
+                .skip(1)
                 .map(|(_, target)| engine.loss_items(target))
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| {
@@ -654,7 +655,7 @@ pub(crate) fn micro_steps<T: TrainTask>(
                         "the model counts the items of some micro-batches' losses only".into(),
                     )
                 })?;
-            Share::of_items(engine.comm(), items)?
+            Share::of_items(engine.comm(), [vec![first], rest].concat())?
         }
     };
     let (mut items, mut flops) = (0, 0.0);
