@@ -106,11 +106,13 @@ impl TrainTask for NextToken {
         windows.batch(self.batch, BatchPart::WHOLE, device)
     }
 
+    /// The mean over the targets the loss scores (those not ignored), so that a validation
+    /// set's loss is per scored token whatever its batches' shares of ignored ones.
     fn score(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Score {
-        let tokens = targets.shape().num_elements();
+        let scored = burnscale_nn::scored_items(targets.clone().flatten(0, 1));
         Score::of_mean(
             cross_entropy(logits, targets).into_scalar::<f32>() as f64,
-            tokens,
+            scored.into_scalar::<f32>() as usize,
         )
     }
 }
@@ -528,6 +530,37 @@ mod tests {
         assert!(refused(&task(2), &bert).contains("training label 1 is 2"));
         let bare = Bert::new(&BertConfig::tiny().with_head(BertHead::Base), &device).unwrap();
         assert!(refused(&task(1), &bare).contains("no sequence-classification head"));
+    }
+
+    /// A next-token validation batch whose targets are partly ignored scores the others only:
+    /// their summed loss and their count, so that ranks and batches with more ignored targets
+    /// do not weigh more.
+    #[test]
+    fn a_validation_score_counts_only_the_scored_targets() {
+        let device = Device::default();
+        let task = NextToken::new((0..20).collect(), 4, 1, 0).unwrap();
+        let rows = [
+            [2.0, 0.0, 0.0],
+            [5.0, 5.0, 5.0],
+            [0.0, 1.0, 0.0],
+            [9.0, 0.0, 0.0],
+        ];
+        let logits = Tensor::<3>::from_floats([rows], &device); // [1, 4, 3]
+        let score = |targets: [i64; 4]| {
+            let targets = Tensor::<2, Int>::from_ints([targets], &device);
+            task.score(logits.clone(), targets)
+        };
+        let scored = score([0, -1, 2, -1]);
+        let e = std::f64::consts::E;
+        let want = -(e * e / (e * e + 2.0)).ln() - (1.0 / (e + 2.0)).ln();
+        assert_eq!(scored.items, 2);
+        assert!(
+            (scored.loss - want).abs() < 1e-5 * want,
+            "{} != {want}",
+            scored.loss
+        );
+        let none = score([-1; 4]);
+        assert_eq!((none.items, none.loss), (0, 0.0));
     }
 
     #[test]
