@@ -20,13 +20,19 @@ use crate::TrainError;
 
 /// This rank's optimizer state files under `--offload-dir`: a fresh `rank{N}-XXXXXX`
 /// directory of this run's own, removed when training ends (and `--offload-dir` itself when
-/// the run made it and nothing else is left there).
+/// the run made it and nothing else is left there). The directory's [`LOCK`] file is locked
+/// while the run lives, so that the next run can tell the directory of one that was killed.
 pub struct DiskStates {
     dir: TempDir,
     /// Read only by its drop, which runs after `dir`'s (declared after it).
     _made_root: MadeRoot,
+    /// Held, not read: the kernel releases it however the process ends.
+    _lock: File,
     entries: HashMap<String, Entry>,
 }
+
+/// The file in each run's directory that the run holds an exclusive lock on while it lives.
+const LOCK: &str = ".burnscale.lock";
 
 /// `--offload-dir` when the run made it: removed when dropped, if nothing is left there.
 struct MadeRoot(Option<PathBuf>);
@@ -66,20 +72,32 @@ impl DiskStates {
         };
         let made_root = MadeRoot((!root.exists()).then(|| root.to_path_buf()));
         fs::create_dir_all(root).map_err(io)?;
+        remove_dead_runs(root).map_err(io)?;
         let dir = tempfile::Builder::new()
             .prefix(&format!("rank{rank}-"))
             .tempdir_in(root)
             .map_err(io)?;
+        let in_dir = |source| TrainError::Offload {
+            path: dir.path().to_path_buf(),
+            source,
+        };
         let probe = dir.path().join(".probe");
         fs::write(&probe, [0u8; 4096])
             .and_then(|()| fs::remove_file(&probe))
-            .map_err(|source| TrainError::Offload {
-                path: dir.path().to_path_buf(),
-                source,
-            })?;
+            .map_err(in_dir)?;
+        // Locked before it takes its name, so that no other run finds it unlocked.
+        let unnamed = dir.path().join(".lock-new");
+        let lock = File::create(&unnamed)
+            .and_then(|file| {
+                file.try_lock().map_err(io::Error::from)?;
+                fs::rename(&unnamed, dir.path().join(LOCK))?;
+                Ok(file)
+            })
+            .map_err(in_dir)?;
         Ok(Self {
             dir,
             _made_root: made_root,
+            _lock: lock,
             entries: HashMap::new(),
         })
     }
@@ -201,6 +219,31 @@ impl DiskStates {
     }
 }
 
+/// Removes the directories under `root` of runs that were killed (a SIGKILL, the
+/// out-of-memory killer, a lost node): those whose [`LOCK`] file no process holds, each
+/// with a note. A live run's directory stays, and so does anything without a lock file.
+fn remove_dead_runs(root: &Path) -> io::Result<()> {
+    for entry in fs::read_dir(root)? {
+        let dir = entry?.path();
+        let Ok(lock) = File::open(dir.join(LOCK)) else {
+            continue;
+        };
+        if lock.try_lock().is_err() {
+            continue; // its run lives (or another rank is removing it)
+        }
+        let note = match fs::remove_dir_all(&dir) {
+            Ok(()) => format!("removed {}", dir.display()),
+            // Removed by another rank that held the lock before this one.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => format!("cannot remove {} ({e})", dir.display()),
+        };
+        // One write, so that the ranks' notes do not interleave.
+        let line = format!("note: {note}: optimizer state files of a run that was killed\n");
+        let _ = io::stderr().write_all(line.as_bytes());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use burn::optim::AdamWConfig;
@@ -259,6 +302,34 @@ mod tests {
             !root.exists(),
             "the rank's directory and the root it made are gone"
         );
+    }
+
+    /// A run killed while it trains leaves its directory, whose lock the kernel releases:
+    /// the next run removes it, and leaves a live run's directory and others' files.
+    #[test]
+    fn the_next_run_removes_the_files_of_a_killed_one() {
+        let device = Device::flex();
+        let optim = AdamWConfig::new().build();
+        let root = std::env::temp_dir().join(format!("burnscale-killed-{}", std::process::id()));
+        let live = DiskStates::create(&root, 0).unwrap();
+        let mut killed = DiskStates::create(&root, 1).unwrap();
+        killed
+            .store(&optim, "w", &stepped_state(&optim, &device))
+            .unwrap();
+        // What the kernel does to a killed process: its lock goes, its files stay.
+        let DiskStates { dir, _lock, .. } = killed;
+        drop(_lock);
+        let killed = dir.keep();
+        let other = root.join("rank1-not-a-run");
+        fs::create_dir(&other).unwrap();
+
+        let next = DiskStates::create(&root, 1).unwrap();
+        assert!(!killed.exists(), "the killed run's files are gone");
+        assert!(live.dir.path().join(LOCK).exists(), "a live run's stay");
+        assert!(other.exists(), "a directory without a lock file stays");
+        drop((live, next));
+        fs::remove_dir(&other).unwrap();
+        fs::remove_dir(&root).unwrap();
     }
 
     /// SGD without momentum keeps no tensor: no file is written (or synced) at each step.
