@@ -208,3 +208,12 @@ fn libtorch_gpu_count() -> usize {
     #[cfg(not(feature = "tch"))]
     0
 }
+
+/// The name of the machine this process runs on; `None` where it cannot be read.
+pub(crate) fn host_name() -> Option<String> {
+    ["/proc/sys/kernel/hostname", "/etc/hostname"]
+        .iter()
+        .find_map(|path| std::fs::read_to_string(path).ok())
+        .map(|name| name.trim().to_string())
+        .filter(|name| !name.is_empty())
+}

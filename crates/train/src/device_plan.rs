@@ -194,16 +194,9 @@ mod dry {
     /// cannot be read is taken as not shared. (Hashed alike on every rank: they run one
     /// binary.)
     fn memory_key(device: &Device) -> u64 {
-        let names = ["/proc/sys/kernel/hostname", "/etc/hostname"];
         let host = on_host_memory(device)
-            .then(|| {
-                names
-                    .iter()
-                    .find_map(|path| std::fs::read_to_string(path).ok())
-            })
-            .flatten()
-            .map(|name| name.trim().to_string())
-            .filter(|name| !name.is_empty());
+            .then(crate::accelerator::host_name)
+            .flatten();
         let mut hasher = DefaultHasher::new();
         match host {
             Some(host) => host.hash(&mut hasher),

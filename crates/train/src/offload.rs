@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
 use burn::optim::{DynOptimizer, DynState, StateSink};
@@ -17,6 +17,7 @@ use memmap2::{Mmap, MmapMut};
 use tempfile::TempDir;
 
 use crate::TrainError;
+use crate::accelerator::host_name;
 
 /// This rank's optimizer state files under `--offload-dir`: a fresh `rank{N}-XXXXXX`
 /// directory of this run's own, removed when training ends (and `--offload-dir` itself when
@@ -81,18 +82,18 @@ impl DiskStates {
             path: dir.path().to_path_buf(),
             source,
         };
+        // Locked before it takes its name, so that no other run finds it unlocked; on a
+        // filesystem without locks it keeps no name, and a killed run's files stay.
+        let unnamed = dir.path().join(".lock-new");
+        let mut lock = File::create_new(&unnamed).map_err(in_dir)?;
+        lock.write_all(host_name().unwrap_or_default().as_bytes())
+            .map_err(in_dir)?;
+        if lock.try_lock().is_ok() {
+            fs::rename(&unnamed, dir.path().join(LOCK)).map_err(in_dir)?;
+        }
         let probe = dir.path().join(".probe");
         fs::write(&probe, [0u8; 4096])
             .and_then(|()| fs::remove_file(&probe))
-            .map_err(in_dir)?;
-        // Locked before it takes its name, so that no other run finds it unlocked.
-        let unnamed = dir.path().join(".lock-new");
-        let lock = File::create(&unnamed)
-            .and_then(|file| {
-                file.try_lock().map_err(io::Error::from)?;
-                fs::rename(&unnamed, dir.path().join(LOCK))?;
-                Ok(file)
-            })
             .map_err(in_dir)?;
         Ok(Self {
             dir,
@@ -219,15 +220,27 @@ impl DiskStates {
     }
 }
 
-/// Removes the directories under `root` of runs that were killed (a SIGKILL, the
-/// out-of-memory killer, a lost node): those whose [`LOCK`] file no process holds, each
-/// with a note. A live run's directory stays, and so does anything without a lock file.
+/// Removes the directories under `root` of this machine's runs that were killed (a SIGKILL,
+/// the out-of-memory killer): those whose [`LOCK`] file names this machine and no process
+/// holds, each with a note. A live run's directory stays, and so does anything without a
+/// lock file, or with another machine's (a filesystem shared by nodes may keep its locks
+/// on each node).
 fn remove_dead_runs(root: &Path) -> io::Result<()> {
+    let host = host_name().unwrap_or_default();
     for entry in fs::read_dir(root)? {
         let dir = entry?.path();
-        let Ok(lock) = File::open(dir.join(LOCK)) else {
+        // Opened for writing: NFS takes an exclusive lock only on such a file.
+        let Ok(mut lock) = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(dir.join(LOCK))
+        else {
             continue;
         };
+        let mut owner = String::new();
+        if lock.read_to_string(&mut owner).is_err() || owner != host {
+            continue;
+        }
         if lock.try_lock().is_err() {
             continue; // its run lives (or another rank is removing it)
         }
@@ -322,13 +335,21 @@ mod tests {
         let killed = dir.keep();
         let other = root.join("rank1-not-a-run");
         fs::create_dir(&other).unwrap();
+        let elsewhere = root.join("rank2-another-node");
+        fs::create_dir(&elsewhere).unwrap();
+        fs::write(elsewhere.join(LOCK), "not-this-host").unwrap();
 
         let next = DiskStates::create(&root, 1).unwrap();
         assert!(!killed.exists(), "the killed run's files are gone");
         assert!(live.dir.path().join(LOCK).exists(), "a live run's stay");
         assert!(other.exists(), "a directory without a lock file stays");
+        assert!(
+            elsewhere.exists(),
+            "another machine's run is not judged here"
+        );
         drop((live, next));
         fs::remove_dir(&other).unwrap();
+        fs::remove_dir_all(&elsewhere).unwrap();
         fs::remove_dir(&root).unwrap();
     }
 
