@@ -68,8 +68,6 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
-    // Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its step.
-    cli.train.stop = Some(StopFlag::on_signals()?);
     if !(cli.test_fraction > 0.0 && cli.test_fraction < 1.0) {
         bail!("--test-fraction {} is not in (0, 1)", cli.test_fraction);
     }
@@ -184,5 +182,9 @@ fn finetune<M: SequenceClassifier>(
     device: &Device,
 ) -> Result<RunSummary> {
     let mut task = TextClassification::new(train_rows, test_rows, pad, args.batch_size, args.seed)?;
-    Ok(train(model, &mut task, args, device)?.1)
+    let mut args = args.clone();
+    // From here Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its
+    // step; before, they end the program as they always do.
+    args.stop = Some(StopFlag::on_signals()?);
+    Ok(train(model, &mut task, &args, device)?.1)
 }

@@ -133,15 +133,13 @@ fn run() -> Result<()> {
     // Runner defaults for this example that reach val loss < 2.0 in a few minutes on 2 CPU
     // cores (as nanoGPT's CPU recipe for a 4-layer char model: short context, no dropout,
     // a high learning rate after a warm-up).
-    let mut cli: Cli = burnscale::parse_with_defaults(&[
+    let cli: Cli = burnscale::parse_with_defaults(&[
         ("lr", "2e-3"),
         ("warmup_steps", "100"),
         ("max_steps", "2500"),
         ("eval_interval", "250"),
     ]);
     cli.train.validate()?;
-    // Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its step.
-    cli.train.stop = Some(StopFlag::on_signals()?);
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("cannot read training text {}", path.display()))?,
@@ -203,6 +201,9 @@ fn run() -> Result<()> {
     // Sampling reads the whole model: under zero3 it is gathered for it.
     let mut args = cli.train.with_model_config(&recorded)?;
     args.gather_model = cli.sample_len > 0;
+    // From here Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its
+    // step; before, they end the program as they always do.
+    args.stop = Some(StopFlag::on_signals()?);
     let (model, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

@@ -68,8 +68,6 @@ fn run() -> Result<()> {
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
     cli.train.validate()?;
-    // Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its step.
-    cli.train.stop = Some(StopFlag::on_signals()?);
     let (train_set, test_set) = images::load(&cli.data, cli.test_fraction, cli.train.seed)?;
     let config = VitConfig::preset(&cli.model)?
         .with_image_size(cli.image_size)
@@ -123,7 +121,10 @@ fn run() -> Result<()> {
         cli.train.seed,
     )?;
     let data = serde_json::json!({ "data": cli.data, "test_fraction": cli.test_fraction });
-    let args = cli.train.with_model_and_data(&config, data)?;
+    let mut args = cli.train.with_model_and_data(&config, data)?;
+    // From here Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its
+    // step; before, they end the program as they always do.
+    args.stop = Some(StopFlag::on_signals()?);
     let (_, summary) = train(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

@@ -83,7 +83,10 @@ pub struct Sharded<'c, M: BlockModel> {
 /// What [`Sharded::step`] did.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct StepOutcome {
-    /// This rank's loss of the step: the mean over its micro-steps.
+    /// This rank's part of the step's loss, the sum of its micro-steps' [`Share`]s of it,
+    /// taken as the engine takes the gradients: the mean over the ranks of these parts is
+    /// the step's loss (over every item of the global batch), whereas one rank's part
+    /// alone is that only on one rank.
     pub loss: f64,
     /// The global gradient norm before clipping (unscaled).
     pub grad_norm: f64,

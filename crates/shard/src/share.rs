@@ -19,23 +19,25 @@ pub enum Share {
 }
 
 impl Share {
-    /// The [`Share::Items`] of each of this rank's micro-batches, scoring `items` each: their
-    /// sum over the ranks is one all-reduce of one value, on the device (a step without
-    /// items to score gives shares of 0, not NaN).
+    /// The [`Share::Items`] of each of this rank's micro-batches, `first` and the `rest`,
+    /// scoring that many items each: their sum over the ranks is one all-reduce of one value
+    /// (on the device with NCCL; the CPU engines reduce through the host, as they always
+    /// do). A step without items to score gives shares of 0, not NaN.
     pub fn of_items(
         comm: &dyn Communicator,
-        items: Vec<Tensor<1>>,
+        first: Tensor<1>,
+        rest: Vec<Tensor<1>>,
     ) -> Result<Vec<Share>, ShardError> {
-        let Some(mut total) = items.iter().cloned().reduce(|a, b| a + b) else {
-            return Ok(Vec::new());
-        };
+        let mut total = rest
+            .iter()
+            .fold(first.clone(), |sum, items| sum + items.clone());
         total = total.inner();
         if comm.world_size() > 1 {
             total = comm.all_reduce_tensor(total, ReduceOp::Sum)?;
         }
         let total = total.clamp_min(1.0);
-        Ok(items
-            .into_iter()
+        Ok(std::iter::once(first)
+            .chain(rest)
             .map(|items| Share::Items(Box::new(items.inner() / total.clone())))
             .collect())
     }

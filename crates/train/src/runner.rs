@@ -655,7 +655,7 @@ pub(crate) fn micro_steps<T: TrainTask>(
                         "the model counts the items of some micro-batches' losses only".into(),
                     )
                 })?;
-            Share::of_items(engine.comm(), [vec![first], rest].concat())?
+            Share::of_items(engine.comm(), first, rest)?
         }
     };
     let (mut items, mut flops) = (0, 0.0);

@@ -18,7 +18,8 @@ impl StopFlag {
     }
 
     /// A flag that SIGINT (Ctrl-C), SIGTERM and SIGUSR1 raise; a second signal ends the
-    /// process at once (exit status 130), as the default handler would have. SIGUSR1 is for
+    /// process at once, with the status a shell gives a process that signal killed (128 +
+    /// its number: 130 for Ctrl-C). SIGUSR1 is for
     /// mpirun, which forwards it to every rank, where its own SIGINT or SIGTERM ends the
     /// ranks (SIGTERM, then SIGKILL) without waiting for a step to end.
     pub fn on_signals() -> std::io::Result<Self> {
@@ -26,7 +27,7 @@ impl StopFlag {
         let stop = Self::new();
         for signal in [SIGINT, SIGTERM, SIGUSR1] {
             // Registered first, so it sees the flag as it was before this signal.
-            signal_hook::flag::register_conditional_shutdown(signal, 130, stop.0.clone())?;
+            signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, stop.0.clone())?;
             signal_hook::flag::register(signal, stop.0.clone())?;
         }
         Ok(stop)
