@@ -17,17 +17,18 @@ impl StopFlag {
         Self::default()
     }
 
-    /// A flag that SIGINT (Ctrl-C), SIGTERM and SIGUSR1 raise; a second signal ends the
-    /// process at once, with the status a shell gives a process that signal killed (128 +
-    /// its number: 130 for Ctrl-C). SIGUSR1 is for
-    /// mpirun, which forwards it to every rank, where its own SIGINT or SIGTERM ends the
-    /// ranks (SIGTERM, then SIGKILL) without waiting for a step to end.
+    /// A flag that SIGINT (Ctrl-C), SIGTERM and SIGUSR1 raise. A second Ctrl-C ends the
+    /// process at once (exit status 130, as the default handler would have); SIGTERM and
+    /// SIGUSR1 only ask, however many come: a scheduler may send SIGTERM to every process
+    /// of a job and mpirun forward it too, and both send SIGKILL when they will not wait.
+    /// SIGUSR1 is for mpirun, which forwards it to every rank, where its own SIGINT or
+    /// SIGTERM ends the ranks (SIGTERM, then SIGKILL) without waiting for a step to end.
     pub fn on_signals() -> std::io::Result<Self> {
         use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
         let stop = Self::new();
+        // Registered first, so it sees the flag as it was before this signal.
+        signal_hook::flag::register_conditional_shutdown(SIGINT, 130, stop.0.clone())?;
         for signal in [SIGINT, SIGTERM, SIGUSR1] {
-            // Registered first, so it sees the flag as it was before this signal.
-            signal_hook::flag::register_conditional_shutdown(signal, 128 + signal, stop.0.clone())?;
             signal_hook::flag::register(signal, stop.0.clone())?;
         }
         Ok(stop)
@@ -40,5 +41,25 @@ impl StopFlag {
 
     pub fn requested(&self) -> bool {
         self.0.load(Ordering::SeqCst)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use signal_hook::consts::{SIGTERM, SIGUSR1};
+    use signal_hook::low_level::raise;
+
+    use super::*;
+
+    /// SIGTERM and SIGUSR1 ask, however many come: a second one does not end the process
+    /// (which would end this test binary), as a second Ctrl-C would.
+    #[test]
+    fn repeated_sigterm_and_sigusr1_only_ask() {
+        let stop = StopFlag::on_signals().unwrap();
+        assert!(!stop.requested());
+        for signal in [SIGTERM, SIGTERM, SIGUSR1, SIGUSR1] {
+            raise(signal).unwrap(); // delivered to this thread before it returns
+            assert!(stop.requested());
+        }
     }
 }
