@@ -10,7 +10,8 @@
 //! temporaries set the peak.)
 
 use burn::prelude::*;
-use burnscale_bert::{Bert, BertConfig, BertHead, BertInput};
+use burnscale_bert::{Bert, BertConfig, BertHead, BertInput, Layout};
+use burnscale_bigbird::{AttentionType, BigBird, BigBirdConfig};
 use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_train::{Batch, BatchPart, RunSummary, Score, TrainArgs, TrainTask, train};
 use burnscale_vit::{Vit, VitConfig};
@@ -44,6 +45,10 @@ const CLASSIFIER: &str = "--classifier";
 /// own backward and reduce-scatter, the step's last.
 const MASKED_LM: &str = "--masked-lm";
 
+/// `--bigbird`, first: the classifier as BigBird (block-sparse attention in blocks of 64),
+/// whose pooler its classification head does not read: no backward reaches it, so the
+/// optimizer holds no state for it (a plan that counted it read 2 x 256 x 257 x 4 B over).
+const BIGBIRD: &str = "--bigbird";
 /// `--text`, first: the classifier's BERT on sequences of unequal length ([`TEXT_TOKENS`]),
 /// padded per batch to the longest, as real text is (`bert_classify`'s emails): the first
 /// batch drawn is the shorter one, and the two steps reach the longer, which the plan counts.
@@ -85,6 +90,7 @@ pub const ONE_RANK: &[&[&str]] = &[
     // flattens it to write it back (a probe stepping in memory planned -11.6%).
     &[VOCAB, "8192", LAYERS, "24", DISK, "--batch-size", "1"],
     &[CLASSIFIER],
+    &[BIGBIRD],
     &[TEXT, "--batch-size", "4"],
     &[VIT],
     // The evaluation's forward at batch 128 outweighs training at batch 2.
@@ -228,6 +234,26 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
                 TextClassification::random_tokens(train_lengths, test_lengths, args.batch_size)?;
             Ok(train(model, &mut task, &args, &device)?.1)
         }
+        [BIGBIRD, flags @ ..] => {
+            let config = BigBirdConfig {
+                encoder: BertConfig {
+                    layout: Layout::Bert,
+                    head: BertHead::Base,
+                    ..encoder()
+                },
+                attention_type: AttentionType::BlockSparse,
+                block_size: 64,
+                num_random_blocks: 3,
+                num_labels: Some(2),
+            };
+            let args = check_args("1", flags)?;
+            let device = seeded_cpu();
+            let model = BigBird::new(&config, &device)?;
+            let lengths = [CLASSIFIER_TOKENS; 16];
+            let mut task =
+                TextClassification::random_tokens(&lengths, &lengths[..2], args.batch_size)?;
+            Ok(train(model, &mut task, &args, &device)?.1)
+        }
         [MASKED_LM, flags @ ..] => {
             let (model, args, device) = bert(BertHead::MaskedLm, flags)?;
             let mut task = MaskedTokens {
@@ -298,7 +324,16 @@ fn vit(flags: &[&str]) -> anyhow::Result<(Vit, ImageClassification, TrainArgs, D
 /// The BERT checks' model (DistilBERT's 30522-token table, 4 blocks of width 256) with
 /// `head`, and `flags` at batch 1.
 fn bert(head: BertHead, flags: &[&str]) -> anyhow::Result<(Bert, TrainArgs, Device)> {
-    let config = BertConfig {
+    let config = encoder().with_head(head);
+    let args = check_args("1", flags)?;
+    let device = seeded_cpu();
+    let model = Bert::new(&config, &device)?;
+    Ok((model, args, device))
+}
+
+/// The text checks' encoder: 4 blocks of width 256 with DistilBERT's table of 30522 tokens.
+fn encoder() -> BertConfig {
+    BertConfig {
         intermediate_size: 1024,
         num_hidden_layers: 4,
         num_attention_heads: 4,
@@ -306,11 +341,6 @@ fn bert(head: BertHead, flags: &[&str]) -> anyhow::Result<(Bert, TrainArgs, Devi
         ..BertConfig::distilbert_base()
     }
     .with_dropout(0.1)
-    .with_head(head);
-    let args = check_args("1", flags)?;
-    let device = seeded_cpu();
-    let model = Bert::new(&config, &device)?;
-    Ok((model, args, device))
 }
 
 /// Masked-LM batches for the memory check: fixed token ids (each rank its own), every

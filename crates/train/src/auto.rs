@@ -178,14 +178,15 @@ pub fn resolve<T: TrainTask>(
     let mut probes: Vec<(Precision, Probe)> = Vec::new();
     let (args, probe, choice) = search(args, world, device, Budget::given(budget), |candidate| {
         let probe = match probes.iter().find(|(p, _)| *p == candidate.precision) {
-            Some((_, probe)) => *probe,
+            Some((_, probe)) => probe.clone(),
             None => {
                 let probe = Probe::measure(model, task, candidate, device)?;
-                probes.push((candidate.precision, probe));
+                probes.push((candidate.precision, probe.clone()));
                 probe
             }
         };
-        let planned = MemoryPlan::new(model, candidate, world, threads, probe)?.rank_share();
+        let planned =
+            MemoryPlan::new(model, candidate, world, threads, probe.clone())?.rank_share();
         Ok((planned, probe))
     })?;
     Ok(Resolved {

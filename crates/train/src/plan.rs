@@ -18,7 +18,7 @@ use std::collections::HashSet;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
-use burn::tensor::DType;
+use burn::tensor::{DType, Gradients};
 use burnscale_nn::{BlockModel, Mask, autocast, dropout, regather};
 use burnscale_shard::layout::{self, Slot};
 use burnscale_shard::{BUCKET_ELEMS, StepGrads, params};
@@ -31,7 +31,7 @@ use crate::runner::{BatchPart, TrainTask};
 use crate::{TrainArgs, TrainError};
 
 /// What the backend adds, measured once on the run's largest micro-batch (bytes).
-#[derive(Debug, Clone, Copy, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Probe {
     /// Heap of this process outside the model's parameters when the run begins (the data,
     /// the runtime).
@@ -68,6 +68,11 @@ pub struct Probe {
     /// own batch size, which may be larger than training's) built, run through the model
     /// outside autodiff and scored; 0 without a validation set.
     pub eval: usize,
+    /// The paths of the parameters outside the blocks that no backward reaches (BigBird's
+    /// pooler, which its classifier does not read): the optimizer never steps them, so they
+    /// have no state.
+    #[serde(skip)]
+    pub unreached: HashSet<String>,
 }
 
 impl Probe {
@@ -91,7 +96,7 @@ impl Probe {
         let mut copy = task.clone();
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.largest_batch(device, BatchPart::WHOLE);
-        let (baseline, embed, block_bytes, block_output, head, parts) = {
+        let (baseline, embed, block_bytes, block_output, head, parts, unreached) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
             // The forward through the embeddings, the block and the head, with `mark` called
@@ -138,7 +143,9 @@ impl Probe {
             // block's output, the block from its input, the embeddings.
             let leaf = || Tensor::<3>::zeros(dims.clone(), (device, dtype.into())).require_grad();
             let loss = root.head_loss(leaf(), target);
-            let head_backward = memory::peak_added_by(|| loss.backward()).1;
+            let (grads, head_backward) = memory::peak_added_by(|| loss.backward());
+            let mut reached = with_grads(&root, &grads);
+            drop(grads);
             let (block_backward, regathered_backward, held_input) = match &block {
                 Some(block) => {
                     let y = root.block_forward(block, leaf(), &mask);
@@ -155,9 +162,18 @@ impl Probe {
             };
             let (x, _) = root.embed(input);
             let embed_backward = match x.is_tracked() {
-                true => memory::peak_added_by(|| x.sum().backward()).1,
+                true => {
+                    let (grads, bytes) = memory::peak_added_by(|| x.sum().backward());
+                    reached.extend(with_grads(&root, &grads));
+                    bytes
+                }
                 false => 0,
             };
+            let unreached = layout::slots(&root, 1)
+                .into_iter()
+                .filter(|slot| !reached.contains(&slot.id))
+                .map(|slot| slot.path)
+                .collect();
             (
                 baseline,
                 embedded.saturating_sub(live),
@@ -171,6 +187,7 @@ impl Probe {
                     embed_backward,
                     held_input,
                 ],
+                unreached,
             )
         };
         let [
@@ -217,8 +234,24 @@ impl Probe {
             step,
             step_elems,
             eval,
+            unreached,
         })
     }
+}
+
+/// The parameters of `module` that `grads` holds a gradient for.
+fn with_grads<M: Module>(module: &M, grads: &Gradients) -> HashSet<ParamId> {
+    struct Reached<'a>(&'a Gradients, HashSet<ParamId>);
+    impl ModuleVisitor for Reached<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.val().grad(self.0).is_some() {
+                self.1.insert(param.id);
+            }
+        }
+    }
+    let mut reached = Reached(grads, HashSet::new());
+    module.visit(&mut reached);
+    reached.1
 }
 
 /// Bytes of the parameters of `module` already initialised (a lazy one holds none yet).
@@ -517,7 +550,13 @@ impl MemoryPlan {
             true => units.shard_numel(),
             false => n,
         };
-        let optimizer = optimizer_bytes(model, args, &units, sharding.optimizer_state);
+        let optimizer = optimizer_bytes(
+            model,
+            args,
+            &units,
+            sharding.optimizer_state,
+            &probe.unreached,
+        );
         // The state held through forward and backward: none in a run that peaks in its first
         // step (the optimizer makes its state there).
         let state = match args.steps_to_peak() > 1 {
@@ -1010,9 +1049,15 @@ pub fn off(planned: usize, measured: usize) -> f64 {
     planned as f64 / measured.max(1) as f64 - 1.0
 }
 
-/// The optimizer state one rank holds in memory: every parameter's (its shard's when
-/// `sharded`), none under `--offload-dir`.
-fn optimizer_bytes<M: Module>(model: &M, args: &TrainArgs, units: &Units, sharded: bool) -> usize {
+/// The optimizer state one rank holds in memory: every stepped parameter's (its shard's
+/// when `sharded`; none for those at the `unreached` paths), none under `--offload-dir`.
+fn optimizer_bytes<M: Module>(
+    model: &M,
+    args: &TrainArgs,
+    units: &Units,
+    sharded: bool,
+    unreached: &HashSet<String>,
+) -> usize {
     if args.offload_dir.is_some() {
         return 0;
     }
@@ -1021,6 +1066,7 @@ fn optimizer_bytes<M: Module>(model: &M, args: &TrainArgs, units: &Units, sharde
     units
         .slots
         .iter()
+        .filter(|slot| !unreached.contains(&slot.path))
         .map(|slot| {
             let held = match sharded {
                 true => slot.shard_dims(),

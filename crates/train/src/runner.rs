@@ -187,7 +187,7 @@ pub fn train<T: TrainTask>(
         let model = model.expect("one model per rank of this process");
         let device = accelerator.device(device, local);
         let planned = Planned {
-            probe,
+            probe: probe.as_ref(),
             choice: choice.as_ref(),
             prepare: Some(&prepare),
         };
@@ -238,7 +238,7 @@ pub fn train_on<T: TrainTask>(
 #[derive(Default, Clone, Copy)]
 struct Planned<'a> {
     /// The backend's terms of the memory plan, when one is wanted.
-    probe: Option<Probe>,
+    probe: Option<&'a Probe>,
     /// What `--strategy auto` chose, and why.
     choice: Option<&'a AutoChoice>,
     /// How the model given to [`train`] is made ready on the rank (none for [`train_on`]'s,
@@ -310,7 +310,7 @@ fn run_rank<T: TrainTask>(
     let threads = ranks_in_process(world);
     let plan = planned
         .probe
-        .map(|probe| MemoryPlan::new(&model, args, world, threads, probe))
+        .map(|probe| MemoryPlan::new(&model, args, world, threads, probe.clone()))
         .transpose()?;
     if planned.choice.is_some() {
         auto::agree(comm, args)?;
