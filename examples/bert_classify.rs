@@ -23,7 +23,7 @@ use burnscale::pretrained;
 use burnscale::spam::{self, Email};
 use burnscale::tasks::{SequenceClassifier, TextClassification};
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{RunSummary, StopFlag, TrainArgs, train};
+use burnscale::train::{RunSummary, TrainArgs};
 use clap::{Parser, ValueEnum};
 
 #[global_allocator]
@@ -182,9 +182,5 @@ fn finetune<M: SequenceClassifier>(
     device: &Device,
 ) -> Result<RunSummary> {
     let mut task = TextClassification::new(train_rows, test_rows, pad, args.batch_size, args.seed)?;
-    let mut args = args.clone();
-    // From here Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its
-    // step; before, they end the program as they always do.
-    args.stop = Some(StopFlag::on_signals()?);
-    Ok(train(model, &mut task, &args, device)?.1)
+    Ok(burnscale::train_stopping_on_signals(model, &mut task, args, device)?.1)
 }

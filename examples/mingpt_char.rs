@@ -9,9 +9,9 @@ use burn::prelude::*;
 use burnscale::collective::launcher_rank;
 use burnscale::mingpt::{Gpt, GptConfig, Sampling, loader};
 use burnscale::tasks::NextToken;
+use burnscale::train::TrainArgs;
 use burnscale::train::checkpoint::config_path;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{StopFlag, TrainArgs, train};
 use clap::Parser;
 use rand::SeedableRng;
 
@@ -201,10 +201,7 @@ fn run() -> Result<()> {
     // Sampling reads the whole model: under zero3 it is gathered for it.
     let mut args = cli.train.with_model_config(&recorded)?;
     args.gather_model = cli.sample_len > 0;
-    // From here Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its
-    // step; before, they end the program as they always do.
-    args.stop = Some(StopFlag::on_signals()?);
-    let (model, summary) = train(model, &mut task, &args, &device)?;
+    let (model, summary) = burnscale::train_stopping_on_signals(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());
     }

@@ -11,8 +11,8 @@ use burnscale::collective::launcher_rank;
 use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
 use burnscale::tasks::ImageClassification;
+use burnscale::train::TrainArgs;
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{StopFlag, TrainArgs, train};
 use burnscale::vit::loader::{self, Head};
 use burnscale::vit::{Vit, VitConfig, dinov2};
 use clap::Parser;
@@ -121,11 +121,8 @@ fn run() -> Result<()> {
         cli.train.seed,
     )?;
     let data = serde_json::json!({ "data": cli.data, "test_fraction": cli.test_fraction });
-    let mut args = cli.train.with_model_and_data(&config, data)?;
-    // From here Ctrl-C, SIGTERM or SIGUSR1 (which mpirun forwards) end the run after its
-    // step; before, they end the program as they always do.
-    args.stop = Some(StopFlag::on_signals()?);
-    let (_, summary) = train(model, &mut task, &args, &device)?;
+    let args = cli.train.with_model_and_data(&config, data)?;
+    let (_, summary) = burnscale::train_stopping_on_signals(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());
     }

@@ -85,6 +85,26 @@ pub fn parse_with_defaults<C: clap::Parser>(defaults: &[(&'static str, &'static 
     C::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
 }
 
+/// [`train`](burnscale_train::train) as the runner binaries run it: from its call until it
+/// returns, Ctrl-C, SIGTERM and SIGUSR1 (which mpirun forwards) end the run after its step
+/// ([`StopFlag::on_signals`](burnscale_train::StopFlag::on_signals)); before and after, they
+/// end the program as they always do.
+pub fn train_stopping_on_signals<T: burnscale_train::TrainTask>(
+    model: T::Model,
+    task: &mut T,
+    args: &burnscale_train::TrainArgs,
+    device: &burn::prelude::Device,
+) -> anyhow::Result<(Option<T::Model>, burnscale_train::RunSummary)> {
+    let stop = burnscale_train::StopFlag::on_signals()?;
+    let args = burnscale_train::TrainArgs {
+        stop: Some(stop.clone()),
+        ..args.clone()
+    };
+    let trained = burnscale_train::train(model, task, &args, device);
+    stop.release();
+    Ok(trained?)
+}
+
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with
 /// `RUST_BACKTRACE` set: these are user errors) and exits non-zero. A cause whose text its
 /// error already shows (typed errors print their source) is not repeated.

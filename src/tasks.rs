@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use burn::prelude::*;
 use burnscale_bert::{Bert, BertError, BertInput};
 use burnscale_bigbird::BigBird;
-use burnscale_mingpt::{Gpt, cross_entropy};
+use burnscale_mingpt::Gpt;
 use burnscale_nn::BlockModel;
 use burnscale_train::data::TokenWindows;
 use burnscale_train::{Batch, BatchPart, Score, TrainError, TrainTask};
@@ -106,14 +106,9 @@ impl TrainTask for NextToken {
         windows.batch(self.batch, BatchPart::WHOLE, device)
     }
 
-    /// The mean over the targets the loss scores (those not ignored), so that a validation
-    /// set's loss is per scored token whatever its batches' shares of ignored ones.
     fn score(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> Score {
-        let scored = burnscale_nn::scored_items(targets.clone().flatten(0, 1));
-        Score::of_mean(
-            cross_entropy(logits, targets).into_scalar::<f32>() as f64,
-            scored.into_scalar::<f32>() as usize,
-        )
+        let [b, t, v] = logits.dims();
+        Score::of_cross_entropy(logits.reshape([b * t, v]), targets.reshape([b * t]))
     }
 }
 

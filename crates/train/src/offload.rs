@@ -73,7 +73,10 @@ impl DiskStates {
         };
         let made_root = MadeRoot((!root.exists()).then(|| root.to_path_buf()));
         fs::create_dir_all(root).map_err(io)?;
-        remove_dead_runs(root).map_err(io)?;
+        let host = host_name();
+        if let Some(host) = &host {
+            remove_dead_runs(root, host);
+        }
         let dir = tempfile::Builder::new()
             .prefix(&format!("rank{rank}-"))
             .tempdir_in(root)
@@ -83,13 +86,15 @@ impl DiskStates {
             source,
         };
         // Locked before it takes its name, so that no other run finds it unlocked; on a
-        // filesystem without locks it keeps no name, and a killed run's files stay.
+        // filesystem without locks, or a machine without a name to write in it, it keeps
+        // no name, and a killed run's files stay.
         let unnamed = dir.path().join(".lock-new");
         let mut lock = File::create_new(&unnamed).map_err(in_dir)?;
-        lock.write_all(host_name().unwrap_or_default().as_bytes())
-            .map_err(in_dir)?;
-        if lock.try_lock().is_ok() {
-            fs::rename(&unnamed, dir.path().join(LOCK)).map_err(in_dir)?;
+        if let Some(host) = host {
+            lock.write_all(host.as_bytes()).map_err(in_dir)?;
+            if lock.try_lock().is_ok() {
+                fs::rename(&unnamed, dir.path().join(LOCK)).map_err(in_dir)?;
+            }
         }
         let probe = dir.path().join(".probe");
         fs::write(&probe, [0u8; 4096])
@@ -220,15 +225,16 @@ impl DiskStates {
     }
 }
 
-/// Removes the directories under `root` of this machine's runs that were killed (a SIGKILL,
-/// the out-of-memory killer): those whose [`LOCK`] file names this machine and no process
-/// holds, each with a note. A live run's directory stays, and so does anything without a
-/// lock file, or with another machine's (a filesystem shared by nodes may keep its locks
-/// on each node).
-fn remove_dead_runs(root: &Path) -> io::Result<()> {
-    let host = host_name().unwrap_or_default();
-    for entry in fs::read_dir(root)? {
-        let dir = entry?.path();
+/// Removes the directories under `root` of the runs on `host` (this machine) that were
+/// killed (a SIGKILL, the out-of-memory killer): those whose [`LOCK`] file names `host` and
+/// no process holds, each with a note. A live run's directory stays, and so does anything
+/// without a lock file, or with another machine's (a filesystem shared by nodes may keep
+/// its locks on each node). Housekeeping: what cannot be read is left as it is.
+fn remove_dead_runs(root: &Path, host: &str) {
+    let Ok(entries) = fs::read_dir(root) else {
+        return;
+    };
+    for dir in entries.flatten().map(|entry| entry.path()) {
         // Opened for writing: NFS takes an exclusive lock only on such a file.
         let Ok(mut lock) = OpenOptions::new()
             .read(true)
@@ -254,7 +260,6 @@ fn remove_dead_runs(root: &Path) -> io::Result<()> {
         let line = format!("note: {note}: optimizer state files of a run that was killed\n");
         let _ = io::stderr().write_all(line.as_bytes());
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -14,7 +14,7 @@
 //! phases of a step (forward, backward at each end, the gradient reduction, the optimizer
 //! step) and takes the largest.
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
@@ -30,7 +30,8 @@ use crate::report::aligned;
 use crate::runner::{BatchPart, TrainTask};
 use crate::{TrainArgs, TrainError};
 
-/// What the backend adds, measured once on the run's largest micro-batch (bytes).
+/// What the backend adds, measured once on the run's largest micro-batch (bytes), and the
+/// parameters that get no gradient.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct Probe {
     /// Heap of this process outside the model's parameters when the run begins (the data,
@@ -71,8 +72,7 @@ pub struct Probe {
     /// The paths of the parameters outside the blocks that no backward reaches (BigBird's
     /// pooler, which its classifier does not read): the optimizer never steps them, so they
     /// have no state.
-    #[serde(skip)]
-    pub unreached: HashSet<String>,
+    pub unreached: BTreeSet<String>,
 }
 
 impl Probe {
@@ -1056,7 +1056,7 @@ fn optimizer_bytes<M: Module>(
     args: &TrainArgs,
     units: &Units,
     sharded: bool,
-    unreached: &HashSet<String>,
+    unreached: &BTreeSet<String>,
 ) -> usize {
     if args.offload_dir.is_some() {
         return 0;

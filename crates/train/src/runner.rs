@@ -45,8 +45,12 @@ pub struct Score {
 }
 
 impl Score {
-    /// A batch of `items` whose loss, without right answers to count, is `mean` per item.
-    pub fn of_mean(mean: f64, items: usize) -> Self {
+    /// A batch's cross-entropy ([`burnscale_nn::cross_entropy`]) over the targets it scores,
+    /// those not ignored, without right answers to count: so that a validation set's loss is
+    /// per scored item whatever its batches' shares of ignored ones.
+    pub fn of_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Self {
+        let items = burnscale_nn::scored_items(targets.clone()).into_scalar::<f32>() as usize;
+        let mean = burnscale_nn::cross_entropy(logits, targets).into_scalar::<f32>() as f64;
         Self {
             loss: mean * items as f64,
             items,
