@@ -49,11 +49,18 @@ impl Score {
     /// those not ignored, without right answers to count: so that a validation set's loss is
     /// per scored item whatever its batches' shares of ignored ones.
     pub fn of_cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Self {
-        let items = burnscale_nn::scored_items(targets.clone()).into_scalar::<f32>() as usize;
-        let mean = burnscale_nn::cross_entropy(logits, targets).into_scalar::<f32>() as f64;
+        let items = burnscale_nn::scored_items(targets.clone());
+        let mean = burnscale_nn::cross_entropy(logits, targets);
+        // One read of both, so that a batch waits for the device once.
+        let read: Vec<f64> = Tensor::cat(vec![mean, items], 0)
+            .into_data()
+            .iter::<f32>()
+            .map(f64::from)
+            .collect();
+        let (mean, items) = (read[0], read[1]);
         Self {
-            loss: mean * items as f64,
-            items,
+            loss: mean * items,
+            items: items as usize,
             correct: None,
         }
     }
