@@ -17,7 +17,7 @@ use burnscale_train::{Batch, BatchPart, RunSummary, Score, TrainArgs, TrainTask,
 use burnscale_vit::{Vit, VitConfig};
 
 use crate::images::{self, Preprocess};
-use crate::tasks::{ImageClassification, NextToken, TextClassification};
+use crate::tasks::{ImageClassification, NextToken, SequenceClassifier, TextClassification};
 
 /// The most a prediction may be off, as a fraction of the measured peak: the goal
 /// beyond its 10% (every configuration here reads within 3%).
@@ -227,13 +227,11 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
         [check @ (CLASSIFIER | TEXT), flags @ ..] => {
             let head = BertHead::SequenceClassification { num_labels: 2 };
             let (model, args, device) = bert(head, flags)?;
-            let (train_lengths, test_lengths): (&[usize], &[usize]) = match *check {
-                CLASSIFIER => (&[CLASSIFIER_TOKENS; 16], &[CLASSIFIER_TOKENS; 2]),
-                _ => (&TEXT_TOKENS, &TEXT_TOKENS),
+            let lengths = match *check {
+                CLASSIFIER => CLASSIFIER_LENGTHS,
+                _ => (&TEXT_TOKENS[..], &TEXT_TOKENS[..]),
             };
-            let mut task =
-                TextClassification::random_tokens(train_lengths, test_lengths, args.batch_size)?;
-            Ok(train(model, &mut task, &args, &device)?.1)
+            classify(model, lengths, &args, &device)
         }
         [BIGBIRD, flags @ ..] => {
             let config = BigBirdConfig {
@@ -247,13 +245,9 @@ pub fn run(flags: &[&str]) -> anyhow::Result<RunSummary> {
                 num_random_blocks: 3,
                 num_labels: Some(2),
             };
-            let args = check_args("1", flags)?;
-            let device = seeded_cpu();
+            let (args, device) = (check_args("1", flags)?, seeded_cpu());
             let model = BigBird::new(&config, &device)?;
-            let lengths = [CLASSIFIER_TOKENS; 16];
-            let mut task =
-                TextClassification::random_tokens(&lengths, &lengths[..2], args.batch_size)?;
-            Ok(train(model, &mut task, &args, &device)?.1)
+            classify(model, CLASSIFIER_LENGTHS, &args, &device)
         }
         [MASKED_LM, flags @ ..] => {
             let (model, args, device) = bert(BertHead::MaskedLm, flags)?;
@@ -282,6 +276,21 @@ const MASKED_LM_TOKENS: usize = 128;
 /// holds the same): at batch 4 the two steps draw each once, the longest in the second
 /// (seed 1 draws rows 0, 3, 5, 7 first), when the optimizer state exists beside it.
 const TEXT_TOKENS: [usize; 8] = [128, CLASSIFIER_TOKENS, 128, 128, 128, 128, 128, 128];
+/// The classifier check's sequences (training, test).
+const CLASSIFIER_LENGTHS: (&[usize], &[usize]) =
+    (&[CLASSIFIER_TOKENS; 16], &[CLASSIFIER_TOKENS; 2]);
+
+/// Trains the sequence classifier `model` on [`TextClassification::random_tokens`] of
+/// `lengths` (training, test).
+fn classify<M: SequenceClassifier>(
+    model: M,
+    (train_lengths, test_lengths): (&[usize], &[usize]),
+    args: &TrainArgs,
+    device: &Device,
+) -> anyhow::Result<RunSummary> {
+    let mut task = TextClassification::random_tokens(train_lengths, test_lengths, args.batch_size)?;
+    Ok(train(model, &mut task, args, device)?.1)
+}
 
 /// The checks' device, the CPU's (see [`PLANNED_ON_CPU`]), seeded alike for every model.
 fn seeded_cpu() -> Device {
