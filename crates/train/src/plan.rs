@@ -607,9 +607,6 @@ impl MemoryPlan {
         };
         let activations = embed_kept + depth * probe.block + probe.head;
         let activations_checkpointed = embed_kept + depth * probe.block_output + probe.head;
-        let mut phases = Vec::new();
-        let gathered_unit;
-        let compute_copy;
         // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
         // 16-bit cast. A rank alone that still acts sharded without a cast has its shards
         // offloaded, and on the CPU, the one device planned, the host is the device: moving
@@ -623,236 +620,255 @@ impl MemoryPlan {
             true => c * (n - units.head),
             false => 0,
         };
-        if !blockwise {
-            compute_copy = if mixed { c * n } else { 0 };
-            gathered_unit = 0;
-            let held = params + state + accumulated + compute_copy;
-            phases.push(PhaseBytes::new(Phase::Forward, held + activations, 0));
-            phases.push(backward_top(
-                held + activations + probe.head_backward,
-                held + activations - probe.head + c * units.head_unit() + probe.block_backward,
-                &probe,
-                probe.block_backward,
-            ));
-            // A plain backward: the embeddings last, beside its gradients of everything else
-            // (a tied head's of the token table among them, until the embeddings' own add to
-            // it); then all of them moved into the sums.
-            let tied_table_grads = c * units.tied_to_head();
-            let embeddings = |held| {
-                held + probe.embed
-                    + c * (n - units.embeddings())
-                    + tied_table_grads
-                    + probe.embed_backward
-            };
-            let bottom = |held| held + grads_moved_in(&units.slots, c, w);
-            let (embeddings, bottom) = match whole_sums {
-                false => (embeddings(held), bottom(held)),
-                // Accumulating whole sums, the first micro-step (no sums yet) is plain, the
-                // later ones go block by block beside the sums, each block's gradients
-                // added in as backward leaves it.
-                true => {
-                    let first = held - accumulated;
-                    let (block, embed) = (units.largest_block(), units.embeddings());
-                    let unit = |backward: usize, elems: usize| {
-                        backward.max(c * elems + cast_into_sums(elems))
-                    };
-                    (
-                        embeddings(first)
-                            .max(held + probe.embed + unit(probe.embed_backward, embed)),
-                        bottom(first).max(
-                            held + probe.embed + probe.block + unit(probe.block_backward, block),
-                        ),
-                    )
-                }
-            };
-            phases.push(PhaseBytes::new(
-                Phase::Embeddings,
-                embeddings,
-                probe.embed_backward,
-            ));
-            phases.push(PhaseBytes::new(Phase::BackwardBottom, bottom, 0));
-            // This micro-step's whole gradients (which are the sums when they are whole), and
-            // sharded ones beside the shards earlier micro-steps reduced.
-            let shard_sums = if sharding.gradients { accumulated } else { 0 };
-            phases.push(PhaseBytes::new(
-                Phase::Reduce,
-                params + state + compute_copy + full_grads + shard_sums + buffers,
-                0,
-            ));
-        } else {
-            let root = units.embeddings() + units.head;
-            let block = units.largest_block();
-            // The unit a phase runs: gathered (zero3), or a 16-bit copy (mixed), or the
-            // replica's own.
-            let unit_copy = |elems: usize| match gathers || mixed {
-                true => c * elems,
-                false => 0,
-            };
-            compute_copy = if mixed && !sharding.parameters {
-                c * root
-            } else {
-                0
-            };
-            let head_unit = units.head_unit();
-            gathered_unit = if gathers {
-                c * block.max(head_unit).max(units.embeddings())
-            } else {
-                0
-            };
-            let held = params + state + accumulated + compute_copy;
-            // Each block's graph kept from forward holds its input beside it (`held_input`).
-            let kept = match checkpoint {
-                true => activations_checkpointed,
-                false => activations + depth * probe.held_input,
-            };
-            // Kept gathered, a tied head reads the token table the embeddings keep (counted in
-            // `gathered_kept`): its copy is its own unit.
-            let head_copy = match (gathers, kept_copies) {
-                (false, _) => 0,
-                (true, true) => c * units.head,
-                (true, false) => c * head_unit,
-            };
-            phases.push(PhaseBytes::new(
-                Phase::Forward,
-                held + kept + gathered_kept + head_copy,
-                0,
-            ));
-            // Zero2/3 reduce-scatter each unit's gradients as backward leaves it, on every
-            // micro-step. A tied decoder's gradient of the token table stays whole until the
-            // embeddings' own backward adds theirs and reduce-scatters the sum, the last.
-            let per_unit = sharding.gradients;
-            let tied_table_grads = match per_unit {
-                true => w * units.tied_to_head(),
-                false => 0,
-            };
-            // Backward through the head and loss; then the top block recomputed beside the
-            // head's gradients (a tied decoder's include the token table's), the head's
-            // activations freed. Reduced per unit, the head's are its shard by then (added
-            // into the shards earlier micro-steps reduced, when there are some).
-            let head_grads = match (per_unit, args.accumulate > 1) {
-                (false, _) => w * head_unit,
-                (true, false) => w * units.head_shard() + tied_table_grads,
-                (true, true) => tied_table_grads,
-            };
-            // A unit with `slots` recomputed: its `copy` with what its forward `kept` and its
-            // backward's own peak (its gradients among them); then those gradients, in the
-            // compute dtype, moved one parameter at a time into the unit's sums (empty unless
-            // carried over micro-steps: then each is cast beside its sum), and per unit held
-            // whole until its reduce-scatter, which packs a copy once the unit is dropped. One
-            // after another, not all at once. The gradient of its output from the unit above
-            // goes into its backward, which then adds as much less than the probe's (whose
-            // own gradient of the output is new); after it, the gradient of its input, as
-            // large, waits for the unit below.
-            let unit_backward = |slots: &[Slot], copy: usize, kept: usize, backward: usize| {
-                let elems = elems(slots);
-                let summed = match whole_sums {
-                    false => grads_moved_in(slots, c, w),
-                    true => c * elems + cast_into_sums(elems),
+        // One micro-step's phases, its compute copy and largest gathered unit: a plain one
+        // (one graph, one backward) or block by block.
+        let micro_step = |blockwise: bool| {
+            let mut phases = Vec::new();
+            let gathered_unit;
+            let compute_copy;
+            if !blockwise {
+                compute_copy = if mixed { c * n } else { 0 };
+                gathered_unit = 0;
+                // Plain, a micro-step of an accumulation into whole sums is the first: no sums yet.
+                let earlier = match whole_sums {
+                    true => 0,
+                    false => accumulated,
                 };
-                let whole = if per_unit { w * elems } else { 0 };
-                let grad_in = probe.block_output;
-                (copy + kept + backward)
-                    .max(copy + summed + grad_in)
-                    .max(2 * whole + grad_in)
-            };
-            // The top block's backward: its copy gathered again unless kept (then it counts in
-            // `gathered_kept`), its activations recomputed unless forward kept its graph (then
-            // they count in `kept`).
-            let top_copy = match keep_gathered {
-                true => 0,
-                false => unit_copy(block),
-            };
-            let top_activations = match checkpoint {
-                true => probe.block + probe.held_input,
-                false => 0,
-            };
-            // Resharded, the blocks' graphs run through regathered linears.
-            let block_backward = match sharding.reshards() && !checkpoint {
-                true => probe.regathered_backward,
-                false => probe.block_backward,
-            };
-            let block_slots = units.largest_block_slots();
-            let top_block = unit_backward(block_slots, top_copy, top_activations, block_backward);
-            phases.push(backward_top(
-                held + kept + gathered_kept + head_copy + probe.head_backward,
-                held + kept.saturating_sub(probe.head) + gathered_kept + top_block + head_grads,
-                &probe,
-                block_backward,
-            ));
-            // The bottom block's backward, its activations (recomputed, or kept) and its copy
-            // beside the embeddings' (kept gathered with them, or gathered again after) and the
-            // head's input, held to the end of the micro-step.
-            let head_input = probe.block_output;
-            let bottom_block = unit_backward(
-                block_slots,
-                unit_copy(block),
-                probe.block + probe.held_input,
-                block_backward,
-            );
-            let embed_gathered = match kept_copies {
-                true => c * units.embeddings(),
-                false => 0,
-            };
-            // The gradients held as a unit's backward starts: those of the units above it,
-            // whole sums (the head's take in a tied table's), or reduced per unit, their
-            // shards (a tied table's whole gradient counts in `tied_table_grads`). A unit's
-            // own come in after its backward (`unit_backward`); reduced, its shard is a chunk
-            // of its packed copy, which its whole sums no longer beside it outweigh.
-            let grads_above = |unit: &[Slot]| match per_unit {
-                true => {
-                    w * (units.shard_numel()
-                        - shard_elems(&units.embedding_slots)
-                        - shard_elems(unit))
+                let held = params + state + earlier + compute_copy;
+                phases.push(PhaseBytes::new(Phase::Forward, held + activations, 0));
+                phases.push(backward_top(
+                    held + activations + probe.head_backward,
+                    held + activations - probe.head + c * units.head_unit() + probe.block_backward,
+                    &probe,
+                    probe.block_backward,
+                ));
+                // A plain backward: the embeddings last, beside its gradients of everything else
+                // (a tied head's of the token table among them, until the embeddings' own add to
+                // it); then all of them moved into the sums.
+                let tied_table_grads = c * units.tied_to_head();
+                let embeddings = |held| {
+                    held + probe.embed
+                        + c * (n - units.embeddings())
+                        + tied_table_grads
+                        + probe.embed_backward
+                };
+                phases.push(PhaseBytes::new(
+                    Phase::Embeddings,
+                    embeddings(held),
+                    probe.embed_backward,
+                ));
+                phases.push(PhaseBytes::new(
+                    Phase::BackwardBottom,
+                    held + grads_moved_in(&units.slots, c, w),
+                    0,
+                ));
+                // This micro-step's whole gradients, sharded beside the shards earlier micro-steps
+                // reduced (whole sums are reduced on the last micro-step, never a plain one).
+                if !whole_sums {
+                    let shard_sums = if sharding.gradients { accumulated } else { 0 };
+                    phases.push(PhaseBytes::new(
+                        Phase::Reduce,
+                        params + state + compute_copy + full_grads + shard_sums + buffers,
+                        0,
+                    ));
                 }
-                false => w * (n - units.embeddings() + units.tied_to_head() - elems(unit)),
-            };
-            phases.push(PhaseBytes::new(
-                Phase::BackwardBottom,
-                params
-                    + state
-                    + compute_copy
-                    + embed_kept
-                    + embed_gathered
-                    + head_input
-                    + bottom_block
-                    + grads_above(block_slots).max(accumulated)
-                    + tied_table_grads,
-                block_backward,
-            ));
-            // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
-            // root's compute copy serves), recomputed unless kept, backward through them.
-            let embed_copy = match gathers {
-                true => c * units.embeddings(),
-                false => 0,
-            };
-            let embeddings = unit_backward(
-                &units.embedding_slots,
-                embed_copy,
-                probe.embed,
-                probe.embed_backward,
-            );
-            phases.push(PhaseBytes::new(
-                Phase::Embeddings,
-                params
-                    + state
-                    + compute_copy
-                    + grads_above(&[]).max(accumulated)
-                    + tied_table_grads
-                    + head_input
-                    + embeddings,
-                probe.embed_backward,
-            ));
-            // The last reduction: per unit the embeddings', beside every other unit's shards;
-            // else every bucket of the whole sums.
-            let grads_reduced = match per_unit {
-                true => grads_above(&[]),
-                false => full_grads,
-            };
-            phases.push(PhaseBytes::new(
-                Phase::Reduce,
-                params + state + compute_copy + grads_reduced.max(accumulated) + buffers,
-                0,
-            ));
+            } else {
+                let root = units.embeddings() + units.head;
+                let block = units.largest_block();
+                // The unit a phase runs: gathered (zero3), or a 16-bit copy (mixed), or the
+                // replica's own.
+                let unit_copy = |elems: usize| match gathers || mixed {
+                    true => c * elems,
+                    false => 0,
+                };
+                compute_copy = if mixed && !sharding.parameters {
+                    c * root
+                } else {
+                    0
+                };
+                let head_unit = units.head_unit();
+                gathered_unit = if gathers {
+                    c * block.max(head_unit).max(units.embeddings())
+                } else {
+                    0
+                };
+                let held = params + state + accumulated + compute_copy;
+                // Each block's graph kept from forward holds its input beside it (`held_input`).
+                let kept = match checkpoint {
+                    true => activations_checkpointed,
+                    false => activations + depth * probe.held_input,
+                };
+                // Graphs kept from forward keep their blocks' weights to each block's backward:
+                // a mixed replica's 16-bit copies of them (gathered units count in
+                // `gathered_kept`).
+                let copies_kept = match !checkpoint && mixed && !gathers {
+                    true => c * (n - root),
+                    false => gathered_kept,
+                };
+                // Kept gathered, a tied head reads the token table the embeddings keep (counted in
+                // `gathered_kept`): its copy is its own unit.
+                let head_copy = match (gathers, kept_copies) {
+                    (false, _) => 0,
+                    (true, true) => c * units.head,
+                    (true, false) => c * head_unit,
+                };
+                phases.push(PhaseBytes::new(
+                    Phase::Forward,
+                    held + kept + copies_kept + head_copy,
+                    0,
+                ));
+                // Zero2/3 reduce-scatter each unit's gradients as backward leaves it, on every
+                // micro-step. A tied decoder's gradient of the token table stays whole until the
+                // embeddings' own backward adds theirs and reduce-scatters the sum, the last.
+                let per_unit = sharding.gradients;
+                let tied_table_grads = match per_unit {
+                    true => w * units.tied_to_head(),
+                    false => 0,
+                };
+                // Backward through the head and loss; then the top block recomputed beside the
+                // head's gradients (a tied decoder's include the token table's), the head's
+                // activations freed. Reduced per unit, the head's are its shard by then (added
+                // into the shards earlier micro-steps reduced, when there are some).
+                let head_grads = match (per_unit, args.accumulate > 1) {
+                    (false, _) => w * head_unit,
+                    (true, false) => w * units.head_shard() + tied_table_grads,
+                    (true, true) => tied_table_grads,
+                };
+                // A unit with `slots` recomputed: its `copy` with what its forward `kept` and its
+                // backward's own peak (its gradients among them); then those gradients, in the
+                // compute dtype, moved one parameter at a time into the unit's sums (empty unless
+                // carried over micro-steps: then each is cast beside its sum), and per unit held
+                // whole until its reduce-scatter, which packs a copy once the unit is dropped. One
+                // after another, not all at once. The gradient of its output from the unit above
+                // goes into its backward, which then adds as much less than the probe's (whose
+                // own gradient of the output is new); after it, the gradient of its input, as
+                // large, waits for the unit below.
+                let unit_backward = |slots: &[Slot], copy: usize, kept: usize, backward: usize| {
+                    let elems = elems(slots);
+                    let summed = match whole_sums {
+                        false => grads_moved_in(slots, c, w),
+                        true => c * elems + cast_into_sums(elems),
+                    };
+                    let whole = if per_unit { w * elems } else { 0 };
+                    let grad_in = probe.block_output;
+                    (copy + kept + backward)
+                        .max(copy + summed + grad_in)
+                        .max(2 * whole + grad_in)
+                };
+                // The top block's backward: its copy gathered again unless kept (then it counts in
+                // `copies_kept`), its activations recomputed unless forward kept its graph (then
+                // they count in `kept`).
+                let top_copy = match keep_gathered || copies_kept > gathered_kept {
+                    true => 0,
+                    false => unit_copy(block),
+                };
+                let top_activations = match checkpoint {
+                    true => probe.block + probe.held_input,
+                    false => 0,
+                };
+                // Resharded, the blocks' graphs run through regathered linears.
+                let block_backward = match sharding.reshards() && !checkpoint {
+                    true => probe.regathered_backward,
+                    false => probe.block_backward,
+                };
+                let block_slots = units.largest_block_slots();
+                let top_block =
+                    unit_backward(block_slots, top_copy, top_activations, block_backward);
+                phases.push(backward_top(
+                    held + kept + copies_kept + head_copy + probe.head_backward,
+                    held + kept.saturating_sub(probe.head) + copies_kept + top_block + head_grads,
+                    &probe,
+                    block_backward,
+                ));
+                // The bottom block's backward, its activations (recomputed, or kept) and its copy
+                // beside the embeddings' (kept gathered with them, or gathered again after) and the
+                // head's input, held to the end of the micro-step.
+                let head_input = probe.block_output;
+                let bottom_block = unit_backward(
+                    block_slots,
+                    unit_copy(block),
+                    probe.block + probe.held_input,
+                    block_backward,
+                );
+                let embed_gathered = match kept_copies {
+                    true => c * units.embeddings(),
+                    false => 0,
+                };
+                // The gradients held as a unit's backward starts: those of the units above it,
+                // whole sums (the head's take in a tied table's), or reduced per unit, their
+                // shards (a tied table's whole gradient counts in `tied_table_grads`). A unit's
+                // own come in after its backward (`unit_backward`); reduced, its shard is a chunk
+                // of its packed copy, which its whole sums no longer beside it outweigh.
+                let grads_above = |unit: &[Slot]| match per_unit {
+                    true => {
+                        w * (units.shard_numel()
+                            - shard_elems(&units.embedding_slots)
+                            - shard_elems(unit))
+                    }
+                    false => w * (n - units.embeddings() + units.tied_to_head() - elems(unit)),
+                };
+                phases.push(PhaseBytes::new(
+                    Phase::BackwardBottom,
+                    params
+                        + state
+                        + compute_copy
+                        + embed_kept
+                        + embed_gathered
+                        + head_input
+                        + bottom_block
+                        + grads_above(block_slots).max(accumulated)
+                        + tied_table_grads,
+                    block_backward,
+                ));
+                // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
+                // root's compute copy serves), recomputed unless kept, backward through them.
+                let embed_copy = match gathers {
+                    true => c * units.embeddings(),
+                    false => 0,
+                };
+                let embeddings = unit_backward(
+                    &units.embedding_slots,
+                    embed_copy,
+                    probe.embed,
+                    probe.embed_backward,
+                );
+                phases.push(PhaseBytes::new(
+                    Phase::Embeddings,
+                    params
+                        + state
+                        + compute_copy
+                        + grads_above(&[]).max(accumulated)
+                        + tied_table_grads
+                        + head_input
+                        + embeddings,
+                    probe.embed_backward,
+                ));
+                // The last reduction: per unit the embeddings', beside every other unit's shards;
+                // else every bucket of the whole sums.
+                let grads_reduced = match per_unit {
+                    true => grads_above(&[]),
+                    false => full_grads,
+                };
+                phases.push(PhaseBytes::new(
+                    Phase::Reduce,
+                    params + state + compute_copy + grads_reduced.max(accumulated) + buffers,
+                    0,
+                ));
+            }
+            (phases, compute_copy, gathered_unit)
+        };
+        // Accumulating whole sums (DDP, ZeRO-1) without checkpointing or sharded parameters,
+        // the first micro-step (no sums yet) is plain and the later ones go block by block
+        // beside the sums, as the engine runs them: each phase at the larger of the two.
+        let (mut phases, compute_copy, gathered_unit) = micro_step(blockwise);
+        if whole_sums && !blockwise {
+            for later in micro_step(true).0 {
+                match phases.iter_mut().find(|p| p.phase == later.phase) {
+                    Some(p) if p.bytes >= later.bytes => {}
+                    Some(p) => *p = later,
+                    None => phases.push(later),
+                }
+            }
         }
         // The step keeps the gradients of what this rank steps (ZeRO-1 cuts its reduced ones
         // to its shards first).
