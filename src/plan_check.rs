@@ -127,7 +127,14 @@ pub const SHARDED: &[&[&str]] = &[
     &["--strategy", "zero2", "--accumulate", "2"],
     // Whole sums: the first micro-step plain, the second block by block beside the sums, its
     // graphs keeping the blocks' 16-bit copies.
-    &["--strategy", "ddp", "--precision", "bf16-mixed", "--accumulate", "2"],
+    &[
+        "--strategy",
+        "ddp",
+        "--precision",
+        "bf16-mixed",
+        "--accumulate",
+        "2",
+    ],
     &["--strategy", "zero2", "--checkpoint-activations"],
     &["--strategy", "zero3"],
     // Resharded with checkpointing: blocks run forward outside autodiff, recomputed.

@@ -36,7 +36,7 @@ impl NextToken {
         Ok(Self {
             train: TokenWindows::new(tokens, block, seed)?,
             val: None,
-            batch,
+            batch: at_least_one("windows per batch (--batch-size)", batch)?,
             seed,
         })
     }
@@ -138,7 +138,7 @@ impl ImageClassification {
             train,
             test,
             prep,
-            batch,
+            batch: at_least_one("images per batch (--batch-size)", batch)?,
             eval_batch: at_least_one("images per evaluation batch (--eval-batch)", eval_batch)?,
         })
     }

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
-use burnscale::train::{RunSummary, Score, TrainArgs, TrainTask, train};
+use burnscale::train::{Batch, BatchPart, RunSummary, Score, TrainArgs, TrainTask, train};
 
 fn args(extra: &[&str]) -> TrainArgs {
     let base = ["--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
@@ -42,6 +42,66 @@ fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
     let mut task = task(args.batch_size);
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
     (model.expect("asked for the whole model"), summary)
+}
+
+/// A task that trains on another micro-batch than `--batch-size` says (which a checkpoint
+/// records as the run's) is refused before a step, and an empty validation batch before its
+/// forward (a product of no rows ends Flex's process); a task cannot be built for none.
+#[test]
+fn a_task_built_for_another_batch_is_refused() {
+    #[derive(Clone)]
+    struct EmptyValidation(NextToken);
+    impl TrainTask for EmptyValidation {
+        type Model = Gpt;
+        fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
+            self.0.next_batch(device, part)
+        }
+        fn items(&self, input: &Tensor<2, Int>) -> usize {
+            self.0.items(input)
+        }
+        fn counts_tokens(&self) -> bool {
+            true
+        }
+        fn eval_batches(&self) -> usize {
+            self.0.eval_batches()
+        }
+        fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Gpt> {
+            let (input, target) = self.0.eval_batch(k, device);
+            (input.slice(s![0..0]), target.slice(s![0..0]))
+        }
+        fn score(&self, logits: Tensor<3>, target: Tensor<2, Int>) -> Score {
+            self.0.score(logits, target)
+        }
+    }
+    let device = Device::default().autodiff();
+    let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
+    for extra in [
+        &[][..],
+        &["--plan"],
+        &["--strategy", "zero2", "--devices", "2"],
+    ] {
+        let args = args(&[&["--max-steps", "2"], extra].concat());
+        let Err(e) = train(model(), &mut task(4), &args, &device) else {
+            panic!("{extra:?}: a task of 4 windows a batch trained at --batch-size 8");
+        };
+        let e = e.to_string();
+        assert!(
+            e.contains("holds 4 sequences") && e.contains("is 8"),
+            "{extra:?}: {e}"
+        );
+        let mut empty = EmptyValidation(task(8));
+        let Err(e) = train(model(), &mut empty, &args, &device) else {
+            panic!("{extra:?}: an empty validation batch was evaluated");
+        };
+        assert!(
+            e.to_string().contains("validation batch holds no"),
+            "{extra:?}: {e}"
+        );
+    }
+    let Err(e) = NextToken::new(vec![1; 100], 8, 0, 7) else {
+        panic!("a task of 0 windows a batch was built");
+    };
+    assert!(e.to_string().contains("--batch-size"), "{e}");
 }
 
 fn params(model: &Gpt) -> Vec<f32> {

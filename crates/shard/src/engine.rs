@@ -437,6 +437,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(x.map(|(x, _)| head.logits(x)))
     }
 
+    /// The sequences in `input` and their positions ([`BlockModel::extent`]).
+    pub fn extent(&self, input: &M::Input) -> [usize; 2] {
+        self.model.as_ref().expect(PRESENT).extent(input)
+    }
+
     /// Model FLOPs of a forward and backward pass on `input` ([`BlockModel::train_flops`]).
     pub fn train_flops(&self, input: &M::Input) -> f64 {
         let model = self.model.as_ref().expect(PRESENT);

@@ -27,7 +27,7 @@ use serde::Serialize;
 use crate::memory::{self, human_bytes};
 use crate::optim::{self, ParamOptimizer};
 use crate::report::aligned;
-use crate::runner::{BatchPart, TrainTask};
+use crate::runner::{self, BatchPart, TrainTask};
 use crate::{TrainArgs, TrainError};
 
 /// What the backend adds, measured once on the run's largest micro-batch (bytes), and the
@@ -96,6 +96,7 @@ impl Probe {
         let mut copy = task.clone();
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.largest_batch(device, BatchPart::WHOLE);
+        runner::check_rows(model.extent(&input)[0], Some(args.batch_size))?;
         let (baseline, embed, block_bytes, block_output, head, parts, unreached) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
@@ -207,13 +208,15 @@ impl Probe {
                 let inner = device.clone().inner();
                 let scored = memory::peak_added_by(|| {
                     let (input, target) = copy.largest_eval_batch(&inner);
+                    runner::check_rows(root.extent(&input)[0], None)?;
                     let (x, mask) = root.embed(input);
                     let x = match &block {
                         Some(block) => root.block_forward(block, x, &mask),
                         None => x,
                     };
-                    copy.score(root.logits(x), target)
+                    Ok::<_, TrainError>(copy.score(root.logits(x), target))
                 });
+                scored.0?;
                 scored.1
             }
         };

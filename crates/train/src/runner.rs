@@ -648,14 +648,21 @@ pub(crate) fn micro_steps<T: TrainTask>(
     part: BatchPart,
 ) -> Result<(usize, f64), TrainError> {
     let accumulate = args.accumulate;
-    let mut drawn = VecDeque::from([draw(task, device, part)]);
+    let draw = |task: &mut T, engine: &Sharded<'_, T::Model>| {
+        let batch = draw(task, device, part);
+        check_rows(engine.extent(&batch.0)[0], Some(args.batch_size))?;
+        Ok::<_, TrainError>(batch)
+    };
+    let mut drawn = VecDeque::from([draw(task, engine)?]);
     // One micro-batch on one rank is the whole step: its mean is the step's.
     let alone = accumulate == 1 && engine.comm().world_size() == 1;
     let counted = (!alone).then(|| engine.loss_items(&drawn[0].1)).flatten();
     let shares = match counted {
         None => vec![Share::Even(accumulate); accumulate],
         Some(first) => {
-            drawn.extend((1..accumulate).map(|_| draw(task, device, part)));
+            for _ in 1..accumulate {
+                drawn.push_back(draw(task, engine)?);
+            }
             let rest = drawn
                 .iter()
                 .skip(1)
@@ -673,7 +680,7 @@ pub(crate) fn micro_steps<T: TrainTask>(
     for (micro, share) in (1..).zip(&shares) {
         let (input, target) = match drawn.pop_front() {
             Some(batch) => batch,
-            None => draw(task, device, part),
+            None => draw(task, engine)?,
         };
         items += task.items(&input);
         flops += engine.train_flops(&input);
@@ -752,6 +759,22 @@ fn save<M: BlockModel>(
         peak_mem_bytes: memory::peak_bytes(),
         live_before_bytes: before,
     })
+}
+
+/// A batch of `rows` sequences (images), with `batch_size` the run's micro-batch per rank
+/// for a training batch: a task built for another would train on batches the run does not
+/// record (a checkpoint's global batch is the world times `--batch-size`), and an empty one
+/// cannot run (a product of no rows ends some kernels' processes).
+pub(crate) fn check_rows(rows: usize, batch_size: Option<usize>) -> Result<(), TrainError> {
+    match batch_size {
+        Some(batch_size) if rows != batch_size => Err(TrainError::InvalidData(format!(
+            "the task's training micro-batch holds {rows} sequences, but --batch-size (TrainArgs::batch_size) is {batch_size}: build the task with the run's batch size"
+        ))),
+        None if rows == 0 => Err(TrainError::InvalidData(
+            "the task's validation batch holds no sequences".into(),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Flag values that cannot run, and a precision `device` cannot honour; then the process's
@@ -885,6 +908,9 @@ fn evaluate<T: TrainTask>(
     let (mut loss, mut counts) = (0.0, [0u64; 3]); // items, right answers, items answered
     for k in (rank..batches.div_ceil(world) * world).step_by(world) {
         let (input, target) = (k < batches).then(|| task.eval_batch(k, &device)).unzip();
+        if let Some(input) = &input {
+            check_rows(engine.extent(input)[0], None)?;
+        }
         if let (Some(logits), Some(target)) = (engine.eval_logits(input)?, target) {
             let score = task.score(logits, target);
             loss += score.loss;
