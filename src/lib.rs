@@ -88,7 +88,7 @@ pub fn parse_with_defaults<C: clap::Parser>(defaults: &[(&'static str, &'static 
 /// [`train`](burnscale_train::train) as the runner binaries run it: from its call until it
 /// returns, Ctrl-C, SIGTERM and SIGUSR1 (which mpirun forwards) end the run after its step
 /// ([`StopFlag::on_signals`](burnscale_train::StopFlag::on_signals)); before and after, they
-/// end the program as they always do.
+/// do what they did without it (end the program, or run a handler of the program's own).
 pub fn train_stopping_on_signals<T: burnscale_train::TrainTask>(
     model: T::Model,
     task: &mut T,

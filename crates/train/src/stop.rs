@@ -5,16 +5,24 @@
 //! from there), and `train` returns [`crate::TrainError::Stopped`], having removed what the
 //! run made (`--offload-dir`'s files).
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use signal_hook::SigId;
+use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
+use signal_hook::{flag, low_level};
 
 /// A request to stop, shared between whoever asks and the run (`TrainArgs::stop`).
 #[derive(Debug, Clone, Default)]
 pub struct StopFlag {
     asked: Arc<AtomicBool>,
-    /// Set once the run is over: signals then act as they would without this flag.
-    released: Arc<AtomicBool>,
+    /// The signal actions [`StopFlag::on_signals`] registered, until [`StopFlag::release`].
+    actions: Arc<Mutex<Vec<SigId>>>,
 }
+
+/// Flags that signals raise, registered and not yet released, in this process.
+static LISTENING: AtomicUsize = AtomicUsize::new(0);
 
 impl StopFlag {
     pub fn new() -> Self {
@@ -27,20 +35,24 @@ impl StopFlag {
     /// may send SIGTERM to every process of a job and mpirun forward it too, and both send
     /// SIGKILL when they will not wait. SIGUSR1 is for mpirun, which forwards it to every
     /// rank, where its own SIGINT or SIGTERM ends the ranks (SIGTERM, then SIGKILL) without
-    /// waiting for a step to end.
-    pub fn on_signals() -> std::io::Result<Self> {
-        use signal_hook::consts::{SIGINT, SIGTERM, SIGUSR1};
-        use signal_hook::flag;
+    /// waiting for a step to end. A handler the program has of its own runs as well.
+    pub fn on_signals() -> io::Result<Self> {
         let stop = Self::new();
-        // Actions run in the order registered: each sees the flags as they were before
+        for signal in [SIGINT, SIGTERM, SIGUSR1] {
+            end_the_process_when_unheard(signal)?;
+        }
+        // Actions run in the order registered: the shutdown sees the flag as it was before
         // this signal.
+        let mut actions = vec![flag::register_conditional_shutdown(
+            SIGINT,
+            130,
+            stop.asked.clone(),
+        )?];
         for signal in [SIGINT, SIGTERM, SIGUSR1] {
-            flag::register_conditional_default(signal, stop.released.clone())?;
+            actions.push(flag::register(signal, stop.asked.clone())?);
         }
-        flag::register_conditional_shutdown(SIGINT, 130, stop.asked.clone())?;
-        for signal in [SIGINT, SIGTERM, SIGUSR1] {
-            flag::register(signal, stop.asked.clone())?;
-        }
+        LISTENING.fetch_add(1, Ordering::SeqCst);
+        *stop.actions.lock().unwrap_or_else(PoisonError::into_inner) = actions;
         Ok(stop)
     }
 
@@ -53,12 +65,51 @@ impl StopFlag {
         self.asked.load(Ordering::SeqCst)
     }
 
-    /// Gives the signals of [`StopFlag::on_signals`] back their default actions (to end the
-    /// process), once the run is over: what the program does after it (mingpt_char's
-    /// sampling) stops on them as any program does.
+    /// Removes the actions of [`StopFlag::on_signals`], once the run is over: the signals then
+    /// do what they did before it, so what the program does after the run (mingpt_char's
+    /// sampling) stops on them as any program does, and a program's own handler keeps them.
     pub fn release(&self) {
-        self.released.store(true, Ordering::SeqCst);
+        let actions =
+            std::mem::take(&mut *self.actions.lock().unwrap_or_else(PoisonError::into_inner));
+        if !actions.is_empty() {
+            for action in actions {
+                low_level::unregister(action);
+            }
+            LISTENING.fetch_sub(1, Ordering::SeqCst);
+        }
     }
+}
+
+/// Where nothing handled `signal` before this process's first flag, its default action (to
+/// end the process) whenever no flag listens: signal-hook's handler, once installed, stays, and
+/// with no action left would swallow the signal. Registered once a process; a program's own
+/// handler (its own, or signal-hook's with its actions) keeps the signal to itself.
+fn end_the_process_when_unheard(signal: libc::c_int) -> io::Result<()> {
+    static SEEN: Mutex<Vec<libc::c_int>> = Mutex::new(Vec::new());
+    let mut seen = SEEN.lock().unwrap_or_else(PoisonError::into_inner);
+    if seen.contains(&signal) {
+        return Ok(());
+    }
+    // SAFETY: reads the disposition only (no new action), into a zeroed `sigaction`.
+    let handled = unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        if libc::sigaction(signal, std::ptr::null(), &mut old) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        old.sa_sigaction != libc::SIG_DFL
+    };
+    if !handled {
+        let unheard = move || {
+            if LISTENING.load(Ordering::SeqCst) == 0 {
+                let _ = low_level::emulate_default_handler(signal);
+            }
+        };
+        // SAFETY: the action reads an atomic and calls signal-hook's emulation of the default
+        // action, which is async-signal-safe.
+        unsafe { low_level::register(signal, unheard) }?;
+    }
+    seen.push(signal);
+    Ok(())
 }
 
 #[cfg(test)]
@@ -102,5 +153,33 @@ mod tests {
             .status()
             .unwrap();
         assert_eq!(status.signal(), Some(SIGTERM), "{status}");
+    }
+
+    /// A program with a SIGTERM handler of its own (a service) keeps it once a run's flag is
+    /// released: the signal raises its flag and the process goes on. In a child process.
+    #[test]
+    fn a_programs_own_handler_outlives_the_flag() {
+        const CHILD: &str = "BURNSCALE_OWN_HANDLER_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let own = Arc::new(AtomicBool::new(false));
+            flag::register(SIGTERM, own.clone()).unwrap();
+            for _ in 0..2 {
+                StopFlag::on_signals().unwrap().release();
+            }
+            raise(SIGTERM).unwrap();
+            assert!(
+                own.load(Ordering::SeqCst),
+                "the program's own handler did not run"
+            );
+            return;
+        }
+        let name = "stop::tests::a_programs_own_handler_outlives_the_flag";
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--test-threads", "1"])
+            .env(CHILD, "1")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "{status}");
     }
 }
