@@ -613,6 +613,27 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
     fs::remove_dir_all(&whole).unwrap();
 }
 
+/// Alone, a rank that panics comes back as one of several does, an error naming it: a
+/// program that trains jobs sees the same error on one rank as on many (it unwound through
+/// `train` into the caller).
+#[test]
+fn a_lone_rank_that_panics_is_an_error() {
+    let dir = scratch("dies-alone");
+    let dies = |task, _: &mut TrainArgs| FailsAt {
+        task,
+        rank: 0,
+        at: 2,
+        drawn: 0,
+        fault: Fault::Dies,
+    };
+    let err = run_task(&dir, "single", 1, 0.0, &[], dies).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::RankPanicked { rank: 0, message } if message.contains("dies")),
+        "{err}"
+    );
+    let _ = fs::remove_dir_all(&dir);
+}
+
 /// A stop asked on one rank during step 5 (as Ctrl-C in an example): every rank ends that
 /// step, its checkpoint is written and the run returns `Stopped` naming it, with the
 /// optimizer state's scratch files under `--offload-dir` removed; resumed from it, the run

@@ -104,6 +104,18 @@ fn a_task_built_for_another_batch_is_refused() {
     assert!(e.to_string().contains("--batch-size"), "{e}");
 }
 
+/// A model built on a device without autodiff is refused before a step (its backward
+/// panicked inside the run).
+#[test]
+fn a_model_that_tracks_no_gradients_is_refused() {
+    let device = Device::default();
+    let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+    let Err(e) = train(model, &mut task(8), &args(&["--max-steps", "1"]), &device) else {
+        panic!("a model without autodiff trained");
+    };
+    assert!(e.to_string().contains("does not track gradients"), "{e}");
+}
+
 fn params(model: &Gpt) -> Vec<f32> {
     model
         .lm_head

@@ -163,7 +163,8 @@ pub fn mpi_local_gpu(gpus: usize) -> usize {
 
 /// Runs `f` for each rank this process hosts: the one MPI rank when started by mpirun (needs
 /// the `mpi` feature), else `devices` ranks as threads (one runs on the calling thread).
-/// Returns their results in rank order; a thread rank that panicked gives its message.
+/// Returns their results in rank order; a rank that panicked (not under mpirun) gives its
+/// message.
 pub fn run_ranks<T: Send>(
     devices: usize,
     timeout: Duration,
@@ -180,7 +181,9 @@ pub fn run_ranks<T: Send>(
     }
     if devices == 1 {
         let solo = threads::ThreadComm::group(1, timeout).remove(0);
-        return Ok(vec![Ok(f(&solo))]);
+        // On the caller's thread; a panic comes back as a failed rank, as from threads.
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&solo)));
+        return Ok(vec![ran.map_err(|panic| threads::panic_message(&*panic))]);
     }
     Ok(threads::ThreadComm::run(devices, timeout, |comm| f(&comm)))
 }

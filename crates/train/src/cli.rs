@@ -608,6 +608,13 @@ impl TrainArgs {
                 self.batch_size, self.accumulate, self.max_steps, self.devices
             ));
         }
+        // What the flag's parser refuses, for arguments built in code.
+        if self.collective_timeout < Duration::from_millis(1) {
+            return invalid(format!(
+                "--collective-timeout must be at least 0.001 s, got {:?}",
+                self.collective_timeout
+            ));
+        }
         if !(self.lr > 0.0 && self.lr <= 1.0) {
             return invalid(format!("--lr must be in (0, 1], got {}", self.lr));
         }
@@ -771,6 +778,10 @@ mod tests {
             let err = parse(&[&format!("--collective-timeout={given}")]).unwrap_err();
             assert!(err.contains(says), "{given}: {err}");
         }
+        let mut args = parse(&[]).unwrap();
+        args.collective_timeout = Duration::ZERO;
+        let err = args.validate().unwrap_err().to_string();
+        assert!(err.contains("--collective-timeout"), "{err}");
     }
 
     #[test]

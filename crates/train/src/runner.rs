@@ -782,6 +782,11 @@ pub(crate) fn check_rows(rows: usize, batch_size: Option<usize>) -> Result<(), T
 fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.validate()?;
     args.matmul.select();
+    if device.gradient_checkpointing_strategy().is_none() {
+        return Err(TrainError::InvalidArgs(format!(
+            "the model was built on {device:?}, which does not track gradients: build it on TrainArgs::device() (or Device::autodiff())"
+        )));
+    }
     // On the CPU the ranks run on the device given; it must be the CPU's (Burn's devices
     // compare equal on hardware alone, whatever their autodiff).
     if args.runs_on() == Accelerator::Cpu && *device != Device::flex() {
