@@ -116,6 +116,27 @@ fn a_model_that_tracks_no_gradients_is_refused() {
     assert!(e.to_string().contains("does not track gradients"), "{e}");
 }
 
+/// Without the counting allocator (this test binary installs none) a plan would read 0 for
+/// every term: `--plan` and `--memory-budget` are refused, naming what to install.
+#[test]
+fn a_plan_needs_the_counting_allocator() {
+    let device = Device::default().autodiff();
+    for extra in [
+        &["--plan"][..],
+        &["--strategy", "auto", "--memory-budget", "1GiB"],
+    ] {
+        let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+        let args = args(&[&["--max-steps", "1"], extra].concat());
+        let Err(e) = train(model, &mut task(8), &args, &device) else {
+            panic!("{extra:?}: planned without the counting allocator");
+        };
+        assert!(
+            e.to_string().contains("CountingAllocator"),
+            "{extra:?}: {e}"
+        );
+    }
+}
+
 fn params(model: &Gpt) -> Vec<f32> {
     model
         .lm_head

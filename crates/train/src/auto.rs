@@ -21,7 +21,7 @@ use serde::Serialize;
 
 use crate::accelerator::Accelerator;
 use crate::cli::{Offload, Strategy, TrainArgs, value_name};
-use crate::memory::human_bytes;
+use crate::memory::{self, human_bytes};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::runner::TrainTask;
 use crate::runner::gather_u64s;
@@ -162,8 +162,14 @@ pub fn resolve<T: TrainTask>(
     // (validation refuses LibTorch; a cubecl device's ranks plan it themselves, by a dry run:
     // `crate::device_plan::resolve`).
     let on_cpu = args.runs_on() == Accelerator::Cpu;
+    let counting = memory::is_counting();
+    if on_cpu && !counting && (args.plan || args.memory_budget.is_some()) {
+        return Err(TrainError::InvalidArgs(
+            "--plan and --memory-budget measure the model's terms with burnscale's counting allocator, which this program did not install (every term would read 0): add `#[global_allocator] static ALLOC: burnscale_train::memory::CountingAllocator = burnscale_train::memory::CountingAllocator;` to the binary".into(),
+        ));
+    }
     let Some(budget) = args.memory_budget.filter(|_| on_cpu) else {
-        let probe = match on_cpu && (args.plan || args.summary_json.is_some()) {
+        let probe = match on_cpu && counting && (args.plan || args.summary_json.is_some()) {
             true => Some(Probe::measure(model, task, args, device)?),
             false => None,
         };
