@@ -67,6 +67,19 @@ pub fn init_in_later<M: Module>(module: M, dtype: Arc<OnceLock<FloatDType>>) -> 
     struct InitIn(Arc<OnceLock<FloatDType>>);
     impl ModuleMapper for InitIn {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            // Cast as a leaf that still requires its gradient: Burn's `init_mapper` maps an
+            // initialised (loaded) parameter's tracked value, which makes it an operation's
+            // output, never stepped.
+            if param.is_initialized() {
+                return match self.0.get() {
+                    Some(&dtype) => Cast {
+                        dtype,
+                        lazy_too: false,
+                    }
+                    .map_float(param),
+                    None => param,
+                };
+            }
             let dtype = self.0.clone();
             param.init_mapper(move |t| match dtype.get() {
                 Some(&dtype) => t.cast(dtype),
@@ -114,6 +127,21 @@ mod tests {
             .grad(&grads)
             .expect("a leaf that requires grad");
         assert_eq!(grad.dtype(), DType::BF16);
+    }
+
+    /// A loaded (initialised) parameter given to `init_in` stays a leaf that requires its
+    /// gradient, as `cast` keeps it: `--weights` with `--init-on-device` trained nothing.
+    #[test]
+    fn init_in_keeps_loaded_parameters_trainable() {
+        let device = Device::default().autodiff();
+        let linear: Linear = LinearConfig::new(4, 3).init(&device);
+        let _ = linear.weight.val();
+        let half = init_in(linear, FloatDType::BF16);
+        assert_eq!(param_dtypes(&half), vec![DType::BF16]);
+        let x = Tensor::<2>::ones([2, 4], &device).cast(FloatDType::BF16);
+        let grads = half.forward(x).sum().backward();
+        let grad = half.weight.val().grad(&grads);
+        assert_eq!(grad.map(|g| g.dtype()), Some(DType::BF16));
     }
 
     /// The dtype is read as each parameter initialises: set after the model was built, it is
