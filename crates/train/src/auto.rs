@@ -119,6 +119,9 @@ pub struct AutoChoice {
     pub chosen: Candidate,
     /// The faster candidates, in order, each planned above the budget.
     pub over_budget: Vec<Candidate>,
+    /// Flags given that only slower candidates would have used, each with why the choice
+    /// does not.
+    pub unused: Vec<String>,
 }
 
 impl AutoChoice {
@@ -136,6 +139,9 @@ impl AutoChoice {
                 c.flags,
                 human_bytes(c.planned_bytes)
             ));
+        }
+        for flag in &self.unused {
+            lines.push(format!("  given, not used by this choice: {flag}"));
         }
         lines.join("\n")
     }
@@ -234,10 +240,11 @@ pub(crate) fn search<P>(
             planned_bytes: planned,
         };
         if planned <= budget.bytes {
-            let choice = (args.strategy == Strategy::Auto).then_some(AutoChoice {
+            let choice = (args.strategy == Strategy::Auto).then(|| AutoChoice {
                 budget,
                 chosen: weighed,
                 over_budget,
+                unused: unused_by(&candidate, args),
             });
             return Ok((candidate, made_of, choice));
         }
@@ -262,6 +269,28 @@ pub(crate) fn search<P>(
             }
         },
     })
+}
+
+/// The flags in `given` that `chosen` (one of its candidates) does not use, each with why.
+fn unused_by(chosen: &TrainArgs, given: &TrainArgs) -> Vec<String> {
+    [
+        (
+            "--offload-dir (the plan fits with the optimizer state in memory)",
+            given.offload_dir.is_some() && chosen.offload_dir.is_none(),
+        ),
+        (
+            "--reshard-after-forward (it applies to zero3)",
+            given.reshard_after_forward.is_some() && chosen.strategy != Strategy::Zero3,
+        ),
+        (
+            "--init-on-device (the weights stay f32, as built)",
+            given.init_on_device && !chosen.init_on_device,
+        ),
+    ]
+    .into_iter()
+    .filter(|&(_, unused)| unused)
+    .map(|(flag, _)| flag.to_string())
+    .collect()
 }
 
 /// The configurations `args` allows on `world` ranks, fastest first: `args` itself unless
@@ -613,5 +642,46 @@ mod tests {
         );
         let fixed = order(&["--strategy", "zero1", "--memory-budget", "1G"], 2);
         assert_eq!(fixed, ["--strategy zero1 --precision 32-true"]);
+    }
+
+    /// Flags given for slower candidates are named when the choice does not use them: none
+    /// is dropped silently.
+    #[test]
+    fn the_choice_names_the_flags_it_does_not_use() {
+        let flags = [
+            "--strategy",
+            "auto",
+            "--memory-budget",
+            "1G",
+            "--offload-dir",
+            "/tmp/o",
+            "--reshard-after-forward",
+            "false",
+            "--init-on-device",
+        ];
+        let args =
+            TrainArgs::from_flags(&[&flags[..], &["--accelerator", "cpu"]].concat()).unwrap();
+        let plan = |c: &TrainArgs| Ok::<_, TrainError>((0, c.clone()));
+        let (first, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
+        assert_eq!(first.strategy, Strategy::Ddp);
+        let said = choice.unwrap().explain();
+        for flag in [
+            "--offload-dir",
+            "--reshard-after-forward",
+            "--init-on-device",
+        ] {
+            assert!(
+                said.contains(&format!("not used by this choice: {flag}")),
+                "{said}"
+            );
+        }
+        // Only what fits a zero3 on disk in bf16: every flag used.
+        let plan = |c: &TrainArgs| {
+            let fits = c.strategy == Strategy::Zero3 && c.offload_dir.is_some() && c.init_on_device;
+            Ok::<_, TrainError>((if fits { 0 } else { 2 }, ()))
+        };
+        let (_, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
+        let said = choice.unwrap().explain();
+        assert!(!said.contains("not used"), "{said}");
     }
 }
