@@ -708,6 +708,7 @@ impl TrainArgs {
         // Checked before training, not found out after it; where they are written (rank 0's
         // process: another node need not have the directory).
         let written_here = burnscale_collective::launcher_rank() == 0;
+        let mut outputs: Vec<(&str, PathBuf)> = Vec::new();
         for (flag, path) in [
             ("--save", &self.save),
             ("--summary-json", &self.summary_json),
@@ -733,6 +734,18 @@ impl TrainArgs {
                     dir.display()
                 ));
             }
+            // One file for two outputs: the later would overwrite the earlier (the weights).
+            let file = dir
+                .canonicalize()
+                .map(|d| d.join(path.file_name().unwrap_or_default()));
+            let file = file.unwrap_or_else(|_| path.clone());
+            if let Some((other, _)) = outputs.iter().find(|(_, f)| *f == file) {
+                return invalid(format!(
+                    "{other} and {flag} name the same file, {}: give each its own",
+                    path.display()
+                ));
+            }
+            outputs.push((flag, file));
         }
         Ok(())
     }
@@ -1060,6 +1073,22 @@ mod tests {
             assert!(err.contains("a directory, where a file"), "{err}");
             parse(&[flag, "out.json"]).unwrap().validate().unwrap();
         }
+        let err = refused(&["--save", "out.x", "--metrics-csv", "./out.x"]);
+        assert!(
+            err.contains("--save and --metrics-csv name the same file"),
+            "{err}"
+        );
+        let err = refused(&[
+            "--summary-json",
+            "/tmp/o.json",
+            "--metrics-csv",
+            "/tmp/../tmp/o.json",
+        ]);
+        assert!(err.contains("--summary-json and --metrics-csv"), "{err}");
+        parse(&["--save", "a", "--summary-json", "b", "--metrics-csv", "c"])
+            .unwrap()
+            .validate()
+            .unwrap();
         let err = refused(&["--keep-checkpoints", "2"]);
         assert!(err.contains("need --checkpoint-dir"), "{err}");
     }
