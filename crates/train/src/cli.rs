@@ -618,6 +618,12 @@ impl TrainArgs {
         if !(self.lr > 0.0 && self.lr <= 1.0) {
             return invalid(format!("--lr must be in (0, 1], got {}", self.lr));
         }
+        if self.lr as f32 == 0.0 {
+            return invalid(format!(
+                "--lr {:e} is 0 in f32, the optimizers' dtype: nothing would train",
+                self.lr
+            ));
+        }
         if let Some(ratio) = self.min_lr_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
             return invalid(format!("--min-lr-ratio must be in [0, 1], got {ratio}"));
         }
@@ -831,6 +837,7 @@ mod tests {
             ),
             (&["--grad-clip", "NaN"], "--grad-clip and --weight-decay"),
             (&["--weight-decay", "inf"], "--grad-clip and --weight-decay"),
+            (&["--lr", "1e-300"], "--lr 1e-300 is 0 in f32"),
         ] {
             let err = refused(flags);
             assert!(err.contains(says), "{flags:?}: {err}");

@@ -171,6 +171,12 @@ pub fn parse_bytes(text: &str) -> Result<usize, String> {
     };
     // At least a byte: "0.4" is not a budget.
     match number.parse::<f64>() {
+        Ok(value) if scale == 1.0 && value.fract() != 0.0 => Err(format!(
+            "{text:?}: a number of bytes is whole (with a unit a fraction is fine: 1.5GiB)"
+        )),
+        Ok(value) if value * scale >= usize::MAX as f64 => Err(format!(
+            "{text:?}: more bytes than this machine can address"
+        )),
         Ok(value) if value * scale >= 1.0 && (value * scale).is_finite() => {
             Ok((value * scale) as usize)
         }
@@ -191,7 +197,17 @@ mod tests {
         assert_eq!(parse_bytes("16G"), Ok(16 << 30));
         assert_eq!(parse_bytes("800 MB"), Ok(800_000_000));
         assert_eq!(parse_bytes("512mib"), Ok(512 << 20));
-        for bad in ["", "0", "0.4", "-1G", "12 parsecs", "G", "1.2.3G"] {
+        for bad in [
+            "",
+            "0",
+            "0.4",
+            "1.5",
+            "-1G",
+            "12 parsecs",
+            "G",
+            "1.2.3G",
+            "99999999999999999999GiB",
+        ] {
             assert!(parse_bytes(bad).is_err(), "{bad}");
         }
     }
