@@ -95,7 +95,7 @@ fn an_unusable_offload_dir_is_named() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("offload directory") && err.contains(&dir.display().to_string()),
+        err.contains("--offload-dir") && err.contains(&dir.display().to_string()),
         "{err}"
     );
 }

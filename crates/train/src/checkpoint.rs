@@ -1079,24 +1079,24 @@ pub fn restore<T: TrainTask>(
     };
     let problems: Vec<String> = [
         differs(
-            "optimizer",
+            "--optimizer",
             meta.optimizer.clone(),
             value_name(args.optimizer),
         ),
         differs(
-            "samples per micro-step",
+            "samples per micro-step (--batch-size times the ranks)",
             meta.global_batch.to_string(),
             global_batch.to_string(),
         ),
         // The weights' dtype is the precision's, and a 16-mixed run's loss scaler is saved
         // for that precision alone.
         differs(
-            "precision",
+            "--precision",
             meta.precision.clone(),
             args.precision.to_string(),
         ),
         // The data order after the checkpoint is drawn from the seed.
-        differs("seed", meta.seed.to_string(), args.seed.to_string()),
+        differs("--seed", meta.seed.to_string(), args.seed.to_string()),
         // The data position is counted in micro-batches, `--accumulate` a step: with
         // another count the next checkpoint would misplace it.
         (meta.step > 0 && meta.micro_batches != meta.step * args.accumulate).then(|| {

@@ -645,12 +645,14 @@ impl TrainArgs {
         if self.max_consecutive_skips == Some(0) {
             return invalid("--max-consecutive-skips must be at least 1".into());
         }
+        // Below 1 a scale shrinks the f16 gradients it exists to keep from underflowing (at
+        // 1e-8 every one was 0, and nothing trained).
         if let Some(scale) = self
             .initial_loss_scale
-            .filter(|s| !(s.is_finite() && *s > 0.0))
+            .filter(|s| !(s.is_finite() && *s >= 1.0))
         {
             return invalid(format!(
-                "--initial-loss-scale must be positive and finite, got {scale}"
+                "--initial-loss-scale must be at least 1 and finite, got {scale:e}"
             ));
         }
         // NaN fails this too: a comparison with it is false.
@@ -986,8 +988,10 @@ mod tests {
             .unwrap()
             .validate()
             .unwrap();
-        let err = refused(&[&scaled[..], &["--initial-loss-scale", "0"]].concat());
-        assert!(err.contains("positive"), "{err}");
+        for scale in ["0", "1e-8", "inf"] {
+            let err = refused(&[&scaled[..], &["--initial-loss-scale", scale]].concat());
+            assert!(err.contains("at least 1"), "{scale}: {err}");
+        }
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub enum TrainError {
     Shard(#[from] ShardError),
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
-    #[error("offload directory: {path}: {source}")]
+    #[error("--offload-dir {path}: {source}")]
     Offload {
         path: PathBuf,
         source: std::io::Error,
