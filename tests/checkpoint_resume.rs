@@ -315,6 +315,16 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         err.contains("meta.json") && err.contains("has no dimensions"),
         "{err}"
     );
+    // A shape far larger than the files: an error before any of it is held (consolidating
+    // it asked the allocator for 1.4 TB, which aborted the process).
+    edited["params"][0]["dims"] = serde_json::json!([76, 4_800_000_000u64]);
+    fs::write(&meta_path, edited.to_string()).unwrap();
+    let mut ckpt = Checkpoint::open(&dir.join("step-00000003")).unwrap();
+    let err = ckpt
+        .consolidate(&dir.join("whole.safetensors"), false)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("larger than the checkpoint's files"), "{err}");
     fs::write(&meta_path, meta).unwrap();
 
     // Another model: wider, so every matrix differs.

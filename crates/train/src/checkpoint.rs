@@ -804,7 +804,22 @@ impl Checkpoint {
         if tensor.replicated {
             return self.replicated(tensor, dtype);
         }
-        let row = dims[1..].iter().product::<usize>() * dtype.size();
+        // Held in memory before its pieces are read: no more than the files hold (a meta.json
+        // edited by hand could ask for any size).
+        let stored: u64 = self.meta.files.iter().map(|f| f.bytes).sum();
+        let row = dims[1..]
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d));
+        let Some(row) = row.filter(|&row| {
+            (pad_to.max(count) as u64)
+                .checked_mul(row as u64)
+                .is_some_and(|b| b <= stored)
+        }) else {
+            return Err(self.mismatch(format!(
+                "`{}` of shape {dims:?} is larger than the checkpoint's files",
+                tensor.name
+            )));
+        };
         let name = format!("{prefix}/{}", tensor.name);
         let (world, per_rank) = (self.meta.world_size, dims[0].div_ceil(self.meta.world_size));
         let mut bytes = Vec::with_capacity(pad_to.max(count) * row);
