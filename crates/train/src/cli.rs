@@ -477,6 +477,62 @@ impl TrainArgs {
         Ok(self.sharding()?.acting_on(world, cast, offloaded))
     }
 
+    /// The flags every rank of a run takes alike, each as its name and its value (under mpirun
+    /// each process parses its own command line); the model's configuration among them.
+    pub(crate) fn shared_by_ranks(&self) -> Vec<(&'static str, String)> {
+        let model = self.model_config.as_ref().map(ToString::to_string);
+        vec![
+            ("--strategy", value_name(self.strategy)),
+            ("--precision", self.precision.to_string()),
+            ("--grad-reduce-dtype", value_name(self.grad_reduce_dtype)),
+            (
+                "--initial-loss-scale",
+                format!("{:?}", self.initial_loss_scale),
+            ),
+            (
+                "--max-consecutive-skips",
+                format!("{:?}", self.max_consecutive_skips),
+            ),
+            ("--init-on-device", self.init_on_device.to_string()),
+            (
+                "--checkpoint-activations",
+                self.checkpoint_activations.to_string(),
+            ),
+            (
+                "--reshard-after-forward",
+                format!("{:?}", self.reshard_after_forward),
+            ),
+            ("--offload", value_name(self.offload)),
+            (
+                "--offload-dir (given or not)",
+                self.offload_dir.is_some().to_string(),
+            ),
+            ("--optimizer", value_name(self.optimizer)),
+            (
+                "--adafactor-relative-step",
+                self.adafactor_relative_step.to_string(),
+            ),
+            ("--lr", format!("{:?}", self.lr)),
+            ("--weight-decay", format!("{:?}", self.weight_decay)),
+            ("--beta1", format!("{:?}", self.beta1)),
+            ("--beta2", format!("{:?}", self.beta2)),
+            ("--adam-epsilon", format!("{:?}", self.adam_epsilon)),
+            ("--momentum", format!("{:?}", self.momentum)),
+            ("--schedule", value_name(self.schedule)),
+            ("--warmup-steps", self.warmup_steps.to_string()),
+            ("--min-lr-ratio", format!("{:?}", self.min_lr_ratio)),
+            ("--batch-size", self.batch_size.to_string()),
+            ("--accumulate", self.accumulate.to_string()),
+            ("--max-steps", self.max_steps.to_string()),
+            ("--seed", self.seed.to_string()),
+            ("--grad-clip", format!("{:?}", self.grad_clip)),
+            ("--eval-interval", self.eval_interval.to_string()),
+            ("--checkpoint-every", self.checkpoint_every.to_string()),
+            ("--resume", self.resume.to_string()),
+            ("the model's configuration", format!("{model:?}")),
+        ]
+    }
+
     /// Whether the run's memory is planned before it starts: `--plan`, `--memory-budget`, or
     /// `--strategy auto` (which chooses by the plans).
     pub fn plans_memory(&self) -> bool {

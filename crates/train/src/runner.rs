@@ -291,6 +291,9 @@ fn run_rank<T: TrainTask>(
     check_args(args, device)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     check_world(args, world)?;
+    if world > 1 && burnscale_collective::launched_by_mpirun() {
+        check_flags_alike(comm, args)?;
+    }
     let part = BatchPart { rank, world };
     // On a cubecl device the plan is a dry run of the steps (each candidate's, under
     // --memory-budget), before the engine is built and before dropout's stream is seeded:
@@ -818,6 +821,40 @@ fn check_world(args: &TrainArgs, world: usize) -> Result<(), TrainError> {
     Ok(())
 }
 
+/// Stops every rank, naming the flags, when the processes of an MPI world were given
+/// different ones (each parses its own command line): ranks of another precision or batch
+/// size would train on without a word. One all-gather of a hash per flag.
+fn check_flags_alike(comm: &dyn Communicator, args: &TrainArgs) -> Result<(), TrainError> {
+    use std::hash::{Hash, Hasher};
+    let flags = args.shared_by_ranks();
+    let hashes: Vec<u64> = flags
+        .iter()
+        .map(|(_, value)| {
+            // Fixed keys: every process hashes alike.
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            value.hash(&mut hasher);
+            hasher.finish()
+        })
+        .collect();
+    let all = gather_u64s(comm, &hashes)?;
+    let differ: Vec<String> = flags
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| all.iter().any(|rank| rank[i] != all[0][i]))
+        .map(|(i, (flag, value))| {
+            let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r][i] != all[0][i]).collect();
+            format!("{flag} (this rank: {value}; ranks {ranks:?} differ from rank 0)")
+        })
+        .collect();
+    match differ.is_empty() {
+        true => Ok(()),
+        false => Err(TrainError::InvalidArgs(format!(
+            "the MPI processes were started with different flags: {}; give every process the same",
+            differ.join(", ")
+        ))),
+    }
+}
+
 /// The process's peak heap since it was last reset, read once every rank is there, then reset
 /// for what comes next: thread ranks share the counter, and one rank's reset must not wipe a
 /// peak another has yet to read, nor another's allocations after it be counted before it.
@@ -1063,6 +1100,32 @@ mod tests {
     use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
 
     use super::*;
+
+    /// Processes given different flags (rank 2's precision and learning rate) all stop,
+    /// naming those flags and the ranks that differ; alike, they go on.
+    #[test]
+    fn ranks_given_different_flags_stop_naming_them() {
+        let args = |flags: &[&str]| TrainArgs::from_flags(flags).unwrap();
+        let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
+            let flags: &[&str] = match comm.rank() {
+                2 => &["--precision", "bf16-mixed", "--lr", "1e-3"],
+                _ => &[],
+            };
+            check_flags_alike(&comm, &args(flags)).map_err(|e| e.to_string())
+        });
+        for rank in ranks {
+            let err = rank.unwrap().unwrap_err();
+            assert!(
+                err.contains("--precision") && err.contains("--lr") && err.contains("ranks [2]"),
+                "{err}"
+            );
+            assert!(!err.contains("--seed"), "{err}");
+        }
+        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
+            check_flags_alike(&comm, &args(&[])).is_ok()
+        });
+        assert!(ranks.into_iter().all(|r| r == Ok(true)));
+    }
 
     /// A stop asked on one rank only (each process's own signal under mpirun) stops every
     /// rank after the same step.
