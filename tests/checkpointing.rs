@@ -56,9 +56,11 @@ fn difference(start: &Parameters, a: &Parameters, b: &Parameters) -> f32 {
     worst / largest
 }
 
-/// The parameters after the runner's one gradient step with `flags` added.
-fn run<T: TrainTask>(model: T::Model, mut task: T, flags: &[&str]) -> Parameters {
+/// The parameters after the runner's one gradient step with `flags` added, `task` drawing
+/// `batch` samples a rank.
+fn run<T: TrainTask>(model: T::Model, mut task: T, batch: usize, flags: &[&str]) -> Parameters {
     let mut args = TrainArgs::from_flags(&[&ONE_GRADIENT_STEP[..], flags].concat()).unwrap();
+    args.batch_size = batch;
     args.gather_model = true;
     let device = Device::default().autodiff();
     let (trained, _) = train(model, &mut task, &args, &device).unwrap();
@@ -91,7 +93,8 @@ fn check<T: TrainTask>(
     task: impl Fn(usize) -> T,
     sharded: bool,
 ) {
-    let run = |dropout: f64, batch: usize, flags: &[&str]| run(model(dropout), task(batch), flags);
+    let run =
+        |dropout: f64, batch: usize, flags: &[&str]| run(model(dropout), task(batch), batch, flags);
     let plain = |dropout: f64| plain(model(dropout), task(BATCH));
     let (start, with_dropout) = (weights::collect(&model(DROPOUT)), plain(DROPOUT));
     let two_ranks = ["--strategy", "zero2", "--devices", "2"];
@@ -243,7 +246,7 @@ fn ranks_drop_elements_of_their_own() {
     let two_ranks = ["--strategy", "zero2", "--devices", "2"];
     let differs = |dropout: f64| {
         let alone = plain(model(dropout), task());
-        let two = run(model(dropout), EveryRankReadsAll(task()), &two_ranks);
+        let two = run(model(dropout), EveryRankReadsAll(task()), BATCH, &two_ranks);
         let diff = difference(&weights::collect(&model(dropout)), &alone, &two);
         eprintln!("dropout {dropout}: two ranks on the same samples differ from one by {diff:.1e}");
         diff
@@ -330,7 +333,15 @@ fn burn_device_checkpointing_trains_through_the_runner() {
         });
         let tokens: Vec<i64> = (0..2000).map(|i| (i * 5 % 11) as i64).collect();
         let mut task = NextToken::new(tokens, 8, 4, 9).unwrap();
-        let args = TrainArgs::from_flags(&["--max-steps", "3", "--optimizer", "sgd"]).unwrap();
+        let args = TrainArgs::from_flags(&[
+            "--max-steps",
+            "3",
+            "--optimizer",
+            "sgd",
+            "--batch-size",
+            "4",
+        ])
+        .unwrap();
         let (trained, _) = train(model, &mut task, &args, &device).unwrap();
         trained.expect("one device holds the whole model")
     };

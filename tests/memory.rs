@@ -1,10 +1,44 @@
 //! The counting allocator measures what the process really holds.
 
+mod common;
+
 use burn::prelude::*;
+use burnscale::mingpt::{Gpt, GptConfig};
+use burnscale::tasks::NextToken;
 use burnscale::train::memory::{self, CountingAllocator};
+use burnscale::train::{TrainArgs, train};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
+
+/// `--plan`'s probe draws batches before any step: a training batch of another size, and an
+/// empty validation batch, are refused there (the empty one ended the process in the probe's
+/// forward).
+#[test]
+fn the_plans_probe_refuses_the_batches_a_run_refuses() {
+    let device = Device::default().autodiff();
+    let tokens: Vec<i64> = (0..500).map(|i| (i * 7 % 11) as i64).collect();
+    let task = |batch| {
+        NextToken::new(tokens.clone(), 8, batch, 7)
+            .and_then(|t| t.with_validation(tokens.clone(), 8, 2))
+            .unwrap()
+    };
+    let args = TrainArgs::from_flags(&["--plan", "--batch-size", "8", "--max-steps", "1"]).unwrap();
+    let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
+    let err = train(model(), &mut task(4), &args, &device).unwrap_err();
+    assert!(err.to_string().contains("holds 4 sequences"), "{err}");
+    let err = train(
+        model(),
+        &mut common::EmptyValidation(task(8)),
+        &args,
+        &device,
+    )
+    .unwrap_err();
+    assert!(
+        err.to_string().contains("validation batch holds no"),
+        "{err}"
+    );
+}
 
 #[test]
 fn peak_sees_a_tensor_and_reset_forgets_it() {

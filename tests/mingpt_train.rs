@@ -2,12 +2,12 @@
 
 mod common;
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
-use burnscale::train::{Batch, BatchPart, RunSummary, Score, TrainArgs, TrainTask, train};
+use burnscale::train::{RunSummary, Score, TrainArgs, TrainTask, train};
 
 fn args(extra: &[&str]) -> TrainArgs {
     let base = ["--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
@@ -29,11 +29,15 @@ fn run(extra: &[&str]) -> (Gpt, RunSummary) {
     run_with_dropout(0.0, extra)
 }
 
-fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
-    // Flex seeds one process-wide generator: runs on parallel test threads would interleave
-    // their draws, so each run holds the generator for its whole init and training.
+/// Flex seeds one process-wide generator: runs on parallel test threads would interleave
+/// their draws, so each test holds the generator for its whole init and training.
+fn hold_rng() -> MutexGuard<'static, ()> {
     static RNG: Mutex<()> = Mutex::new(());
-    let _rng = RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
+    let _rng = hold_rng();
     let device = Device::default().autodiff();
     device.seed(7);
     let model = Gpt::new(&GptConfig::tiny().with_dropout(dropout), &device).unwrap();
@@ -49,37 +53,10 @@ fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
 /// forward (a product of no rows ends Flex's process); a task cannot be built for none.
 #[test]
 fn a_task_built_for_another_batch_is_refused() {
-    #[derive(Clone)]
-    struct EmptyValidation(NextToken);
-    impl TrainTask for EmptyValidation {
-        type Model = Gpt;
-        fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Gpt> {
-            self.0.next_batch(device, part)
-        }
-        fn items(&self, input: &Tensor<2, Int>) -> usize {
-            self.0.items(input)
-        }
-        fn counts_tokens(&self) -> bool {
-            true
-        }
-        fn eval_batches(&self) -> usize {
-            self.0.eval_batches()
-        }
-        fn eval_batch(&mut self, k: usize, device: &Device) -> Batch<Gpt> {
-            let (input, target) = self.0.eval_batch(k, device);
-            (input.slice(s![0..0]), target.slice(s![0..0]))
-        }
-        fn score(&self, logits: Tensor<3>, target: Tensor<2, Int>) -> Score {
-            self.0.score(logits, target)
-        }
-    }
+    let _rng = hold_rng();
     let device = Device::default().autodiff();
     let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
-    for extra in [
-        &[][..],
-        &["--plan"],
-        &["--strategy", "zero2", "--devices", "2"],
-    ] {
+    for extra in [&[][..], &["--strategy", "zero2", "--devices", "2"]] {
         let args = args(&[&["--max-steps", "2"], extra].concat());
         let Err(e) = train(model(), &mut task(4), &args, &device) else {
             panic!("{extra:?}: a task of 4 windows a batch trained at --batch-size 8");
@@ -89,7 +66,7 @@ fn a_task_built_for_another_batch_is_refused() {
             e.contains("holds 4 sequences") && e.contains("is 8"),
             "{extra:?}: {e}"
         );
-        let mut empty = EmptyValidation(task(8));
+        let mut empty = common::EmptyValidation(task(8));
         let Err(e) = train(model(), &mut empty, &args, &device) else {
             panic!("{extra:?}: an empty validation batch was evaluated");
         };
@@ -108,6 +85,7 @@ fn a_task_built_for_another_batch_is_refused() {
 /// panicked inside the run).
 #[test]
 fn a_model_that_tracks_no_gradients_is_refused() {
+    let _rng = hold_rng();
     let device = Device::default();
     let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
     let Err(e) = train(model, &mut task(8), &args(&["--max-steps", "1"]), &device) else {
@@ -120,6 +98,7 @@ fn a_model_that_tracks_no_gradients_is_refused() {
 /// every term: `--plan` and `--memory-budget` are refused, naming what to install.
 #[test]
 fn a_plan_needs_the_counting_allocator() {
+    let _rng = hold_rng();
     let device = Device::default().autodiff();
     for extra in [
         &["--plan"][..],

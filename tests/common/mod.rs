@@ -119,3 +119,34 @@ pub fn assert_same<M: Module>(a: &M, b: &M, what: &str) {
         );
     }
 }
+
+/// minGPT's next-token task whose validation batches hold no sequence.
+#[derive(Clone)]
+pub struct EmptyValidation(pub burnscale::tasks::NextToken);
+
+impl burnscale::train::TrainTask for EmptyValidation {
+    type Model = burnscale::mingpt::Gpt;
+    fn next_batch(
+        &mut self,
+        device: &Device,
+        part: burnscale::train::BatchPart,
+    ) -> burnscale::train::Batch<Self::Model> {
+        self.0.next_batch(device, part)
+    }
+    fn items(&self, input: &Tensor<2, Int>) -> usize {
+        self.0.items(input)
+    }
+    fn counts_tokens(&self) -> bool {
+        true
+    }
+    fn eval_batches(&self) -> usize {
+        self.0.eval_batches()
+    }
+    fn eval_batch(&mut self, k: usize, device: &Device) -> burnscale::train::Batch<Self::Model> {
+        let (input, target) = self.0.eval_batch(k, device);
+        (input.slice(s![0..0]), target.slice(s![0..0]))
+    }
+    fn score(&self, logits: Tensor<3>, target: Tensor<2, Int>) -> burnscale::train::Score {
+        self.0.score(logits, target)
+    }
+}
