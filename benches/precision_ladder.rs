@@ -82,7 +82,7 @@ fn worker(cli: &Cli, rung: usize) -> Result<()> {
             let flags = [&common[..], &PLANNED_ON_CPU, &batch("8"), rung_flags].concat();
             let args = TrainArgs::from_flags(&flags)?;
             let tokens: Vec<i64> = (0..1 << 18).map(|i| (i * 31 % 65) as i64).collect();
-            let mut task = NextToken::new(tokens, 256, 8, 1)?;
+            let mut task = NextToken::new(tokens, 256, args.batch_size, 1)?;
             train(Gpt::new(&config, &device)?, &mut task, &args, &device)?.1
         }
         "bert-large" => {
