@@ -95,14 +95,20 @@ pub fn train_stopping_on_signals<T: burnscale_train::TrainTask>(
     args: &burnscale_train::TrainArgs,
     device: &burn::prelude::Device,
 ) -> anyhow::Result<(Option<T::Model>, burnscale_train::RunSummary)> {
-    let stop = burnscale_train::StopFlag::on_signals()?;
+    // Released however `train` ends, a panic included (a program that catches it keeps its
+    // signals).
+    struct Releases(burnscale_train::StopFlag);
+    impl Drop for Releases {
+        fn drop(&mut self) {
+            self.0.release();
+        }
+    }
+    let stop = Releases(burnscale_train::StopFlag::on_signals()?);
     let args = burnscale_train::TrainArgs {
-        stop: Some(stop.clone()),
+        stop: Some(stop.0.clone()),
         ..args.clone()
     };
-    let trained = burnscale_train::train(model, task, &args, device);
-    stop.release();
-    Ok(trained?)
+    Ok(burnscale_train::train(model, task, &args, device)?)
 }
 
 /// Ends a runner binary: prints the error chain on one line (no backtrace, even with

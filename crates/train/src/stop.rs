@@ -18,7 +18,7 @@ use signal_hook::{flag, low_level};
 pub struct StopFlag {
     asked: Arc<AtomicBool>,
     /// The signal actions [`StopFlag::on_signals`] registered, until [`StopFlag::release`].
-    actions: Arc<Mutex<Vec<SigId>>>,
+    actions: Arc<Mutex<Option<Vec<SigId>>>>,
 }
 
 /// Flags that signals raise, registered and not yet released, in this process.
@@ -35,24 +35,32 @@ impl StopFlag {
     /// may send SIGTERM to every process of a job and mpirun forward it too, and both send
     /// SIGKILL when they will not wait. SIGUSR1 is for mpirun, which forwards it to every
     /// rank, where its own SIGINT or SIGTERM ends the ranks (SIGTERM, then SIGKILL) without
-    /// waiting for a step to end. A handler the program has of its own runs as well.
+    /// waiting for a step to end. A handler the program has of its own runs as well, and keeps
+    /// the signal after [`StopFlag::release`] when it was installed before the process's first
+    /// flag (one installed later through signal-hook runs after the action that ends the
+    /// process where no flag listens: install it first).
     pub fn on_signals() -> io::Result<Self> {
         let stop = Self::new();
         for signal in [SIGINT, SIGTERM, SIGUSR1] {
             end_the_process_when_unheard(signal)?;
         }
+        LISTENING.fetch_add(1, Ordering::SeqCst);
+        *stop.actions() = Some(Vec::new());
         // Actions run in the order registered: the shutdown sees the flag as it was before
         // this signal.
-        let mut actions = vec![flag::register_conditional_shutdown(
-            SIGINT,
-            130,
-            stop.asked.clone(),
-        )?];
-        for signal in [SIGINT, SIGTERM, SIGUSR1] {
-            actions.push(flag::register(signal, stop.asked.clone())?);
+        let register = || -> io::Result<()> {
+            let shutdown = flag::register_conditional_shutdown(SIGINT, 130, stop.asked.clone())?;
+            stop.actions().get_or_insert_default().push(shutdown);
+            for signal in [SIGINT, SIGTERM, SIGUSR1] {
+                let action = flag::register(signal, stop.asked.clone())?;
+                stop.actions().get_or_insert_default().push(action);
+            }
+            Ok(())
+        };
+        if let Err(e) = register() {
+            stop.release();
+            return Err(e);
         }
-        LISTENING.fetch_add(1, Ordering::SeqCst);
-        *stop.actions.lock().unwrap_or_else(PoisonError::into_inner) = actions;
         Ok(stop)
     }
 
@@ -69,14 +77,18 @@ impl StopFlag {
     /// do what they did before it, so what the program does after the run (mingpt_char's
     /// sampling) stops on them as any program does, and a program's own handler keeps them.
     pub fn release(&self) {
-        let actions =
-            std::mem::take(&mut *self.actions.lock().unwrap_or_else(PoisonError::into_inner));
-        if !actions.is_empty() {
+        if let Some(actions) = self.actions().take() {
+            // First: a signal between the two is the program's again, not lost.
+            LISTENING.fetch_sub(1, Ordering::SeqCst);
             for action in actions {
                 low_level::unregister(action);
             }
-            LISTENING.fetch_sub(1, Ordering::SeqCst);
         }
+    }
+
+    /// The registered actions: `Some` from [`StopFlag::on_signals`] to [`StopFlag::release`].
+    fn actions(&self) -> std::sync::MutexGuard<'_, Option<Vec<SigId>>> {
+        self.actions.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
