@@ -318,6 +318,10 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     // A shape far larger than the files: an error before any of it is held (consolidating
     // it asked the allocator for 1.4 TB, which aborted the process).
     edited["params"][0]["dims"] = serde_json::json!([76, 4_800_000_000u64]);
+    // The files' recorded sizes edited alike: the files on disk bound it.
+    for file in edited["files"].as_array_mut().unwrap() {
+        file["bytes"] = serde_json::json!(1u64 << 50);
+    }
     fs::write(&meta_path, edited.to_string()).unwrap();
     let mut ckpt = Checkpoint::open(&dir.join("step-00000003")).unwrap();
     let err = ckpt

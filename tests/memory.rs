@@ -11,7 +11,7 @@ use burnscale::train::{TrainArgs, train};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-/// `--plan`'s probe draws batches before any step: a training batch of another size, and an
+/// `--plan`'s probe draws batches before any step: a training batch above `--batch-size`, and an
 /// empty validation batch, are refused there (the empty one ended the process in the probe's
 /// forward).
 #[test]
@@ -25,8 +25,8 @@ fn the_plans_probe_refuses_the_batches_a_run_refuses() {
     };
     let args = TrainArgs::from_flags(&["--plan", "--batch-size", "8", "--max-steps", "1"]).unwrap();
     let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
-    let err = train(model(), &mut task(4), &args, &device).unwrap_err();
-    assert!(err.to_string().contains("holds 4 sequences"), "{err}");
+    let err = train(model(), &mut task(16), &args, &device).unwrap_err();
+    assert!(err.to_string().contains("holds 16 sequences"), "{err}");
     let err = train(
         model(),
         &mut common::EmptyValidation(task(8)),

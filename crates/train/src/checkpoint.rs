@@ -805,8 +805,11 @@ impl Checkpoint {
             return self.replicated(tensor, dtype);
         }
         // Held in memory before its pieces are read: no more than the files hold (a meta.json
-        // edited by hand could ask for any size).
-        let stored: u64 = self.meta.files.iter().map(|f| f.bytes).sum();
+        // edited by hand could ask for any size; a file that cannot be read is named when it
+        // is opened).
+        let stored: u64 = (self.meta.files.iter())
+            .map(|f| fs::metadata(self.dir.join(&f.name)).map_or(f.bytes, |m| m.len()))
+            .sum();
         let row = dims[1..]
             .iter()
             .try_fold(dtype.size(), |a, &d| a.checked_mul(d));

@@ -478,10 +478,21 @@ impl TrainArgs {
     }
 
     /// The flags every rank of a run takes alike, each as its name and its value (under mpirun
-    /// each process parses its own command line); the model's configuration among them.
-    pub(crate) fn shared_by_ranks(&self) -> Vec<(&'static str, String)> {
-        let model = self.model_config.as_ref().map(ToString::to_string);
-        vec![
+    /// each process parses its own command line), those `--strategy auto` chose left out where
+    /// `auto_chose` (the ranks compare their choices apart). Paths are compared as given or
+    /// not: a node may keep its files elsewhere; so is the model's configuration, which
+    /// names them (a data directory), its shapes being checked by the collectives.
+    pub(crate) fn shared_by_ranks(&self, auto_chose: bool) -> Vec<(&'static str, String)> {
+        let chosen_by_auto = [
+            "--strategy",
+            "--precision",
+            "--init-on-device",
+            "--checkpoint-activations",
+            "--reshard-after-forward",
+            "--offload-dir (given or not)",
+        ];
+        let given = |path: &Option<PathBuf>| path.is_some().to_string();
+        let mut flags = vec![
             ("--strategy", value_name(self.strategy)),
             ("--precision", self.precision.to_string()),
             ("--grad-reduce-dtype", value_name(self.grad_reduce_dtype)),
@@ -503,10 +514,7 @@ impl TrainArgs {
                 format!("{:?}", self.reshard_after_forward),
             ),
             ("--offload", value_name(self.offload)),
-            (
-                "--offload-dir (given or not)",
-                self.offload_dir.is_some().to_string(),
-            ),
+            ("--offload-dir (given or not)", given(&self.offload_dir)),
             ("--optimizer", value_name(self.optimizer)),
             (
                 "--adafactor-relative-step",
@@ -529,8 +537,25 @@ impl TrainArgs {
             ("--eval-interval", self.eval_interval.to_string()),
             ("--checkpoint-every", self.checkpoint_every.to_string()),
             ("--resume", self.resume.to_string()),
-            ("the model's configuration", format!("{model:?}")),
-        ]
+            ("--min-8bit-size", format!("{:?}", self.min_8bit_size)),
+            (
+                "--embedding-state-32bit",
+                self.embedding_state_32bit.to_string(),
+            ),
+            (
+                "--checkpoint-dir (given or not)",
+                given(&self.checkpoint_dir),
+            ),
+            ("--save (given or not)", given(&self.save)),
+            (
+                "the whole model kept at the end",
+                self.gather_model.to_string(),
+            ),
+        ];
+        if auto_chose {
+            flags.retain(|(flag, _)| !chosen_by_auto.contains(flag));
+        }
+        flags
     }
 
     /// Whether the run's memory is planned before it starts: `--plan`, `--memory-budget`, or
@@ -807,6 +832,13 @@ impl TrainArgs {
                 return invalid(format!(
                     "{other} and {flag} name the same file, {}: give each its own",
                     path.display()
+                ));
+            }
+            if flag == "--save" {
+                // The configuration written beside the weights.
+                outputs.push((
+                    "--save's configuration",
+                    crate::checkpoint::config_path(&file),
                 ));
             }
             outputs.push((flag, file));
@@ -1140,6 +1172,11 @@ mod tests {
             assert!(err.contains("a directory, where a file"), "{err}");
             parse(&[flag, "out.json"]).unwrap().validate().unwrap();
         }
+        let err = refused(&["--save", "w.safetensors", "--summary-json", "w.config.json"]);
+        assert!(
+            err.contains("--save's configuration and --summary-json"),
+            "{err}"
+        );
         let err = refused(&["--save", "out.x", "--metrics-csv", "./out.x"]);
         assert!(
             err.contains("--save and --metrics-csv name the same file"),

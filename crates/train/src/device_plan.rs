@@ -277,6 +277,7 @@ mod dry {
             // more than training.
             if task.eval_batches() > 0 {
                 let (input, _) = task.largest_eval_batch(&engine.eval_device());
+                runner::check_rows(engine.extent(&input)[0], None)?;
                 drop(engine.eval_logits(Some(input))?);
             }
             // Read as the run's device peak is, with the pages the steps emptied still held.

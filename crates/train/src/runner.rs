@@ -84,7 +84,8 @@ impl BatchPart {
 pub trait TrainTask: Clone + Send + Sync {
     type Model: BlockModel + Send + Sync;
 
-    /// This rank's part of the next global training micro-batch.
+    /// This rank's part of the next global training micro-batch: `--batch-size` sequences
+    /// (fewer for a short last batch; more, or none, is refused).
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Self::Model>;
     /// Items (tokens or samples) in a micro-batch, for throughput.
     fn items(&self, input: &<Self::Model as BlockModel>::Input) -> usize;
@@ -292,7 +293,7 @@ fn run_rank<T: TrainTask>(
     let (rank, world) = (comm.rank(), comm.world_size());
     check_world(args, world)?;
     if world > 1 && burnscale_collective::launched_by_mpirun() {
-        check_flags_alike(comm, args)?;
+        check_flags_alike(comm, args, planned.choice.is_some())?;
     }
     let part = BatchPart { rank, world };
     // On a cubecl device the plan is a dry run of the steps (each candidate's, under
@@ -765,14 +766,17 @@ fn save<M: BlockModel>(
 }
 
 /// A batch of `rows` sequences (images), with `batch_size` the run's micro-batch per rank
-/// for a training batch: a task built for another would train on batches the run does not
-/// record (a checkpoint's global batch is the world times `--batch-size`), and an empty one
-/// cannot run (a product of no rows ends some kernels' processes).
+/// for a training batch: at most that many (fewer for a short last batch, whose loss counts
+/// for its items); a task built for more would train on batches the run does not record (a
+/// checkpoint's global batch is the world times `--batch-size`), and an empty one cannot run
+/// (a product of no rows ends some kernels' processes).
 pub(crate) fn check_rows(rows: usize, batch_size: Option<usize>) -> Result<(), TrainError> {
     match batch_size {
-        Some(batch_size) if rows != batch_size => Err(TrainError::InvalidData(format!(
-            "the task's training micro-batch holds {rows} sequences, but --batch-size (TrainArgs::batch_size) is {batch_size}: build the task with the run's batch size"
-        ))),
+        Some(batch_size) if rows == 0 || rows > batch_size => {
+            Err(TrainError::InvalidData(format!(
+                "the task's training micro-batch holds {rows} sequences, but --batch-size (TrainArgs::batch_size) is {batch_size}: build the task with the run's batch size"
+            )))
+        }
         None if rows == 0 => Err(TrainError::InvalidData(
             "the task's validation batch holds no sequences".into(),
         )),
@@ -787,7 +791,7 @@ fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.matmul.select();
     if device.gradient_checkpointing_strategy().is_none() {
         return Err(TrainError::InvalidArgs(format!(
-            "the model was built on {device:?}, which does not track gradients: build it on TrainArgs::device() (or Device::autodiff())"
+            "the device given to train, {device:?}, does not track gradients: build the model on TrainArgs::device() (or Device::autodiff()) and give train that device"
         )));
     }
     // On the CPU the ranks run on the device given; it must be the CPU's (Burn's devices
@@ -823,10 +827,15 @@ fn check_world(args: &TrainArgs, world: usize) -> Result<(), TrainError> {
 
 /// Stops every rank, naming the flags, when the processes of an MPI world were given
 /// different ones (each parses its own command line): ranks of another precision or batch
-/// size would train on without a word. One all-gather of a hash per flag.
-fn check_flags_alike(comm: &dyn Communicator, args: &TrainArgs) -> Result<(), TrainError> {
+/// size would train on without a word. One all-gather of a hash per flag; where `auto_chose`,
+/// the flags `--strategy auto` chose are compared by [`auto::agree`] instead.
+fn check_flags_alike(
+    comm: &dyn Communicator,
+    args: &TrainArgs,
+    auto_chose: bool,
+) -> Result<(), TrainError> {
     use std::hash::{Hash, Hasher};
-    let flags = args.shared_by_ranks();
+    let flags = args.shared_by_ranks(auto_chose);
     let hashes: Vec<u64> = flags
         .iter()
         .map(|(_, value)| {
@@ -1111,7 +1120,7 @@ mod tests {
                 2 => &["--precision", "bf16-mixed", "--lr", "1e-3"],
                 _ => &[],
             };
-            check_flags_alike(&comm, &args(flags)).map_err(|e| e.to_string())
+            check_flags_alike(&comm, &args(flags), false).map_err(|e| e.to_string())
         });
         for rank in ranks {
             let err = rank.unwrap().unwrap_err();
@@ -1122,7 +1131,16 @@ mod tests {
             assert!(!err.contains("--seed"), "{err}");
         }
         let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
-            check_flags_alike(&comm, &args(&[])).is_ok()
+            check_flags_alike(&comm, &args(&[]), false).is_ok()
+        });
+        assert!(ranks.into_iter().all(|r| r == Ok(true)));
+        // What auto chose is left to its own comparison.
+        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
+            let flags: &[&str] = match comm.rank() {
+                1 => &["--precision", "bf16-mixed"],
+                _ => &[],
+            };
+            check_flags_alike(&comm, &args(flags), true).is_ok()
         });
         assert!(ranks.into_iter().all(|r| r == Ok(true)));
     }
