@@ -458,9 +458,13 @@ fn world_size(args: &TrainArgs) -> Result<usize, TrainError> {
 mod tests {
     use super::*;
 
+    /// `flags` on the CPU.
+    fn on_cpu(flags: &[&str]) -> TrainArgs {
+        TrainArgs::from_flags(&[flags, &["--accelerator", "cpu"]].concat()).unwrap()
+    }
+
     fn order(flags: &[&str], world: usize) -> Vec<String> {
-        let args = TrainArgs::from_flags(&[flags, &["--accelerator", "cpu"]].concat()).unwrap();
-        candidates(&args, world, &Device::flex())
+        candidates(&on_cpu(flags), world, &Device::flex())
             .iter()
             .map(flags_of)
             .collect()
@@ -659,8 +663,7 @@ mod tests {
             "false",
             "--init-on-device",
         ];
-        let args =
-            TrainArgs::from_flags(&[&flags[..], &["--accelerator", "cpu"]].concat()).unwrap();
+        let args = on_cpu(&flags);
         let plan = |c: &TrainArgs| Ok::<_, TrainError>((0, c.clone()));
         let (first, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
         assert_eq!(first.strategy, Strategy::Ddp);

@@ -133,6 +133,17 @@ mod tests {
 
     use super::*;
 
+    /// How this test binary ends when it runs test `name` alone in a child process, with the
+    /// environment variable `child` set (the test's own branch for the child).
+    fn in_child(name: &str, child: &str) -> std::process::ExitStatus {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--test-threads", "1"])
+            .env(child, "1")
+            .stdout(std::process::Stdio::null())
+            .status()
+            .unwrap()
+    }
+
     /// SIGTERM and SIGUSR1 ask, however many come: a second one does not end the process
     /// (which would end this test binary), as a Ctrl-C after a request would. Released,
     /// they end it again (not raised here: the binary's other tests would end with it).
@@ -157,13 +168,7 @@ mod tests {
             raise(SIGTERM).unwrap();
             return; // ends the child with status 0: the test fails
         }
-        let name = "stop::tests::released_signals_end_the_process_again";
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", name, "--test-threads", "1"])
-            .env(CHILD, "1")
-            .stdout(std::process::Stdio::null())
-            .status()
-            .unwrap();
+        let status = in_child("stop::tests::released_signals_end_the_process_again", CHILD);
         assert_eq!(status.signal(), Some(SIGTERM), "{status}");
     }
 
@@ -185,13 +190,10 @@ mod tests {
             );
             return;
         }
-        let name = "stop::tests::a_programs_own_handler_outlives_the_flag";
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", name, "--test-threads", "1"])
-            .env(CHILD, "1")
-            .stdout(std::process::Stdio::null())
-            .status()
-            .unwrap();
+        let status = in_child(
+            "stop::tests::a_programs_own_handler_outlives_the_flag",
+            CHILD,
+        );
         assert!(status.success(), "{status}");
     }
 }
