@@ -849,10 +849,10 @@ fn check_flags_alike(
     let differ: Vec<String> = flags
         .iter()
         .enumerate()
-        .filter(|&(i, _)| all.iter().any(|rank| rank[i] != all[0][i]))
-        .map(|(i, (flag, value))| {
+        .filter_map(|(i, (flag, value))| {
             let ranks: Vec<usize> = (0..all.len()).filter(|&r| all[r][i] != all[0][i]).collect();
-            format!("{flag} (this rank: {value}; ranks {ranks:?} differ from rank 0)")
+            (!ranks.is_empty())
+                .then(|| format!("{flag} (this rank: {value}; ranks {ranks:?} differ from rank 0)"))
         })
         .collect();
     match differ.is_empty() {
