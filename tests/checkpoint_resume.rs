@@ -8,6 +8,7 @@ mod common;
 
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::prelude::*;
@@ -16,7 +17,8 @@ use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::Checkpoint;
 use burnscale::train::{
-    Batch, BatchPart, RunSummary, Score, StopFlag, TrainArgs, TrainError, TrainTask, train,
+    Batch, BatchPart, OnStep, RunSummary, Score, StepMetrics, StopFlag, TrainArgs, TrainError,
+    TrainTask, train,
 };
 use common::seeded_model;
 
@@ -700,6 +702,97 @@ fn a_stop_asked_on_one_rank_ends_every_rank_after_the_step_with_its_checkpoint()
     let (_, last) = run_task(&whole, "zero2", 2, 0.0, &offload, stops_at(9)).unwrap();
     assert_eq!(steps(&last), uninterrupted);
     fs::remove_dir_all(&whole).unwrap();
+}
+
+/// A program following the run through `on_step` sees each step once (rank 0's call, of 2
+/// ranks), in order, once the step's checkpoint is written, with the validation loss on the
+/// steps that evaluate (every 4th and the last), as `--metrics-csv` has them and the summary
+/// reports the last; a stop it raises ends the run after the next step.
+#[test]
+fn a_program_follows_the_run_step_by_step() {
+    type Seen = Arc<Mutex<Vec<(StepMetrics, bool)>>>;
+    let (dir, csv) = (scratch("follow"), scratch("follow.csv"));
+    let flags = [
+        "--eval-interval",
+        "4",
+        "--metrics-csv",
+        csv.to_str().unwrap(),
+    ];
+    let follow = |seen: &Seen, stop_at: Option<usize>| {
+        let (seen, dir) = (seen.clone(), dir.clone());
+        move |task: NextToken, args: &mut TrainArgs| {
+            let stop = StopFlag::new();
+            args.stop = Some(stop.clone());
+            args.on_step = Some(OnStep::new(move |m| {
+                let saved = dir.join(format!("step-{:08}/meta.json", m.step)).exists();
+                seen.lock().unwrap().push((*m, saved));
+                if Some(m.step) == stop_at {
+                    stop.request();
+                }
+            }));
+            task.with_validation(tokens()[..500].to_vec(), 8, 3)
+                .unwrap()
+        }
+    };
+    let seen = Seen::default();
+    let (_, summary) = run_task(&dir, "zero2", 2, 0.0, &flags, follow(&seen, None)).unwrap();
+    let seen = seen.lock().unwrap().clone();
+    let evaluated = |m: &StepMetrics| m.val_loss.is_some();
+    assert_eq!(
+        seen.iter().map(|(m, _)| m.step).collect::<Vec<_>>(),
+        (1..=9).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        seen.iter()
+            .map(|(m, saved)| (m.step, *saved))
+            .collect::<Vec<_>>(),
+        (1..=9).map(|s| (s, s % 3 == 0)).collect::<Vec<_>>(),
+        "called once the step's checkpoint (every 3rd) is written"
+    );
+    assert_eq!(
+        seen.iter()
+            .filter(|(m, _)| evaluated(m))
+            .map(|(m, _)| m.step)
+            .collect::<Vec<_>>(),
+        [4, 8, 9]
+    );
+    assert_eq!(seen[8].0.val_loss, Some(summary.val_loss));
+    assert_eq!(
+        seen.iter()
+            .map(|(m, _)| (m.step, m.loss))
+            .collect::<Vec<_>>(),
+        summary
+            .history
+            .iter()
+            .map(|m| (m.step, m.loss))
+            .collect::<Vec<_>>()
+    );
+    let rows = fs::read_to_string(&csv).unwrap();
+    let val_column = rows
+        .lines()
+        .skip(1)
+        .map(|row| row.split(',').nth(7).unwrap().parse::<f64>().ok())
+        .collect::<Vec<_>>();
+    assert_eq!(
+        val_column,
+        seen.iter().map(|(m, _)| m.val_loss).collect::<Vec<_>>(),
+        "{rows}"
+    );
+
+    // Raised in step 3's call, the stop ends the run after step 4, whose evaluation it skips.
+    fs::remove_dir_all(&dir).unwrap();
+    let stopped = Seen::default();
+    let err = run_task(&dir, "zero2", 2, 0.0, &flags, follow(&stopped, Some(3))).unwrap_err();
+    assert!(matches!(err, TrainError::Stopped { step: 4, .. }), "{err}");
+    let stopped = stopped.lock().unwrap();
+    assert_eq!(stopped.len(), 4);
+    assert_eq!(
+        (stopped[3].0.val_loss, stopped[3].1),
+        (None, true),
+        "not evaluated; its checkpoint written"
+    );
+    fs::remove_dir_all(&dir).unwrap();
+    fs::remove_file(&csv).unwrap();
 }
 
 /// A rank 3 s late to step 5's collectives: within the default timeout the run goes on;

@@ -9,7 +9,7 @@ use serde::Serialize;
 use burnscale_precision::Precision;
 
 use crate::accelerator::Accelerator;
-use crate::{StopFlag, TrainError};
+use crate::{OnStep, StopFlag, TrainError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -122,8 +122,8 @@ pub enum Schedule {
 pub struct TrainArgs {
     /// Where ranks run: cpu, or cuda (rank i on GPU i; under mpirun the node-local rank's
     /// GPU; collectives over NCCL), or cubecl-cpu (a cubecl-cpu build: the GPU backends'
-    /// runtime, compiled for the CPU). Default: cuda in a cuda build on a machine with a
-    /// GPU, else cpu.
+    /// runtime, compiled for the CPU), or libtorch (a tch build: LibTorch's GPU i, or its
+    /// CPU). Default: cuda in a cuda build on a machine with a GPU, else cpu.
     #[arg(long, value_enum)]
     pub accelerator: Option<Accelerator>,
     /// Whose kernels compute the models' linear layers: backend (its own matmul), or cublas
@@ -276,7 +276,8 @@ pub struct TrainArgs {
     /// Write machine-readable results here.
     #[arg(long)]
     pub summary_json: Option<PathBuf>,
-    /// Write one CSV row of metrics per optimizer step here.
+    /// Write one CSV row of metrics per optimizer step here (step, lr, loss, grad_norm,
+    /// items_per_s, elapsed_s, skipped; val_loss and accuracy on the steps that evaluate).
     #[arg(long)]
     pub metrics_csv: Option<PathBuf>,
     /// Save the trained model here as safetensors, in the layout its loader reads (`--weights`;
@@ -307,6 +308,9 @@ pub struct TrainArgs {
     /// examples raise it on Ctrl-C and SIGTERM.
     #[arg(skip)]
     pub stop: Option<StopFlag>,
+    /// Called on rank 0 with each step's numbers (see [`OnStep`]).
+    #[arg(skip)]
+    pub on_step: Option<OnStep>,
     /// The model's configuration (any JSON object; the examples give their model's config),
     /// written into each checkpoint's metadata: a run that resumes with another
     /// configuration is stopped with the fields that differ, which the parameter shapes

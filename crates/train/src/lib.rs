@@ -34,5 +34,5 @@ pub use optim::{LrSchedule, ParamOptimizer, eight_bit_paths};
 pub use report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
-pub use runner::{Batch, BatchPart, Score, StepMetrics, TrainTask, train, train_on};
+pub use runner::{Batch, BatchPart, OnStep, Score, StepMetrics, TrainTask, train, train_on};
 pub use stop::StopFlag;

@@ -132,6 +132,7 @@ pub struct RunSummary {
     pub val_loss: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
+    /// Seconds from the first step's start to the end of the last one's evaluation.
     pub elapsed_s: f64,
     /// Median optimizer-step time over the `timed_steps` (without evaluations).
     pub step_s_median: f64,

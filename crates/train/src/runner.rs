@@ -131,7 +131,7 @@ pub trait TrainTask: Clone + Send + Sync {
     }
 }
 
-/// Per-step numbers, as written to `--metrics-csv`.
+/// Per-step numbers, as written to `--metrics-csv` and handed to [`TrainArgs::on_step`].
 #[derive(Debug, Clone, Copy)]
 pub struct StepMetrics {
     pub step: usize,
@@ -145,6 +145,32 @@ pub struct StepMetrics {
     /// Whether the loss scaler skipped the update (`16-mixed`: the gradients overflowed);
     /// its forward and backward ran.
     pub skipped: bool,
+    /// The validation loss after this step, on the steps that evaluate (every
+    /// `--eval-interval`-th and the last) of a task with validation data.
+    pub val_loss: Option<f64>,
+    /// The validation accuracy beside `val_loss`, for tasks that score answers.
+    pub accuracy: Option<f64>,
+}
+
+/// A function [`train`] calls on rank 0 with each step's numbers once the step is done: its
+/// evaluation too, on the steps that evaluate, and its checkpoint saved, when one is due. For
+/// a program that reports a run's progress itself (a service's job status, a dashboard). It
+/// runs on rank 0's training thread and holds the next step until it returns; to stop the
+/// run from it, raise the run's [`StopFlag`] (the ranks agree on a stop within a step: the
+/// run stops after the next one).
+#[derive(Clone)]
+pub struct OnStep(std::sync::Arc<dyn Fn(&StepMetrics) + Send + Sync>);
+
+impl OnStep {
+    pub fn new(f: impl Fn(&StepMetrics) + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+}
+
+impl std::fmt::Debug for OnStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("OnStep(..)")
+    }
 }
 
 /// Trains `model` (built on `device`) on `task` as `args` say: on `--devices` in-process
@@ -445,7 +471,7 @@ fn run_rank<T: TrainTask>(
             train_s += step_s;
         }
         step_times.push(step_s);
-        let last = StepMetrics {
+        let mut last = StepMetrics {
             step,
             lr,
             loss: step_loss,
@@ -453,7 +479,31 @@ fn run_rank<T: TrainTask>(
             items_per_s: step_items as f64 / step_s,
             elapsed_s: start.elapsed().as_secs_f64(),
             skipped: outcome.skipped,
+            val_loss: None,
+            accuracy: None,
         };
+        // The last step evaluates even when a stop was asked in it (the run ends as it
+        // would have); the others skip it then.
+        let evaluates = task.eval_batches() > 0
+            && (step == args.max_steps
+                || (!stop && args.eval_interval > 0 && step.is_multiple_of(args.eval_interval)));
+        if evaluates {
+            let (val_loss, accuracy) = evaluate(comm, &engine, task)?;
+            (last.val_loss, last.accuracy) = (Some(val_loss), accuracy);
+            if lead && step < args.max_steps {
+                progress.suspend(|| {
+                    eprintln!(
+                        "step {step}: train loss {:.4}, val loss {val_loss:.4}{}",
+                        last.loss,
+                        accuracy
+                            .map(|a| format!(", accuracy {:.2}%", 100.0 * a))
+                            .unwrap_or_default()
+                    )
+                });
+            }
+        }
+        // Before the step's checkpoint: a resumed run keeps the rows up to its checkpoint's
+        // step, so that row must be written once the checkpoint is.
         if let Some(csv) = csv.as_mut() {
             csv.write(&last)?;
         }
@@ -471,6 +521,9 @@ fn run_rank<T: TrainTask>(
             checkpoints.save_s += saving.elapsed().as_secs_f64();
             checkpoints.save_peak_mem_bytes =
                 checkpoints.save_peak_mem_bytes.max(peak_then_reset(comm)?);
+        }
+        if let Some(on_step) = args.on_step.as_ref().filter(|_| lead) {
+            progress.suspend(|| (on_step.0)(&last));
         }
         // A stop asked in the last step lets the run end as it would have.
         if stop && step < args.max_steps {
@@ -495,26 +548,15 @@ fn run_rank<T: TrainTask>(
                 "samples"
             }
         ));
-        if args.eval_interval > 0
-            && step.is_multiple_of(args.eval_interval)
-            && step < args.max_steps
-        {
-            let (val_loss, acc) = evaluate(comm, &engine, task)?;
-            if lead {
-                progress.suspend(|| {
-                    eprintln!(
-                        "step {step}: train loss {:.4}, val loss {val_loss:.4}{}",
-                        last.loss,
-                        acc.map(|a| format!(", accuracy {:.2}%", 100.0 * a))
-                            .unwrap_or_default()
-                    )
-                });
-            }
-        }
     }
     progress.finish_and_clear();
     let elapsed_s = start.elapsed().as_secs_f64();
-    let (val_loss, accuracy) = evaluate(comm, &engine, task)?;
+    // The last step's evaluation; a run resumed at its last step takes none, and evaluates
+    // the checkpoint's model here (as a task without validation data: NaN).
+    let (val_loss, accuracy) = match history.last().and_then(|m| Some((m.val_loss?, m.accuracy))) {
+        Some(evaluated) => evaluated,
+        None => evaluate(comm, &engine, task)?,
+    };
     // The run's peak, its evaluations' among it (one at a larger batch can set it).
     let peak_mem = memory::peak_bytes().max(training_peak);
     device_peak.read();
@@ -1023,7 +1065,7 @@ struct MetricsCsv {
 }
 
 impl MetricsCsv {
-    const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s,skipped";
+    const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s,skipped,val_loss,accuracy";
 
     /// The file at `path`, new; or for a run resumed after step `resumed`, the rows an earlier
     /// run wrote there up to that step (those after it are retrained), continued. The kept
@@ -1087,14 +1129,17 @@ impl MetricsCsv {
     fn write(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
         writeln!(
             self.out,
-            "{},{:e},{},{},{:.1},{:.3},{}",
+            "{},{:e},{},{},{:.1},{:.3},{},{},{}",
             m.step,
             m.lr,
             m.loss,
             m.grad_norm,
             m.items_per_s,
             self.elapsed_before + m.elapsed_s,
-            u8::from(m.skipped)
+            u8::from(m.skipped),
+            // Empty on the steps that do not evaluate.
+            m.val_loss.map(|v| v.to_string()).unwrap_or_default(),
+            m.accuracy.map(|a| a.to_string()).unwrap_or_default(),
         )
         .and_then(|_| self.out.flush())
         .map_err(|source| TrainError::Io {
