@@ -64,9 +64,12 @@ fn worker(cli: &Cli, mode: &str) -> Result<()> {
     let args = TrainArgs::from_flags(&flags)?;
     let mut task = NextToken::new(tokens, cli.block_size, cli.batch_size, 1)?;
     let (_, summary) = train(model, &mut task, &args, &device)?;
+    let peak = summary
+        .peak_mem_bytes
+        .expect("this bench installs the counting allocator");
     let out = json!({
-        "activation_bytes": summary.peak_mem_bytes - summary.model_state_bytes_per_rank,
-        "peak_bytes": summary.peak_mem_bytes,
+        "activation_bytes": peak - summary.model_state_bytes_per_rank,
+        "peak_bytes": peak,
         "step_s": summary.step_s_median,
         "params": summary.num_params,
     });

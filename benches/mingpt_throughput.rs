@@ -220,6 +220,12 @@ fn device_peak(summary: &RunSummary) -> String {
     }
 }
 
+fn process_peak(summary: &RunSummary) -> String {
+    summary
+        .peak_mem_bytes
+        .map_or_else(|| "not measured".into(), memory::human_bytes)
+}
+
 fn main() -> std::process::ExitCode {
     burnscale::exit_code(run())
 }
@@ -274,7 +280,7 @@ fn run() -> Result<()> {
             step_ms(tps),
             ours_tps / tps,
             summary.warmup_s,
-            memory::human_bytes(summary.peak_mem_bytes),
+            process_peak(&summary),
             device_peak(&summary)
         );
         others.push((flags, summary));
@@ -328,7 +334,7 @@ fn run() -> Result<()> {
     }
     println!(
         "peak process memory {} | model states {} (formula 16 B/param: {})",
-        memory::human_bytes(ours.peak_mem_bytes),
+        process_peak(&ours),
         memory::human_bytes(ours.model_state_bytes_per_rank),
         memory::human_bytes(ours.model_state_predicted_bytes)
     );

@@ -41,7 +41,12 @@ fn main() -> ExitCode {
             failed = true;
             continue;
         };
-        let off = off(planned, rank.peak_mem_bytes);
+        let Some(measured) = rank.peak_mem_bytes else {
+            println!("FAIL {} rank {}: not measured", flags.join(" "), rank.rank);
+            failed = true;
+            continue;
+        };
+        let off = off(planned, measured);
         failed |= off.abs() > TOLERANCE;
         // Every process holds every rank's figures: the first prints them.
         if launcher_local_rank() == 0 {
@@ -54,7 +59,7 @@ fn main() -> ExitCode {
                 },
                 flags.join(" "),
                 rank.rank,
-                human_bytes(rank.peak_mem_bytes),
+                human_bytes(measured),
                 human_bytes(planned),
                 100.0 * off
             );

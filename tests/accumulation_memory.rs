@@ -39,7 +39,7 @@ fn peak(accumulate: &str) -> (usize, usize) {
         .and_then(|t| t.with_validation(tokens, 16, 1))
         .unwrap();
     let (_, summary) = train(model, &mut task, &args, &device).unwrap();
-    (summary.peak_mem_bytes, grad_bytes)
+    (summary.peak_mem_bytes.unwrap(), grad_bytes)
 }
 
 #[test]

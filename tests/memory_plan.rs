@@ -60,7 +60,7 @@ fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
     assert!(off(choice.chosen.planned_bytes, checkpointed).abs() < 0.05);
     assert_eq!(choice.over_budget.len(), 1);
     assert!(off(choice.over_budget[0].planned_bytes, plain).abs() < 0.05);
-    let measured = tight.peak_mem_bytes;
+    let measured = tight.peak_mem_bytes.unwrap();
     assert!(
         off(budget, measured) > -TOLERANCE,
         "the chosen run took {} against a budget of {}",
@@ -126,7 +126,7 @@ fn resolve_error(flags: &[&str]) -> Option<TrainError> {
 /// line that says so (printed).
 fn planned_against_measured(flags: &[&str], summary: &RunSummary) -> (f64, String) {
     let plan = summary.plan.as_ref().expect("--plan makes a plan");
-    let measured = summary.peak_mem_bytes;
+    let measured = summary.peak_mem_bytes.unwrap();
     let off = off(plan.process_peak, measured);
     let line = format!(
         "[{}] measured {} planned {} ({:+.1}%, peak in {:?})",

@@ -119,6 +119,48 @@ fn a_plan_needs_the_counting_allocator() {
     }
 }
 
+/// Without the counting allocator no memory figure is reported as measured: the summary's
+/// process peaks (its own, each rank's, the CPU device's, saving's) are absent (`null` in
+/// the JSON), not 0, and the closing lines say so.
+#[test]
+fn without_the_counting_allocator_no_peak_reads_as_measured() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name).to_str().unwrap().to_string();
+    let (json, ckpt, save) = (
+        path("summary.json"),
+        path("ckpt"),
+        path("model.safetensors"),
+    );
+    let flags = ["--max-steps", "2", "--summary-json", &json];
+    let (_, summary) = run(&[&flags[..], &["--checkpoint-dir", &ckpt, "--save", &save]].concat());
+    assert_eq!(summary.peak_mem_bytes, None);
+    let rank = summary.ranks[0];
+    assert_eq!(
+        (rank.peak_mem_bytes, rank.device_peak_mem_bytes),
+        (None, None)
+    );
+    let saved = summary.save.as_ref().unwrap();
+    assert_eq!(
+        (saved.peak_mem_bytes, saved.live_before_bytes),
+        (None, None)
+    );
+    assert_eq!(
+        summary.checkpoints.as_ref().unwrap().save_peak_mem_bytes,
+        None
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(json["peak_mem_bytes"].is_null(), "{json}");
+    assert!(json["ranks"][0]["peak_mem_bytes"].is_null(), "{json}");
+    assert!(
+        summary
+            .closing_lines()
+            .contains("Memory used: not measured"),
+        "{}",
+        summary.closing_lines()
+    );
+}
+
 fn params(model: &Gpt) -> Vec<f32> {
     model
         .lm_head

@@ -112,7 +112,7 @@ pub fn print_summary(summary: &RunSummary) -> Result<()> {
         .ranks
         .iter()
         .map(|r| match summary.accelerator {
-            Accelerator::Cpu => (Some(r.peak_mem_bytes), r.planned_peak_mem_bytes),
+            Accelerator::Cpu => (r.peak_mem_bytes, r.planned_peak_mem_bytes),
             _ => (r.device_peak_mem_bytes, r.planned_device_peak_mem_bytes),
         })
         .unzip();

@@ -92,6 +92,11 @@ pub fn is_counting() -> bool {
     peak_bytes() > 0
 }
 
+/// [`peak_bytes`], or `None` in a program without [`CountingAllocator`] (nothing counted).
+pub fn measured_peak() -> Option<usize> {
+    is_counting().then(peak_bytes)
+}
+
 /// The most bytes a device held reserved when it was read ([`DevicePeak::read`]): every pool
 /// of every stream, cubecl's `bytes_reserved`, what PyTorch calls memory reserved. cubecl's
 /// pools mostly keep their pages until an explicit cleanup, so read at each step's end this is

@@ -7,6 +7,7 @@ use serde::Serialize;
 use burnscale_precision::Precision;
 use burnscale_shard::Sharding;
 
+use crate::TrainError;
 use crate::accelerator::Accelerator;
 use crate::auto::AutoChoice;
 use crate::cli::{Matmul, OptimizerKind, Strategy, TrainArgs, value_name};
@@ -14,7 +15,6 @@ use crate::device_plan::DevicePlan;
 use crate::memory::human_bytes;
 use crate::plan::{self, MemoryPlan};
 use crate::runner::StepMetrics;
-use crate::{TrainError, memory};
 
 /// What one rank holds of the model states, measured by the runner.
 #[derive(Debug, Clone, Copy, Default, Serialize)]
@@ -79,8 +79,9 @@ impl ModelStateBytes {
 pub struct RankMemory {
     pub rank: usize,
     pub model_state_bytes: usize,
-    /// This rank's process peak; ranks that are threads of one process share it.
-    pub peak_mem_bytes: usize,
+    /// This rank's process peak; ranks that are threads of one process share it. `None`
+    /// without a counting allocator ([`crate::memory::is_counting`]).
+    pub peak_mem_bytes: Option<usize>,
     /// The peak of this rank's device memory ([`memory::DevicePeak`]: the GPU's reservation
     /// at step ends; on a CPU the process peak again). `None` where it is not read: on
     /// LibTorch, whose allocator burnscale cannot read, and without a counting allocator.
@@ -139,8 +140,9 @@ pub struct RunSummary {
     /// The first optimizer step's time (on a GPU it compiles and tunes the kernels); the
     /// throughput leaves it out when there are later steps.
     pub warmup_s: f64,
-    /// Peak live heap bytes of this process during training (counting allocator).
-    pub peak_mem_bytes: usize,
+    /// Peak live heap bytes of this process during training (counting allocator); `None` in
+    /// a program without one ([`crate::memory::is_counting`]).
+    pub peak_mem_bytes: Option<usize>,
     pub num_params: usize,
     pub model_state_bytes_per_rank: usize,
     pub model_state: ModelStateBytes,
@@ -213,8 +215,9 @@ pub struct CheckpointReport {
     pub bytes: u64,
     /// Seconds spent saving, in all.
     pub save_s: f64,
-    /// This process's highest live heap while saving (left out of `peak_mem_bytes`).
-    pub save_peak_mem_bytes: usize,
+    /// This process's highest live heap while saving (left out of `peak_mem_bytes`); `None`
+    /// without a counting allocator.
+    pub save_peak_mem_bytes: Option<usize>,
 }
 
 /// The end-of-training save (`--save`), as this rank saw it.
@@ -224,9 +227,9 @@ pub struct SaveReport {
     pub seconds: f64,
     /// This process's peak live heap while saving, and what was live when it began: the
     /// difference is what saving added (one unit's full values, and rank 0's one-parameter
-    /// write buffer).
-    pub peak_mem_bytes: usize,
-    pub live_before_bytes: usize,
+    /// write buffer). `None` without a counting allocator.
+    pub peak_mem_bytes: Option<usize>,
+    pub live_before_bytes: Option<usize>,
 }
 
 impl RunSummary {
@@ -239,7 +242,7 @@ impl RunSummary {
         accuracy: Option<f64>,
         elapsed_s: f64,
         step_s_median: f64,
-        peak_mem_bytes: usize,
+        peak_mem_bytes: Option<usize>,
         num_params: usize,
         model_state: ModelStateBytes,
         ranks: Vec<RankMemory>,
@@ -326,10 +329,13 @@ impl RunSummary {
             Some(acc) => format!("{:.2}%", 100.0 * acc),
             None => "not measured".to_string(),
         };
+        let memory = match self.peak_mem_bytes {
+            Some(peak) => format!("{:.2} GB (peak heap of this process)", peak as f64 / 1e9),
+            None => "not measured (no counting allocator installed)".to_string(),
+        };
         format!(
-            "Time elapsed {:.2} min\nMemory used: {:.2} GB (peak heap of this process)\nTest accuracy {accuracy}\n",
+            "Time elapsed {:.2} min\nMemory used: {memory}\nTest accuracy {accuracy}\n",
             self.elapsed_s / 60.0,
-            self.peak_mem_bytes as f64 / 1e9
         )
     }
 
@@ -350,23 +356,24 @@ impl RunSummary {
             ),
             (
                 "memory used (peak, process)",
-                match (memory::is_counting(), self.accelerator) {
-                    (false, _) => "not measured (no counting allocator installed)".into(),
+                match (self.peak_mem_bytes, self.accelerator) {
+                    (None, _) => "not measured (no counting allocator installed)".into(),
                     // LibTorch allocates in C++, past the counting allocator.
-                    (true, Accelerator::Libtorch) => format!(
+                    (Some(peak), Accelerator::Libtorch) => format!(
                         "{} of Rust's heap; LibTorch's tensors not counted (read nvidia-smi)",
-                        human_bytes(self.peak_mem_bytes)
+                        human_bytes(peak)
                     ),
-                    (true, _) => human_bytes(self.peak_mem_bytes),
+                    (Some(peak), _) => human_bytes(peak),
                 },
             ),
             (
                 "memory planned (peak, process)",
-                match self.planned_peak_mem_bytes {
-                    Some(planned) => format!(
+                // A plan is made only where the peak is measured.
+                match self.planned_peak_mem_bytes.zip(self.peak_mem_bytes) {
+                    Some((planned, measured)) => format!(
                         "{} ({:+.1}% of the measured)",
                         human_bytes(planned),
-                        100.0 * plan::off(planned, self.peak_mem_bytes)
+                        100.0 * plan::off(planned, measured)
                     ),
                     None if self.accelerator == Accelerator::Cpu => "no plan (--plan)".into(),
                     None => format!(
@@ -497,15 +504,17 @@ impl RunSummary {
             )),
         }
         if let Some(save) = &self.save {
+            let memory = match save.peak_mem_bytes.zip(save.live_before_bytes) {
+                Some((peak, before)) => format!(
+                    " (peak {} while saving, {} more than before)",
+                    human_bytes(peak),
+                    human_bytes(peak.saturating_sub(before))
+                ),
+                None => String::new(),
+            };
             rows.push((
                 "saved",
-                format!(
-                    "{} in {:.2} s (peak {} while saving, {} more than before)",
-                    save.path.display(),
-                    save.seconds,
-                    human_bytes(save.peak_mem_bytes),
-                    human_bytes(save.peak_mem_bytes.saturating_sub(save.live_before_bytes))
-                ),
+                format!("{} in {:.2} s{memory}", save.path.display(), save.seconds),
             ));
         }
         if let Some(c) = &self.checkpoints {
@@ -519,12 +528,14 @@ impl RunSummary {
                 rows.push((
                     "checkpoints",
                     format!(
-                        "{} saved in {:.2} s ({} each, {:.2} GB/s), peak {} while saving",
+                        "{} saved in {:.2} s ({} each, {:.2} GB/s){}",
                         c.saves,
                         c.save_s,
                         human_bytes(c.bytes as usize),
                         (c.saves as f64 * c.bytes as f64) / c.save_s / 1e9,
-                        human_bytes(c.save_peak_mem_bytes)
+                        c.save_peak_mem_bytes
+                            .map(|peak| format!(", peak {} while saving", human_bytes(peak)))
+                            .unwrap_or_default()
                     ),
                 ));
             }

@@ -519,8 +519,10 @@ fn run_rank<T: TrainTask>(
             checkpoints.saves += 1;
             checkpoints.bytes = bytes;
             checkpoints.save_s += saving.elapsed().as_secs_f64();
-            checkpoints.save_peak_mem_bytes =
-                checkpoints.save_peak_mem_bytes.max(peak_then_reset(comm)?);
+            let saving_peak = peak_then_reset(comm)?;
+            checkpoints.save_peak_mem_bytes = checkpoints
+                .save_peak_mem_bytes
+                .max(memory::is_counting().then_some(saving_peak));
         }
         if let Some(on_step) = args.on_step.as_ref().filter(|_| lead) {
             progress.suspend(|| (on_step.0)(&last));
@@ -558,7 +560,7 @@ fn run_rank<T: TrainTask>(
         None => evaluate(comm, &engine, task)?,
     };
     // The run's peak, its evaluations' among it (one at a larger batch can set it).
-    let peak_mem = memory::peak_bytes().max(training_peak);
+    let peak_mem = memory::measured_peak().map(|peak| peak.max(training_peak));
     device_peak.read();
     let model_state = ModelStateBytes {
         params: engine.param_bytes(),
@@ -570,12 +572,13 @@ fn run_rank<T: TrainTask>(
         comm,
         [
             model_state.total(),
-            peak_mem,
+            // 0: none, as below.
+            peak_mem.unwrap_or(0),
             // Without pools to read: on the CPU the device's memory is the host's; LibTorch's
             // allocator (C++, past the counting allocator) is not read (0: none).
             device_peak
                 .bytes()
-                .or_else(|| (args.runs_on() == Accelerator::Cpu).then_some(peak_mem))
+                .or(peak_mem.filter(|_| args.runs_on() == Accelerator::Cpu))
                 .unwrap_or(0),
             plan.as_ref().map_or(0, |p| p.process_peak),
             device_plan.as_ref().map_or(0, |p| p.peak),
@@ -802,8 +805,8 @@ fn save<M: BlockModel>(
     Ok(SaveReport {
         path: path.to_path_buf(),
         seconds: start.elapsed().as_secs_f64(),
-        peak_mem_bytes: memory::peak_bytes(),
-        live_before_bytes: before,
+        peak_mem_bytes: memory::measured_peak(),
+        live_before_bytes: memory::is_counting().then_some(before),
     })
 }
 
@@ -978,7 +981,7 @@ fn every_rank_memory(
         .map(|(rank, v)| RankMemory {
             rank,
             model_state_bytes: v[0] as usize,
-            peak_mem_bytes: v[1] as usize,
+            peak_mem_bytes: (v[1] > 0).then_some(v[1] as usize),
             device_peak_mem_bytes: (v[2] > 0).then_some(v[2] as usize),
             planned_peak_mem_bytes: (v[3] > 0).then_some(v[3] as usize),
             planned_device_peak_mem_bytes: (v[4] > 0).then_some(v[4] as usize),
