@@ -3,8 +3,11 @@ block-wise dynamic-tree quantization and update as crates/train/src/adam8bit.rs.
 
 Reference generator; never run by CI. Usage (from the repo root):
 
-    pip install numpy
+    pip install numpy [bitsandbytes]
     python scripts/gen_adam8bit_fixture.py [--out tests/fixtures/adam8bit/steps.json]
+
+With bitsandbytes installed (it pulls PyTorch; its maps need only the CPU) the script checks
+its maps against bitsandbytes' own and says so.
 
 The algorithm is bitsandbytes' AdamW8bit (its `create_dynamic_map` and the blockwise 8-bit
 Adam kernel, `kOptimizerStatic8bit2StateBlockwise`), written out here without bitsandbytes
@@ -12,7 +15,9 @@ Adam kernel, `kOptimizerStatic8bit2StateBlockwise`), written out here without bi
 shares: blocks of 256 run along rows (a row of n elements is cut into ceil(n / 256) blocks of
 min(n, 256), the last one zero-padded), and a value is encoded as its exact nearest map value
 (ties to the lower) where bitsandbytes' kernel searches approximately. Every operation is
-in float32, in the Rust code's order; scalars are computed in float64 and rounded once.
+in float32, in the Rust code's order; scalars are computed in float64 and rounded once. The
+maps are bitsandbytes' to the bit: float32 throughout, as `torch.linspace` and PyTorch's
+products compute them.
 
 The fixture: a 4 x 300 parameter (two blocks per row; the last row all zero, as a shard's
 padding row), three steps with given gradients, the parameter after each step and both
@@ -33,20 +38,51 @@ BLOCK = 256
 SCALES = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0]
 
 
+def torch_linspace(start: float, end: float, items: int) -> np.ndarray:
+    """torch.linspace(start, end, items, dtype=torch.float32) as PyTorch's x86-64 CPU kernel
+    computes it: a float32 step, the first half counted up from `start` and the rest down
+    from `end`, each value one fused multiply-add (rounded once: in float64 these products
+    and sums are exact, so rounding the float64 result to float32 is the fused rounding)."""
+    start, end = F32(start), F32(end)
+    step = (end - start) / F32(items - 1)
+    half = items // 2
+    values = [
+        np.float64(start) + np.float64(step) * k
+        if k < half
+        else np.float64(end) - np.float64(step) * (items - k - 1)
+        for k in range(items)
+    ]
+    return np.array(values, dtype=np.float64).astype(F32)
+
+
 def dynamic_map(signed: bool) -> np.ndarray:
+    """bitsandbytes' `create_dynamic_map(signed)`, in its float32 arithmetic."""
     data = []
     for i, scale in enumerate(SCALES):
         items = 2**i + 1 if signed else 2 ** (i + 1) + 1
-        boundaries = np.linspace(0.1, 1.0, items)
-        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        boundaries = torch_linspace(0.1, 1.0, items)
+        means = (boundaries[:-1] + boundaries[1:]) / F32(2.0)
         for mean in means:
-            data.append(scale * mean)
+            data.append(F32(scale) * mean)
             if signed:
-                data.append(-scale * mean)
-    data += [0.0, 1.0]
+                data.append(F32(-scale) * mean)
+    data += [F32(0.0), F32(1.0)]
     data.sort()
     assert len(data) == 256
     return np.array(data, dtype=F32)
+
+
+def check_against_bitsandbytes(signed_map: np.ndarray, unsigned_map: np.ndarray) -> None:
+    """Where bitsandbytes is installed (its maps need only PyTorch's CPU), its own maps."""
+    try:
+        from bitsandbytes.functional import create_dynamic_map
+    except ImportError:
+        print("bitsandbytes not installed: the maps are not checked against its own")
+        return
+    for signed, ours in ((True, signed_map), (False, unsigned_map)):
+        theirs = create_dynamic_map(signed=signed).numpy()
+        assert (theirs == ours).all(), f"signed={signed}: differs from bitsandbytes' map"
+    print("the maps equal bitsandbytes' create_dynamic_map(signed=True/False)")
 
 
 def blocks(x: np.ndarray):
@@ -119,6 +155,7 @@ def main() -> None:
     p = rng.standard_normal((rows, row_len)).astype(F32) * F32(0.02)
     p[rows - 1] = 0.0
     signed_map, unsigned_map = dynamic_map(True), dynamic_map(False)
+    check_against_bitsandbytes(signed_map, unsigned_map)
     fixture = {
         "shape": [rows, row_len],
         "lr": lr,

@@ -38,7 +38,10 @@ const SCALES: [f64; 7] = [1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0];
 
 /// The 256 values of bitsandbytes' dynamic tree map (`create_dynamic_map(signed)`): for
 /// exponents 10^-6..10^0, a linear fraction between 0.1 and 1 with more steps the larger the
-/// exponent, plus 0 and 1, sorted. Computed in f64, then rounded to f32.
+/// exponent, plus 0 and 1, sorted. In f32 throughout, as bitsandbytes builds it with PyTorch
+/// on the CPU, so that the values are its own to the bit (checked by the fixture script
+/// against bitsandbytes 0.50.2): `torch.linspace` in f32, the means of neighbours, their
+/// products with the exponent rounded to f32.
 pub fn dynamic_map(signed: bool) -> [f32; 256] {
     let mut data = Vec::with_capacity(256);
     for (i, scale) in SCALES.into_iter().enumerate() {
@@ -47,30 +50,33 @@ pub fn dynamic_map(signed: bool) -> [f32; 256] {
         } else {
             (1 << (i + 1)) + 1
         };
-        // numpy's linspace(0.1, 1, items): start + k * step, the last one exactly 1.
-        let step = 0.9 / (items - 1) as f64;
-        let boundary = |k: usize| {
-            if k == items - 1 {
-                1.0
-            } else {
-                k as f64 * step + 0.1
-            }
-        };
-        for k in 0..items - 1 {
-            let mean = (boundary(k) + boundary(k + 1)) / 2.0;
-            data.push(scale * mean);
+        let boundaries = torch_linspace(0.1, 1.0, items);
+        for pair in boundaries.windows(2) {
+            let mean = (pair[0] + pair[1]) / 2.0;
+            data.push(scale as f32 * mean);
             if signed {
-                data.push(-scale * mean);
+                data.push(-scale as f32 * mean);
             }
         }
     }
     data.extend([0.0, 1.0]);
-    data.sort_by(f64::total_cmp);
+    data.sort_by(f32::total_cmp);
     let mut map = [0f32; 256];
-    for (slot, value) in map.iter_mut().zip(data) {
-        *slot = value as f32;
-    }
+    map.copy_from_slice(&data);
     map
+}
+
+/// `torch.linspace(start, end, items, dtype=torch.float32)` as PyTorch's x86-64 CPU kernel
+/// computes it: an f32 step, the first half counted up from `start` and the rest down from
+/// `end`, each value one fused multiply-add.
+fn torch_linspace(start: f32, end: f32, items: usize) -> Vec<f32> {
+    let step = (end - start) / (items - 1) as f32;
+    (0..items)
+        .map(|k| match k < items / 2 {
+            true => step.mul_add(k as f32, start),
+            false => (-step).mul_add((items - k - 1) as f32, end),
+        })
+        .collect()
 }
 
 /// Keys of the encoder's lookup (see [`Codebook`]), over the whole of [-1, 1].
