@@ -88,7 +88,9 @@ pub fn parse_with_defaults<C: clap::Parser>(defaults: &[(&'static str, &'static 
 /// [`train`](burnscale_train::train) as the runner binaries run it: from its call until it
 /// returns, Ctrl-C, SIGTERM and SIGUSR1 (which mpirun forwards) end the run after its step
 /// ([`StopFlag::on_signals`](burnscale_train::StopFlag::on_signals)); before and after, they
-/// do what they did without it (end the program, or run a handler of the program's own).
+/// do what they did without it (end the program, or run a handler of the program's own). A
+/// stop flag given in `args` listens to them (and still stops the run when the program
+/// raises it); one that listens already keeps its actions after the run.
 pub fn train_stopping_on_signals<T: burnscale_train::TrainTask>(
     model: T::Model,
     task: &mut T,
@@ -103,9 +105,10 @@ pub fn train_stopping_on_signals<T: burnscale_train::TrainTask>(
             self.0.release();
         }
     }
-    let stop = Releases(burnscale_train::StopFlag::on_signals()?);
+    let flag = args.stop.clone().unwrap_or_default();
+    let _releases = flag.listen_to_signals()?.then(|| Releases(flag.clone()));
     let args = burnscale_train::TrainArgs {
-        stop: Some(stop.0.clone()),
+        stop: Some(flag),
         ..args.clone()
     };
     Ok(burnscale_train::train(model, task, &args, device)?)

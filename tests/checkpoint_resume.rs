@@ -541,6 +541,39 @@ fn a_resumed_run_continues_its_metrics_file() {
     // Time goes on from the earlier rows'.
     let elapsed = |row: &str| row.split(',').nth(5).unwrap().parse::<f64>().unwrap();
     assert!(elapsed(resumed[7]) >= elapsed(resumed[6]), "{resumed:?}");
+
+    // A file written before the validation columns goes on too, its rows given empty ones.
+    let without_validation = |row: &str| row.split(',').take(7).collect::<Vec<_>>().join(",");
+    let older: Vec<String> = rows.iter().map(|r| without_validation(r)).collect();
+    fs::write(&csv, older.join("\n") + "\n").unwrap();
+    keep_only(&dir, 6);
+    run(
+        &dir,
+        "zero2",
+        2,
+        0.0,
+        &[&csv_flag[..], &["--resume"]].concat(),
+    )
+    .unwrap();
+    let continued = fs::read_to_string(&csv).unwrap();
+    let continued: Vec<&str> = continued.lines().collect();
+    assert_eq!(continued[0], rows[0], "today's header");
+    let padded: Vec<String> = older[1..7].iter().map(|r| format!("{r},,")).collect();
+    assert_eq!(
+        continued[1..7],
+        padded,
+        "steps 1-6 kept, with empty validation columns"
+    );
+    assert_eq!(
+        continued[7..]
+            .iter()
+            .map(|r| step_and_loss(r))
+            .collect::<Vec<_>>(),
+        rows[7..]
+            .iter()
+            .map(|r| step_and_loss(r))
+            .collect::<Vec<_>>()
+    );
     fs::remove_dir_all(&dir).unwrap();
     fs::remove_file(&csv).unwrap();
 }

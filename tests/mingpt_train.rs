@@ -7,7 +7,9 @@ use std::sync::{Mutex, MutexGuard};
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
-use burnscale::train::{RunSummary, Score, TrainArgs, TrainTask, train};
+use burnscale::train::{
+    OnStep, RunSummary, Score, StopFlag, TrainArgs, TrainError, TrainTask, train,
+};
 
 fn args(extra: &[&str]) -> TrainArgs {
     let base = ["--batch-size", "8", "--lr", "3e-3", "--seed", "7"];
@@ -158,6 +160,34 @@ fn without_the_counting_allocator_no_peak_reads_as_measured() {
             .contains("Memory used: not measured"),
         "{}",
         summary.closing_lines()
+    );
+}
+
+/// `train_stopping_on_signals` keeps the stop flag a program gave: raised (here from the step
+/// callback, after step 1), it stops the run after its next step, as the signals do (the
+/// signals' own flag replaced it, and the program's request went unread).
+#[test]
+fn a_programs_stop_flag_stops_a_run_that_stops_on_signals_too() {
+    let _rng = hold_rng();
+    let device = Device::default().autodiff();
+    let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+    let mut args = args(&["--max-steps", "5"]);
+    let stop = StopFlag::new();
+    args.stop = Some(stop.clone());
+    args.on_step = Some(OnStep::new(move |m| {
+        if m.step == 1 {
+            stop.request();
+        }
+    }));
+    let Err(err) = burnscale::train_stopping_on_signals(model, &mut task(8), &args, &device) else {
+        panic!("ran to its last step");
+    };
+    assert!(
+        matches!(
+            err.downcast_ref::<TrainError>(),
+            Some(TrainError::Stopped { step: 2, .. })
+        ),
+        "{err}"
     );
 }
 

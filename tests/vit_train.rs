@@ -38,6 +38,8 @@ fn run(flags: &[&str]) -> (Vit, RunSummary) {
 
 #[test]
 fn tiny_vit_learns_the_digits() {
+    let dir = tempfile::tempdir().unwrap();
+    let csv = dir.path().join("metrics.csv");
     let (_, summary) = run(&[
         "--max-steps",
         "300",
@@ -47,10 +49,39 @@ fn tiny_vit_learns_the_digits() {
         "2e-3",
         "--warmup-steps",
         "20",
+        "--eval-interval",
+        "100",
+        "--metrics-csv",
+        csv.to_str().unwrap(),
     ]);
     let accuracy = summary.accuracy.unwrap();
     // Chance is 10%.
     assert!(accuracy > 0.6, "test accuracy {accuracy}");
+    // The evaluations on the way, in the step metrics and the CSV's last two columns.
+    let evaluated: Vec<_> = summary
+        .history
+        .iter()
+        .filter_map(|m| Some((m.step, m.val_loss?, m.accuracy?)))
+        .collect();
+    assert_eq!(
+        evaluated.iter().map(|e| e.0).collect::<Vec<_>>(),
+        [100, 200, 300]
+    );
+    assert_eq!(evaluated[2].2, accuracy);
+    let rows = std::fs::read_to_string(&csv).unwrap();
+    let columns: Vec<_> = rows
+        .lines()
+        .skip(1)
+        .filter_map(|row| {
+            let cells: Vec<&str> = row.split(',').collect();
+            Some((
+                cells[0].parse::<usize>().ok()?,
+                cells[7].parse::<f64>().ok()?,
+                cells[8].parse::<f64>().ok()?,
+            ))
+        })
+        .collect();
+    assert_eq!(columns, evaluated, "{rows}");
     // A ViT counts samples; its model FLOPs are an image's times the samples a second.
     let mfu = summary.mfu.expect("an MFU where the probe timed its work");
     assert!(mfu > 0.0 && mfu < 1.0, "MFU {mfu}");

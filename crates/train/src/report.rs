@@ -133,7 +133,8 @@ pub struct RunSummary {
     pub val_loss: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub accuracy: Option<f64>,
-    /// Seconds from the first step's start to the end of the last one's evaluation.
+    /// Seconds of training: from the first step's start to the end of the last step, its
+    /// checkpoint and the evaluations on the way included, the final evaluation not.
     pub elapsed_s: f64,
     /// Median optimizer-step time over the `timed_steps` (without evaluations).
     pub step_s_median: f64,

@@ -146,7 +146,8 @@ pub struct StepMetrics {
     /// its forward and backward ran.
     pub skipped: bool,
     /// The validation loss after this step, on the steps that evaluate (every
-    /// `--eval-interval`-th and the last) of a task with validation data.
+    /// `--eval-interval`-th and the last) of a task with validation data; a step in which a
+    /// stop was asked skips its evaluation (the last one's excepted).
     pub val_loss: Option<f64>,
     /// The validation accuracy beside `val_loss`, for tasks that score answers.
     pub accuracy: Option<f64>,
@@ -155,9 +156,10 @@ pub struct StepMetrics {
 /// A function [`train`] calls on rank 0 with each step's numbers once the step is done: its
 /// evaluation too, on the steps that evaluate, and its checkpoint saved, when one is due. For
 /// a program that reports a run's progress itself (a service's job status, a dashboard). It
-/// runs on rank 0's training thread and holds the next step until it returns; to stop the
-/// run from it, raise the run's [`StopFlag`] (the ranks agree on a stop within a step: the
-/// run stops after the next one).
+/// runs on rank 0's training thread, so the other ranks wait for it at their next collective:
+/// one that takes longer than `--collective-timeout` fails the run (hand the numbers to a
+/// channel or a thread of your own for slow work). To stop the run from it, raise the run's
+/// [`StopFlag`] (the ranks agree on a stop within a step: the run stops after the next one).
 #[derive(Clone)]
 pub struct OnStep(std::sync::Arc<dyn Fn(&StepMetrics) + Send + Sync>);
 
@@ -438,6 +440,8 @@ fn run_rank<T: TrainTask>(
     let mut transferred = 0;
     // The process peak of training so far, before a checkpoint reset it.
     let mut training_peak = 0;
+    // The last step's evaluation, which the training time leaves out.
+    let mut final_evaluation_s = 0.0;
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
@@ -488,8 +492,12 @@ fn run_rank<T: TrainTask>(
             && (step == args.max_steps
                 || (!stop && args.eval_interval > 0 && step.is_multiple_of(args.eval_interval)));
         if evaluates {
+            let evaluating = Instant::now();
             let (val_loss, accuracy) = evaluate(comm, &engine, task)?;
             (last.val_loss, last.accuracy) = (Some(val_loss), accuracy);
+            if step == args.max_steps {
+                final_evaluation_s = evaluating.elapsed().as_secs_f64();
+            }
             if lead && step < args.max_steps {
                 progress.suspend(|| {
                     eprintln!(
@@ -552,7 +560,7 @@ fn run_rank<T: TrainTask>(
         ));
     }
     progress.finish_and_clear();
-    let elapsed_s = start.elapsed().as_secs_f64();
+    let elapsed_s = start.elapsed().as_secs_f64() - final_evaluation_s;
     // The last step's evaluation; a run resumed at its last step takes none, and evaluates
     // the checkpoint's model here (as a task without validation data: NaN).
     let (val_loss, accuracy) = match history.last().and_then(|m| Some((m.val_loss?, m.accuracy))) {
@@ -1069,6 +1077,8 @@ struct MetricsCsv {
 
 impl MetricsCsv {
     const HEADER: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s,skipped,val_loss,accuracy";
+    /// The header until the validation columns came (2026-11-30).
+    const HEADER_BEFORE_VALIDATION: &str = "step,lr,loss,grad_norm,items_per_s,elapsed_s,skipped";
 
     /// The file at `path`, new; or for a run resumed after step `resumed`, the rows an earlier
     /// run wrote there up to that step (those after it are retrained), continued. The kept
@@ -1111,13 +1121,18 @@ impl MetricsCsv {
             source,
         })?;
         let mut lines = text.lines();
-        if lines.next().is_some_and(|header| header != Self::HEADER) {
-            return Err(TrainError::InvalidArgs(format!(
-                "--metrics-csv {}: not a metrics file (its first line is not `{}`), which a resumed run continues: give another path",
-                path.display(),
-                Self::HEADER
-            )));
-        }
+        // A file of a run started before the validation columns: its rows get empty ones.
+        let padding = match lines.next() {
+            None | Some(Self::HEADER) => "",
+            Some(Self::HEADER_BEFORE_VALIDATION) => ",,",
+            Some(_) => {
+                return Err(TrainError::InvalidArgs(format!(
+                    "--metrics-csv {}: not a metrics file (its first line is not `{}`), which a resumed run continues: give another path",
+                    path.display(),
+                    Self::HEADER
+                )));
+            }
+        };
         Ok(lines
             .filter(|row| {
                 row.split(',')
@@ -1125,7 +1140,7 @@ impl MetricsCsv {
                     .and_then(|s| s.parse::<usize>().ok())
                     .is_some_and(|s| s <= step)
             })
-            .map(str::to_string)
+            .map(|row| format!("{row}{padding}"))
             .collect())
     }
 

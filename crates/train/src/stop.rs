@@ -41,27 +41,38 @@ impl StopFlag {
     /// process where no flag listens: install it first).
     pub fn on_signals() -> io::Result<Self> {
         let stop = Self::new();
+        stop.listen_to_signals()?;
+        Ok(stop)
+    }
+
+    /// Makes SIGINT, SIGTERM and SIGUSR1 raise this flag as they raise
+    /// [`StopFlag::on_signals`]'s, until [`StopFlag::release`]: for a flag the program raises
+    /// itself too. `false`, registering nothing, when it listens already.
+    pub fn listen_to_signals(&self) -> io::Result<bool> {
+        if self.actions().is_some() {
+            return Ok(false);
+        }
         for signal in [SIGINT, SIGTERM, SIGUSR1] {
             end_the_process_when_unheard(signal)?;
         }
         LISTENING.fetch_add(1, Ordering::SeqCst);
-        *stop.actions() = Some(Vec::new());
+        *self.actions() = Some(Vec::new());
         // Actions run in the order registered: the shutdown sees the flag as it was before
         // this signal.
         let register = || -> io::Result<()> {
-            let shutdown = flag::register_conditional_shutdown(SIGINT, 130, stop.asked.clone())?;
-            stop.actions().get_or_insert_default().push(shutdown);
+            let shutdown = flag::register_conditional_shutdown(SIGINT, 130, self.asked.clone())?;
+            self.actions().get_or_insert_default().push(shutdown);
             for signal in [SIGINT, SIGTERM, SIGUSR1] {
-                let action = flag::register(signal, stop.asked.clone())?;
-                stop.actions().get_or_insert_default().push(action);
+                let action = flag::register(signal, self.asked.clone())?;
+                self.actions().get_or_insert_default().push(action);
             }
             Ok(())
         };
         if let Err(e) = register() {
-            stop.release();
+            self.release();
             return Err(e);
         }
-        Ok(stop)
+        Ok(true)
     }
 
     /// Asks the run to stop after the step it is in.
