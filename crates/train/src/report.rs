@@ -82,7 +82,7 @@ pub struct RankMemory {
     /// This rank's process peak; ranks that are threads of one process share it. `None`
     /// without a counting allocator ([`crate::memory::is_counting`]).
     pub peak_mem_bytes: Option<usize>,
-    /// The peak of this rank's device memory ([`memory::DevicePeak`]: the GPU's reservation
+    /// The peak of this rank's device memory ([`crate::memory::DevicePeak`]: the GPU's reservation
     /// at step ends; on a CPU the process peak again). `None` where it is not read: on
     /// LibTorch, whose allocator burnscale cannot read, and without a counting allocator.
     pub device_peak_mem_bytes: Option<usize>,
