@@ -400,6 +400,52 @@ impl TrainArgs {
         <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.train)
     }
 
+    /// Runner flags from a JSON object of them, for a service that takes its jobs as JSON:
+    /// each key a flag's name (`max_steps` or `max-steps` for `--max-steps`), each value a
+    /// string, a number or a boolean (`true` gives a switch such as `--resume`, `false` leaves
+    /// it out; `null` leaves any flag out). Read by the same parser as [`Self::from_flags`],
+    /// so a key or value it refuses is an error naming it.
+    pub fn from_json(flags: &serde_json::Value) -> Result<Self, TrainError> {
+        let invalid = |message: String| TrainError::InvalidArgs(message);
+        let object = flags
+            .as_object()
+            .ok_or_else(|| invalid(format!("runner flags must be a JSON object, not {flags}")))?;
+        let command = <Self as Args>::augment_args(clap::Command::new("burnscale"));
+        let mut argv = Vec::new();
+        for (key, value) in object {
+            let flag = format!("--{}", key.replace('_', "-"));
+            let switch = command
+                .get_arguments()
+                .find(|arg| arg.get_long() == Some(&flag[2..]))
+                .is_some_and(|arg| matches!(arg.get_action(), clap::ArgAction::SetTrue));
+            match value {
+                serde_json::Value::Null => {}
+                serde_json::Value::Bool(true) if switch => argv.push(flag),
+                serde_json::Value::Bool(false) if switch => {}
+                serde_json::Value::Bool(b) => argv.extend([flag, b.to_string()]),
+                serde_json::Value::Number(n) => argv.extend([flag, n.to_string()]),
+                serde_json::Value::String(text) => argv.extend([flag, text.clone()]),
+                other => {
+                    return Err(invalid(format!(
+                        "runner flag {key:?}: give a string, a number or a boolean, not {other}"
+                    )));
+                }
+            }
+        }
+        let argv: Vec<&str> = argv.iter().map(String::as_str).collect();
+        Self::from_flags(&argv).map_err(|e| {
+            // clap's message without its usage lines, which name a program there is not.
+            let message = e.to_string();
+            let kept: Vec<&str> = message
+                .lines()
+                .take_while(|line| !line.starts_with("Usage:") && !line.starts_with("For more"))
+                .map(str::trim)
+                .filter(|line| !line.is_empty())
+                .collect();
+            invalid(kept.join("; ").trim_start_matches("error: ").to_string())
+        })
+    }
+
     /// Adam's, AdamW's and adam8bit's settings: the flags, or their defaults.
     pub fn adam(&self) -> AdamSettings {
         AdamSettings {
@@ -875,6 +921,60 @@ mod tests {
     #[test]
     fn defaults_are_valid() {
         parse(&[]).unwrap().validate().unwrap();
+    }
+
+    /// A JSON job reads as its flags would: keys in either spelling, switches by booleans,
+    /// a boolean that takes a value as its value; what the parser refuses is an error naming
+    /// the key or the value, without clap's usage lines.
+    #[test]
+    fn json_flags_read_as_the_command_line_does() {
+        let json = serde_json::json!({
+            "strategy": "zero3",
+            "precision": "bf16-mixed",
+            "max_steps": 7,
+            "lr": 0.002,
+            "checkpoint-activations": true,
+            "resume": false,
+            "reshard_after_forward": false,
+            "memory_budget": null,
+        });
+        let from_json = TrainArgs::from_json(&json).unwrap();
+        let from_flags = parse(&[
+            "--strategy",
+            "zero3",
+            "--precision",
+            "bf16-mixed",
+            "--max-steps",
+            "7",
+            "--lr",
+            "0.002",
+            "--checkpoint-activations",
+            "--reshard-after-forward",
+            "false",
+        ])
+        .unwrap();
+        assert_eq!(format!("{from_json:?}"), format!("{from_flags:?}"));
+        for (json, says) in [
+            (
+                serde_json::json!({"max_step": 7}),
+                "unexpected argument '--max-step'",
+            ),
+            (
+                serde_json::json!({"strategy": "zero4"}),
+                "invalid value 'zero4' for '--strategy",
+            ),
+            (
+                serde_json::json!({"devices": [1, 2]}),
+                "\"devices\": give a string",
+            ),
+            (serde_json::json!(["--resume"]), "must be a JSON object"),
+        ] {
+            let err = TrainArgs::from_json(&json).unwrap_err().to_string();
+            assert!(
+                err.contains(says) && !err.contains("Usage"),
+                "{json}: {err}"
+            );
+        }
     }
 
     #[test]
