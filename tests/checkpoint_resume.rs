@@ -526,16 +526,16 @@ fn a_resumed_run_continues_its_metrics_file() {
     let resumed: Vec<&str> = resumed.lines().collect();
     assert_eq!(resumed.len(), 10, "{resumed:?}");
     assert_eq!(resumed[..7], rows[..7], "the header and steps 1-6 kept");
-    let step_and_loss = |row: &str| row.split(',').take(3).collect::<Vec<_>>().join(",");
-    assert_eq!(
-        resumed[7..]
-            .iter()
-            .map(|r| step_and_loss(r))
-            .collect::<Vec<_>>(),
+    // Steps 7-9 (step, lr, loss) of a file, to hold against the uninterrupted run's.
+    let steps_7_to_9 = |rows: &[&str]| -> Vec<String> {
         rows[7..]
             .iter()
-            .map(|r| step_and_loss(r))
-            .collect::<Vec<_>>(),
+            .map(|row| row.split(',').take(3).collect::<Vec<_>>().join(","))
+            .collect()
+    };
+    assert_eq!(
+        steps_7_to_9(&resumed),
+        steps_7_to_9(&rows),
         "steps 7-9 (step, lr, loss) as the uninterrupted run's"
     );
     // Time goes on from the earlier rows'.
@@ -564,16 +564,7 @@ fn a_resumed_run_continues_its_metrics_file() {
         padded,
         "steps 1-6 kept, with empty validation columns"
     );
-    assert_eq!(
-        continued[7..]
-            .iter()
-            .map(|r| step_and_loss(r))
-            .collect::<Vec<_>>(),
-        rows[7..]
-            .iter()
-            .map(|r| step_and_loss(r))
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(steps_7_to_9(&continued), steps_7_to_9(&rows));
     fs::remove_dir_all(&dir).unwrap();
     fs::remove_file(&csv).unwrap();
 }

@@ -233,6 +233,9 @@ pub struct SaveReport {
     pub live_before_bytes: Option<usize>,
 }
 
+/// What the report says of a process peak where nothing counted it.
+const NOT_COUNTED: &str = "not measured (no counting allocator installed)";
+
 impl RunSummary {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
@@ -332,7 +335,7 @@ impl RunSummary {
         };
         let memory = match self.peak_mem_bytes {
             Some(peak) => format!("{:.2} GB (peak heap of this process)", peak as f64 / 1e9),
-            None => "not measured (no counting allocator installed)".to_string(),
+            None => NOT_COUNTED.to_string(),
         };
         format!(
             "Time elapsed {:.2} min\nMemory used: {memory}\nTest accuracy {accuracy}\n",
@@ -358,7 +361,7 @@ impl RunSummary {
             (
                 "memory used (peak, process)",
                 match (self.peak_mem_bytes, self.accelerator) {
-                    (None, _) => "not measured (no counting allocator installed)".into(),
+                    (None, _) => NOT_COUNTED.into(),
                     // LibTorch allocates in C++, past the counting allocator.
                     (Some(peak), Accelerator::Libtorch) => format!(
                         "{} of Rust's heap; LibTorch's tensors not counted (read nvidia-smi)",
