@@ -11,7 +11,7 @@ use burnscale::plan_check::{ONE_RANK, TOLERANCE, run, setup};
 use burnscale::train::auto::resolve;
 use burnscale::train::memory::{CountingAllocator, human_bytes};
 use burnscale::train::plan::{Probe, off};
-use burnscale::train::{RunSummary, TrainError, train_on};
+use burnscale::train::{RunSummary, Strategy, TrainError, train_on};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -55,6 +55,8 @@ fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
         choice.chosen.flags,
         "--strategy single --precision 32-true --checkpoint-activations"
     );
+    // The summary's flags are the choice's, which train it again without planning.
+    assert!(tight.args.checkpoint_activations && tight.args.strategy == Strategy::Single);
     // The plans named are those configurations' (each probe's baseline moves by a few MiB
     // with what earlier runs left; the two plans differ by far more).
     assert!(off(choice.chosen.planned_bytes, checkpointed).abs() < 0.05);

@@ -300,6 +300,14 @@ fn summary_reports_every_ranks_memory_and_no_host_transfers() {
     let _ = std::fs::remove_file(&json);
     let summary: serde_json::Value = serde_json::from_str(&text).expect("JSON");
     assert_eq!(summary["host_transfer_bytes_per_step"], 0, "{text}");
+    // The flags it trained with, which read back as a job, and the model's configuration.
+    let args = burnscale::train::TrainArgs::from_json(&summary["args"]).expect("runner flags");
+    assert_eq!(
+        (args.strategy, args.devices, args.batch_size, args.max_steps),
+        (burnscale::train::Strategy::Zero3, 2, 2, 2),
+        "{text}"
+    );
+    assert_eq!(summary["model_config"]["n_layer"], 4, "{text}");
     let ranks = summary["ranks"].as_array().expect("ranks");
     assert_eq!(ranks.len(), 2, "{text}");
     for rank in ranks {

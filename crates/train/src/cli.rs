@@ -117,8 +117,10 @@ pub enum Schedule {
     Cosine,
 }
 
-/// Training flags, flattened into each example's own `clap` parser.
-#[derive(Debug, Clone, Args)]
+/// Training flags, flattened into each example's own `clap` parser. Serialised, they are the
+/// JSON object [`TrainArgs::from_json`] reads back to the same flags (the summary's `args`);
+/// what is set by a program rather than by a flag is left out.
+#[derive(Debug, Clone, Args, Serialize)]
 pub struct TrainArgs {
     /// Where ranks run: cpu, or cuda (rank i on GPU i; under mpirun the node-local rank's
     /// GPU; collectives over NCCL), or cubecl-cpu (a cubecl-cpu build: the GPU backends'
@@ -148,6 +150,7 @@ pub struct TrainArgs {
     /// rank still running as long again (at least 10 s) after the others timed out waiting for
     /// it, stuck outside any collective, ends the process.
     #[arg(long, value_name = "SECONDS", default_value = "600", value_parser = parse_seconds)]
+    #[serde(serialize_with = "seconds")]
     pub collective_timeout: Duration,
     /// Numeric precision: 32-true; 16-mixed and bf16-mixed (f32 master weights, 16-bit
     /// compute, f32 softmax/norm/loss; 16-mixed scales the loss); 16-true and bf16-true
@@ -303,23 +306,31 @@ pub struct TrainArgs {
     /// model on every rank, for programs that use it after training). The other strategies
     /// always hand back their replica.
     #[arg(skip)]
+    #[serde(skip)]
     pub gather_model: bool,
     /// Stops the run after the step in which it is raised (see [`StopFlag`]); the training
     /// examples raise it on Ctrl-C and SIGTERM.
     #[arg(skip)]
+    #[serde(skip)]
     pub stop: Option<StopFlag>,
     /// Called on rank 0 with each step's numbers (see [`OnStep`]).
     #[arg(skip)]
+    #[serde(skip)]
     pub on_step: Option<OnStep>,
     /// The model's configuration (any JSON object; the examples give their model's config),
     /// written into each checkpoint's metadata: a run that resumes with another
     /// configuration is stopped with the fields that differ, which the parameter shapes
     /// alone would miss (a head count, a dropout rate).
     #[arg(skip)]
+    #[serde(skip)]
     pub model_config: Option<serde_json::Value>,
 }
 
 /// A finite number of seconds, at least a millisecond.
+fn seconds<S: serde::Serializer>(duration: &Duration, to: S) -> Result<S::Ok, S::Error> {
+    to.serialize_f64(duration.as_secs_f64())
+}
+
 fn parse_seconds(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text
         .trim()
@@ -975,6 +986,41 @@ mod tests {
                 "{json}: {err}"
             );
         }
+    }
+
+    /// Serialised arguments (the summary's `args`) read back to the same arguments: every
+    /// flag given, none at its default, so a flag left out of the object or written in a
+    /// form the parser reads otherwise shows.
+    #[test]
+    fn arguments_written_as_json_read_back_the_same() {
+        let flags = "--accelerator cpu --matmul cublas --strategy zero3 --devices 3 \
+             --collective-timeout 2.5 --precision bf16-mixed --grad-reduce-dtype bf16 \
+             --initial-loss-scale 1024 --max-consecutive-skips 9 --init-on-device \
+             --checkpoint-activations --reshard-after-forward false --offload optimizer \
+             --offload-dir /tmp/off --optimizer adam8bit --min-8bit-size 77 \
+             --adafactor-relative-step --embedding-state-32bit --lr 0.00123 --weight-decay \
+             0.05 --beta1 0.8 --beta2 0.99 --adam-epsilon 1e-6 --momentum 0.5 --schedule \
+             constant --warmup-steps 4 --min-lr-ratio 0.2 --batch-size 5 --accumulate 2 \
+             --max-steps 11 --seed 7 --grad-clip 0.5 --eval-interval 3 --plan --memory-budget \
+             1.5GiB --summary-json s.json --metrics-csv m.csv --save w.safetensors \
+             --checkpoint-dir ck --checkpoint-every 2 --keep-checkpoints 3 --resume";
+        let args = parse(&flags.split_whitespace().collect::<Vec<_>>()).unwrap();
+        let json = serde_json::to_value(&args).unwrap();
+        let read = TrainArgs::from_json(&json).unwrap();
+        assert_eq!(format!("{read:?}"), format!("{args:?}"), "{json}");
+        let defaults = format!("{:?}", parse(&[]).unwrap());
+        let fields = json.as_object().unwrap();
+        for (key, value) in fields {
+            let alone = serde_json::json!({ key: value });
+            let one = TrainArgs::from_json(&alone).unwrap();
+            assert_ne!(format!("{one:?}"), defaults, "{key} is at its default");
+        }
+        let command = <TrainArgs as Args>::augment_args(clap::Command::new("burnscale"));
+        assert_eq!(
+            fields.len(),
+            command.get_arguments().count(),
+            "a flag is missing from the JSON"
+        );
     }
 
     #[test]

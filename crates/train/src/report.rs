@@ -203,6 +203,13 @@ pub struct RunSummary {
     /// What checkpointing (`--checkpoint-dir`) took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<CheckpointReport>,
+    /// The flags the run trained with (`--strategy auto`'s choice in place of `auto`):
+    /// [`TrainArgs::from_json`] of this object trains the same configuration again.
+    pub args: TrainArgs,
+    /// The model's configuration as the program gave it ([`TrainArgs::model_config`]; with
+    /// the data it reads, for the examples).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_config: Option<serde_json::Value>,
 }
 
 /// Checkpoints saved and loaded in a run, as this rank saw them.
@@ -303,6 +310,13 @@ impl RunSummary {
             device_plan: None,
             auto: None,
             checkpoints: None,
+            args: TrainArgs {
+                stop: None,
+                on_step: None,
+                model_config: None,
+                ..args.clone()
+            },
+            model_config: args.model_config.clone(),
             history,
         }
     }
