@@ -213,7 +213,12 @@ impl PlainConfig {
             PlainOptimizer::Sgd { momentum } => {
                 let sgd = || {
                     SgdConfig::new().with_momentum(
-                        (momentum > 0.0).then(|| MomentumConfig::new().with_momentum(momentum)),
+                        // torch.optim.SGD's dampening (burn-optim's default is 0.1).
+                        (momentum > 0.0).then(|| {
+                            MomentumConfig::new()
+                                .with_momentum(momentum)
+                                .with_dampening(0.0)
+                        }),
                     )
                 };
                 sgd().init().with_group(

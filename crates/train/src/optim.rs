@@ -84,10 +84,12 @@ impl ParamOptimizer {
                 ),
                 OptimizerKind::Sgd => Arc::new(
                     SgdConfig::new()
-                        .with_momentum(
-                            (args.sgd_momentum() > 0.0)
-                                .then(|| MomentumConfig::new().with_momentum(args.sgd_momentum())),
-                        )
+                        .with_momentum((args.sgd_momentum() > 0.0).then(|| {
+                            // torch.optim.SGD's dampening (burn-optim's default is 0.1).
+                            MomentumConfig::new()
+                                .with_momentum(args.sgd_momentum())
+                                .with_dampening(0.0)
+                        }))
                         .with_weight_decay((wd > 0.0).then(|| WeightDecayConfig::new(wd)))
                         .build(),
                 ),
@@ -938,5 +940,65 @@ mod tests {
         let tolerance = Tolerance::<f32>::rel_abs(1e-5, 1e-7);
         got.0.assert_approx_eq::<f32>(&want.0, tolerance);
         got.1.assert_approx_eq::<f32>(&want.1, tolerance);
+    }
+
+    /// `--optimizer sgd` steps as torch.optim.SGD(momentum, weight_decay) does, by its
+    /// documented algorithm: g += wd * p (matrices only, here), b = g on the first step and
+    /// b = momentum * b + g after (dampening 0), p -= lr * b.
+    #[test]
+    fn sgd_steps_as_torch_optim_sgd() {
+        use burn::nn::{Linear, LinearConfig};
+        use burn::optim::GradientsParams;
+
+        let (lr, momentum, wd) = (0.1, 0.9, 0.01);
+        let args = args(&["--optimizer", "sgd", "--weight-decay", "0.01"]);
+        let device = Device::flex();
+        let mut model: Linear = LinearConfig::new(2, 3).init(&device);
+        let start = |t: Tensor<2>| t.into_data().try_to_vec::<f32>().unwrap();
+        let mut weight = start(model.weight.val());
+        let mut bias = start(model.bias.as_ref().unwrap().val().unsqueeze());
+        let (mut weight_buf, mut bias_buf) = (vec![0f32; 6], vec![0f32; 3]);
+        let mut optim = ParamOptimizer::new(&args, 0, &model).unwrap();
+        for step in 0..3 {
+            let grad = |n: usize, shift: f32| -> Vec<f32> {
+                (0..n)
+                    .map(|i| (i as f32 - shift) * 0.3 + step as f32)
+                    .collect()
+            };
+            let (gw, gb) = (grad(6, 2.0), grad(3, 1.0));
+            let mut g = GradientsParams::new();
+            g.register(
+                model.weight.id,
+                Tensor::<2>::from_data(TensorData::new(gw.clone(), [2, 3]), &device),
+            );
+            g.register(
+                model.bias.as_ref().unwrap().id,
+                Tensor::<1>::from_data(TensorData::new(gb.clone(), [3]), &device),
+            );
+            let result;
+            (model, result) = optim.step(lr, model, StepGrads::new(g, None), None);
+            result.unwrap();
+            let torch = |p: &mut [f32], buf: &mut [f32], g: &[f32], decay: f32| {
+                for ((p, b), g) in p.iter_mut().zip(buf.iter_mut()).zip(g) {
+                    let g = g + decay * *p;
+                    *b = if step == 0 { g } else { momentum * *b + g };
+                    *p -= lr as f32 * *b;
+                }
+            };
+            torch(&mut weight, &mut weight_buf, &gw, wd);
+            torch(&mut bias, &mut bias_buf, &gb, 0.0);
+            let got = (
+                start(model.weight.val()),
+                start(model.bias.as_ref().unwrap().val().unsqueeze()),
+            );
+            for (got, want) in [(&got.0, &weight), (&got.1, &bias)] {
+                for (a, b) in got.iter().zip(want.iter()) {
+                    assert!(
+                        (a - b).abs() <= 1e-6 * (1.0 + b.abs()),
+                        "step {step}: {got:?} {want:?}"
+                    );
+                }
+            }
+        }
     }
 }
