@@ -121,6 +121,43 @@ fn a_plan_needs_the_counting_allocator() {
     }
 }
 
+/// Gradients that are not finite under a finite loss (a head scaled by 1e20: the loss is
+/// large but finite, the gradients' squared norm overflows f32) stop the run in that step,
+/// before its checkpoint: none is written of weights the step made NaN or inf.
+#[test]
+fn gradients_that_overflow_stop_the_run_before_its_checkpoint() {
+    let _rng = hold_rng();
+    let device = Device::default().autodiff();
+    let mut model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+    model.lm_head.weight = model.lm_head.weight.map(|w| w * 1e20);
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().to_str().unwrap();
+    let flags = [
+        "--max-steps",
+        "3",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "1",
+    ];
+    let Err(e) = train(model, &mut task(8), &args(&flags), &device) else {
+        panic!("trained on overflowing gradients");
+    };
+    assert!(
+        matches!(
+            e,
+            TrainError::NonFinite {
+                quantity: "gradient norm",
+                step: 1,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let written: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert!(written.is_empty(), "{written:?}");
+}
+
 /// Without the counting allocator no memory figure is reported as measured: the summary's
 /// process peaks (its own, each rank's, the CPU device's, saving's) are absent (`null` in
 /// the JSON), not 0, and the closing lines say so.

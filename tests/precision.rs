@@ -101,7 +101,7 @@ fn sixteen_true_stops_on_nan_where_sixteen_mixed_trains() {
     let dir = tempfile::tempdir().unwrap();
     let sixteen_true = ["--precision", "16-true"];
     match run(&sixteen_true, 50, dir.path()) {
-        Err(e @ TrainError::NonFiniteLoss { .. }) => {
+        Err(e @ TrainError::NonFinite { .. }) => {
             let message = e.to_string();
             eprintln!("16-true: {message}");
             assert!(
@@ -126,7 +126,7 @@ fn sixteen_true_stops_on_nan_where_sixteen_mixed_trains() {
         "f16",
     ];
     match run(&[&sixteen_true[..], &reduced].concat(), 50, dir.path()) {
-        Err(e @ TrainError::NonFiniteLoss { .. }) => {
+        Err(e @ TrainError::NonFinite { .. }) => {
             let message = e.to_string();
             assert!(message.contains("--grad-reduce-dtype f16"), "{message}");
         }

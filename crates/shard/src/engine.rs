@@ -1143,7 +1143,7 @@ fn squares_summed(g: Tensor<1>) -> Tensor<1> {
 /// What gradients are multiplied by to clip them to a global L2 norm of `max_norm`, from
 /// their squared norm (`[1]`, on the device): 1 unless the norm is finite and above it. A
 /// non-finite norm is not clipped to zero gradients: the step takes it, and the runner stops
-/// on the loss it gives.
+/// on the norm it reports.
 fn clip_coefficient(sum_sq: Tensor<1>, max_norm: f64) -> Tensor<1> {
     let norm = sum_sq.sqrt();
     let clipped = norm

@@ -20,13 +20,16 @@ pub enum TrainError {
     #[error("invalid data: {0}")]
     InvalidData(String),
     #[error(
-        "loss became {loss} at step {step} under --precision {precision}; training stopped instead of continuing on NaN/inf ({}{})",
+        "{quantity} became {value} at step {step} under --precision {precision}; training stopped before anything of this step was saved, instead of continuing on NaN/inf ({}{})",
         non_finite_hint(precision),
         if *f16_reduce { "; gradients reduced in f16 (--grad-reduce-dtype f16) without a loss scaler overflow above 65504 and flush below 6e-8: reduce in bf16 or f32, or train 16-mixed" } else { "" }
     )]
-    NonFiniteLoss {
+    NonFinite {
+        /// What was not finite: the step's loss, or its gradients' norm (an update that
+        /// would write NaN/inf into the weights).
+        quantity: &'static str,
+        value: f64,
         step: usize,
-        loss: f64,
         precision: Precision,
         /// Whether gradients were reduced in f16 without 16-mixed's loss scaler.
         f16_reduce: bool,

@@ -451,21 +451,27 @@ fn run_rank<T: TrainTask>(
         let lr = schedule.next_lr();
         let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
         // The loss is read once the step is queued; with a loss scaler an overflow was a
-        // skipped step, without one training on NaN would only waste the run.
+        // skipped step, without one training on NaN would only waste the run. Non-finite
+        // gradients (the global norm, the same on every rank) were applied: the weights are
+        // NaN from here, so the run stops before this step's checkpoint or `--save`.
         let asked = args.stop.as_ref().is_some_and(StopFlag::requested);
         let (step_loss, step_items, step_flops, stop) =
             over_ranks(comm, outcome.loss, step_items, step_flops, asked)?;
-        if !step_loss.is_finite() && engine.loss_scale().is_none() {
-            return Err(TrainError::NonFiniteLoss {
+        let grad_norm = outcome.grad_norm;
+        let not_finite = [("loss", step_loss), ("gradient norm", grad_norm)]
+            .into_iter()
+            .find(|(_, value)| !value.is_finite());
+        if let (Some((quantity, value)), None) = (not_finite, engine.loss_scale()) {
+            return Err(TrainError::NonFinite {
+                quantity,
+                value,
                 step,
-                loss: step_loss,
                 precision: args.precision,
                 f16_reduce: args.grad_reduce_dtype == ReduceDtype::F16 && world > 1,
             });
         }
         transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
         device_peak.read();
-        let grad_norm = outcome.grad_norm;
         let step_s = step_start.elapsed().as_secs_f64();
         // Throughput counts steady-state steps: the first compiles and tunes kernels on a
         // GPU, and is reported apart (`warmup_s`); a one-step run has only that one.
