@@ -147,3 +147,43 @@ fn zero3_on_two_ranks_equals_single() {
     let (sharded, _) = run(&[&common[..], &sharded_flags[..]].concat());
     assert_same(&single, &sharded, "zero3");
 }
+
+/// Adafactor's state of the patch projection's `[d, 3, p, p]` kernel, whose column moment has
+/// a row per output channel (each rank's own under ZeRO), resumes at another world size: a
+/// zero2 x 2 run's step-2 checkpoint resumed on one device takes the uninterrupted run's
+/// steps 3 and 4 (saved as rank 0's rows alone, it broke the resumed step).
+#[test]
+fn an_adafactor_checkpoint_of_a_convolution_resumes_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().to_str().unwrap();
+    let common = [
+        "--optimizer",
+        "adafactor",
+        "--max-steps",
+        "4",
+        "--checkpoint-dir",
+        ckpt,
+        "--checkpoint-every",
+        "2",
+    ];
+    let sharded = ["--strategy", "zero2", "--devices", "2", "--batch-size", "4"];
+    let (_, uninterrupted) = run(&[&common[..], &sharded].concat());
+    std::fs::remove_dir_all(dir.path().join("step-00000004")).unwrap();
+    let (_, resumed) = run(&[&common[..], &["--batch-size", "8", "--resume"]].concat());
+    let steps = |summary: &RunSummary| -> Vec<(usize, f64, f64)> {
+        let history = summary.history.iter();
+        history.map(|m| (m.step, m.loss, m.grad_norm)).collect()
+    };
+    let (want, got) = (steps(&uninterrupted), steps(&resumed));
+    assert_eq!(got.iter().map(|s| s.0).collect::<Vec<_>>(), [3, 4]);
+    for ((step, loss, norm), (_, want_loss, want_norm)) in got.iter().zip(&want[2..]) {
+        // Each world size sums the batch in its own order: f32 rounding, not more.
+        for (what, got, want) in [("loss", loss, want_loss), ("norm", norm, want_norm)] {
+            let relative = (got - want).abs() / want.abs();
+            assert!(
+                relative < 1e-5,
+                "step {step}: {what} {got}, uninterrupted {want}"
+            );
+        }
+    }
+}

@@ -496,11 +496,12 @@ fn write_rank_file<M: BlockModel>(
 
 /// Whether an optimizer state tensor of `dims` is the same on every rank (Adafactor's column
 /// moment of a matrix, by its name: its one row is also a shard's when a rank owns one row;
-/// or any state with one row where its parameter has more) rather than its parameter's rows
+/// a higher tensor's has its parameter's rows, each its own; or any state with one row where
+/// its parameter has more) rather than its parameter's rows
 /// (or its shard's) along dim 0, sliced by rows; its other dims are its own (8-bit AdamW's
 /// absmax has one column per block of a row). Any other shape is an error.
 fn replicated(name: &str, dims: &[usize], slot: &Slot) -> Result<bool, TrainError> {
-    if name.ends_with(crate::adafactor::COLUMN_MOMENT) {
+    if name.ends_with(crate::adafactor::COLUMN_MOMENT) && slot.dims.len() == 2 {
         return Ok(true);
     }
     match dims.first() {
@@ -802,6 +803,15 @@ impl Checkpoint {
             self.mismatch(format!("`{}` is stored as {}", tensor.name, tensor.dtype))
         })?;
         if tensor.replicated {
+            // Only a one-row state is the same on every rank; burnscale before 2026-11-30
+            // wrote Adafactor's column moments of tensors above 2-D (each rank's own rows)
+            // as rank 0's alone.
+            if dims.first() != Some(&1) {
+                return Err(self.mismatch(format!(
+                    "`{}` of shape {dims:?} was saved as rank 0's rows alone (the other ranks' are missing): resume from a checkpoint written since, or start again",
+                    tensor.name
+                )));
+            }
             return self.replicated(tensor, dtype);
         }
         // Held in memory before its pieces are read: no more than the files hold (a meta.json
@@ -1278,6 +1288,15 @@ mod tests {
         assert!(!replicated("p.moment_1", &[1, 4], &slot).unwrap());
         assert!(!replicated("p.moment_1", &[2, 4], &slot).unwrap());
         assert!(replicated("p.moment_1", &[3, 4], &slot).is_err());
-        assert!(replicated(&column, &[1, 4], &slot.over(1)).unwrap());
+        assert!(replicated(&column, &[1, 4], &slot.clone().over(1)).unwrap());
+        // A convolution's `[out, in, k, k]` kernel: its column moment (`[out, in, 1, k]`, the
+        // mean over each of its rows' kernel rows) is each rank's own rows, one each here.
+        let kernel = Slot {
+            dims: vec![2, 3, 2, 2],
+            ..slot
+        }
+        .over(2);
+        assert!(!replicated(&column, &[1, 3, 1, 2], &kernel).unwrap());
+        assert!(!replicated(&column, &[2, 3, 1, 2], &kernel.over(1)).unwrap());
     }
 }
