@@ -359,11 +359,16 @@ pub(crate) fn naming_older(root: &Path, error: TrainError) -> TrainError {
     }
 }
 
+/// Whether `dir` is a checkpoint (it holds `meta.json`), whatever its name.
+pub(crate) fn is_checkpoint(dir: &Path) -> bool {
+    dir.join(META).is_file()
+}
+
 /// The step of the complete checkpoint at `path` (`step-N` holding `meta.json`).
 fn complete_step(path: &Path) -> Option<usize> {
     let name = path.file_name()?.to_str()?;
     let step = name.strip_prefix("step-")?.parse().ok()?;
-    path.join(META).is_file().then_some(step)
+    is_checkpoint(path).then_some(step)
 }
 
 /// This rank's file: the rows it owns of every parameter and optimizer state tensor. Returns

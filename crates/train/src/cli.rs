@@ -845,6 +845,17 @@ impl TrainArgs {
                 existing.display()
             ));
         }
+        // A checkpoint holds none: `--resume` would find none in it and start again there.
+        if let Some(dir) = &self.checkpoint_dir
+            && crate::checkpoint::is_checkpoint(dir)
+        {
+            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+            return invalid(format!(
+                "--checkpoint-dir {} is a checkpoint, not a directory of them: give the one that holds it, {} (--resume goes on from the newest there)",
+                dir.display(),
+                parent.unwrap_or(std::path::Path::new("..")).display()
+            ));
+        }
         // A new run beside an earlier run's checkpoints would mix with them: `--resume` would
         // take the newest of either, and `--keep-checkpoints` prunes by step, its own first.
         if let Some(dir) = self.checkpoint_dir.as_ref().filter(|_| !self.resume)
@@ -1362,6 +1373,14 @@ mod tests {
             .unwrap()
             .validate()
             .unwrap();
+        // The checkpoint itself, given for the directory: refused, naming that directory.
+        let inside = ["--checkpoint-dir", step.to_str().unwrap(), "--resume"];
+        let err = refused(&inside);
+        let named = format!(
+            "is a checkpoint, not a directory of them: give the one that holds it, {}",
+            dir.display()
+        );
+        assert!(err.contains(&named), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
