@@ -198,6 +198,32 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
     }
 }
 
+/// A run resumed with other schedule or optimizer settings follows its own and names those
+/// that differ from the checkpoint's run (in its summary, as on stderr); resumed as it ran,
+/// none.
+#[test]
+fn a_resumed_run_names_the_settings_it_changed() {
+    let dir = scratch("changed-flags");
+    run(&dir, "single", 1, 0.0, &[]).unwrap();
+    let changed = |flags: &[&str]| {
+        keep_only(&dir, 6);
+        let resumed = [flags, &["--resume"]].concat();
+        let (_, summary) = run(&dir, "single", 1, 0.0, &resumed).unwrap();
+        summary.checkpoints.unwrap().changed_flags
+    };
+    assert_eq!(changed(&[]), Vec::<String>::new());
+    let other = ["--lr", "2e-2", "--weight-decay", "0.05", "--beta2", "0.99"];
+    assert_eq!(
+        changed(&other),
+        [
+            "--lr 0.01, this run 0.02",
+            "--beta2 0.95, this run 0.99",
+            "--weight-decay 0.1, this run 0.05"
+        ]
+    );
+    fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_checkpoint_resumes_at_another_world_size_and_strategy() {
     resharded(&[]);

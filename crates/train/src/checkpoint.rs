@@ -93,6 +93,9 @@ pub struct Meta {
     /// The flags that made the learning-rate schedule, with their values.
     #[serde(default)]
     pub schedule: BTreeMap<String, String>,
+    /// The settings the optimizer stepped with ([`crate::optim::optimizer_flags`]).
+    #[serde(default)]
+    pub optimizer_flags: BTreeMap<String, String>,
     pub loss_scaler: Option<LossScaler>,
     /// Each rank's dropout stream: (seed, calls drawn).
     pub dropout: Vec<(u64, u64)>,
@@ -219,6 +222,7 @@ pub fn save<M: BlockModel>(
                 seed: args.seed,
                 model_config: args.model_config.clone(),
                 schedule: LrSchedule::flags(args),
+                optimizer_flags: crate::optim::optimizer_flags(args),
                 loss_scaler: engine.scaler().cloned(),
                 dropout: all.iter().map(|r| (r[2], r[3])).collect(),
                 params: engine
@@ -1056,8 +1060,11 @@ pub struct Resumed {
     pub dir: PathBuf,
     pub step: usize,
     /// How this run's learning-rate schedule differs from the one the checkpoint's run
-    /// followed (this run's is followed from here), if it does.
-    pub schedule_changes: Option<String>,
+    /// followed (this run's is followed from here), as `--lr 0.01, this run 0.02`.
+    pub schedule_changes: Vec<String>,
+    /// How this run's optimizer settings differ from those the checkpoint's run stepped with
+    /// (its state goes on under this run's).
+    pub optimizer_changes: Vec<String>,
 }
 
 /// Each field of a model configuration that differs between the checkpoint's and the run's
@@ -1229,22 +1236,25 @@ pub fn restore<T: TrainTask>(
     {
         dropout::rewind(dropout::StreamPosition(seed, calls));
     }
-    // A schedule the checkpoint did not record (an older program's) is not compared, nor a
-    // flag this run's schedule does not read (--schedule itself says a change of kind).
-    let ours = LrSchedule::flags(args);
-    let changes: Vec<String> = meta
-        .schedule
+    Ok(Resumed {
+        dir: ckpt.dir,
+        step: meta.step,
+        schedule_changes: changes(&meta.schedule, &LrSchedule::flags(args)),
+        optimizer_changes: changes(&meta.optimizer_flags, &crate::optim::optimizer_flags(args)),
+    })
+}
+
+/// Each flag of `saved` whose value `ours` has otherwise, as `--lr 0.01, this run 0.02`. A
+/// flag the checkpoint did not record (an older program's) is not compared, nor one this run
+/// does not read (`--schedule` or `--optimizer` itself says a change of kind).
+fn changes(saved: &BTreeMap<String, String>, ours: &BTreeMap<String, String>) -> Vec<String> {
+    saved
         .iter()
         .filter_map(|(flag, saved)| {
             let now = ours.get(flag)?;
             (saved != now).then(|| format!("{flag} {saved}, this run {now}"))
         })
-        .collect();
-    Ok(Resumed {
-        dir: ckpt.dir,
-        step: meta.step,
-        schedule_changes: (!changes.is_empty()).then(|| changes.join(", ")),
-    })
+        .collect()
 }
 
 /// `data` (any shape) as a flat tensor on `device`, in its dtype.

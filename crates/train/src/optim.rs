@@ -828,6 +828,44 @@ impl LrSchedule {
     }
 }
 
+/// The settings the optimizer steps with (`args.optimizer`'s, each with its value, defaults
+/// resolved): what a checkpoint records beside the schedule's flags, so that a resumed run
+/// whose optimizer is set otherwise says so.
+pub fn optimizer_flags(args: &TrainArgs) -> BTreeMap<String, String> {
+    let mut flags = BTreeMap::from([
+        ("--weight-decay".to_string(), args.weight_decay.to_string()),
+        ("--grad-clip".to_string(), args.grad_clip.to_string()),
+    ]);
+    let mut set = |flag: &str, value: String| flags.insert(flag.to_string(), value);
+    match args.optimizer {
+        OptimizerKind::Adamw | OptimizerKind::Adam | OptimizerKind::Adam8bit => {
+            let adam = args.adam();
+            set("--beta1", adam.beta1.to_string());
+            set("--beta2", adam.beta2.to_string());
+            set("--adam-epsilon", adam.epsilon.to_string());
+        }
+        OptimizerKind::Sgd => {
+            set("--momentum", args.sgd_momentum().to_string());
+        }
+        OptimizerKind::Adafactor => {
+            set("--beta1", format!("{:?}", args.beta1));
+            set(
+                "--adafactor-relative-step",
+                args.adafactor_relative_step.to_string(),
+            );
+        }
+    }
+    if args.optimizer == OptimizerKind::Adam8bit {
+        let min = args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE);
+        set("--min-8bit-size", min.to_string());
+        set(
+            "--embedding-state-32bit",
+            args.embedding_state_32bit.to_string(),
+        );
+    }
+    flags
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

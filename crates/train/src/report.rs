@@ -217,6 +217,10 @@ pub struct RunSummary {
 pub struct CheckpointReport {
     /// The step the run resumed from (`--resume`), and the seconds loading took.
     pub resumed_from: Option<usize>,
+    /// The schedule's and the optimizer's flags this run set otherwise than the checkpoint's
+    /// run, as `--lr 0.01, this run 0.02` (this run's are followed from the checkpoint on).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub changed_flags: Vec<String>,
     pub load_s: f64,
     pub saves: usize,
     /// Bytes of the last checkpoint, over all ranks' files.

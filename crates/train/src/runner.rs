@@ -85,7 +85,9 @@ pub trait TrainTask: Clone + Send + Sync {
     type Model: BlockModel + Send + Sync;
 
     /// This rank's part of the next global training micro-batch: `--batch-size` sequences
-    /// (fewer for a short last batch; more, or none, is refused).
+    /// (fewer for a short last batch; more, or none, is refused). A short batch's loss counts
+    /// for its items where the model counts them ([`BlockModel::loss_items`]); else, its
+    /// mean counts as a full batch's, as each rank's does under PyTorch's DDP.
     fn next_batch(&mut self, device: &Device, part: BatchPart) -> Batch<Self::Model>;
     /// Items (tokens or samples) in a micro-batch, for throughput.
     fn items(&self, input: &<Self::Model as BlockModel>::Input) -> usize;
@@ -399,6 +401,11 @@ fn run_rank<T: TrainTask>(
                 .map_err(|e| checkpoint::naming_older(dir, e))?;
                 first_step = resumed.step + 1;
                 checkpoints.resumed_from = Some(resumed.step);
+                checkpoints.changed_flags = [
+                    &resumed.schedule_changes[..],
+                    &resumed.optimizer_changes[..],
+                ]
+                .concat();
                 checkpoints.load_s = loading.elapsed().as_secs_f64();
                 // Said once every rank has restored its part.
                 comm.barrier()?;
@@ -408,9 +415,16 @@ fn run_rank<T: TrainTask>(
                         resumed.dir.display(),
                         resumed.step
                     );
-                    if let Some(changes) = &resumed.schedule_changes {
+                    if !resumed.schedule_changes.is_empty() {
                         eprintln!(
-                            "note: the learning-rate schedule is not the one the checkpoint's run followed ({changes}): steps from {first_step} follow this run's"
+                            "note: the learning-rate schedule is not the one the checkpoint's run followed ({}): steps from {first_step} follow this run's",
+                            resumed.schedule_changes.join(", ")
+                        );
+                    }
+                    if !resumed.optimizer_changes.is_empty() {
+                        eprintln!(
+                            "note: the optimizer is not set as the checkpoint's run's was ({}): its state steps on under this run's settings (a moment the checkpoint lacks starts afresh; one this run keeps none of is dropped)",
+                            resumed.optimizer_changes.join(", ")
                         );
                     }
                 }
@@ -829,8 +843,8 @@ fn save<M: BlockModel>(
 }
 
 /// A batch of `rows` sequences (images), with `batch_size` the run's micro-batch per rank
-/// for a training batch: at most that many (fewer for a short last batch, whose loss counts
-/// for its items); a task built for more would train on batches the run does not record (a
+/// for a training batch: at most that many (fewer for a short last batch, see
+/// [`TrainTask::next_batch`]); a task built for more would train on batches the run does not record (a
 /// checkpoint's global batch is the world times `--batch-size`), and an empty one cannot run
 /// (a product of no rows ends some kernels' processes).
 pub(crate) fn check_rows(rows: usize, batch_size: Option<usize>) -> Result<(), TrainError> {
