@@ -99,30 +99,6 @@ fn a_model_that_tracks_no_gradients_is_refused() {
     assert!(e.to_string().contains("does not track gradients"), "{e}");
 }
 
-/// A model with frozen parameters (initialised, as a loaded model's are, then set to track
-/// no gradient) is refused naming them: the engine regathered them as trainable under some
-/// strategies and world sizes (zero3 on one rank, every strategy on two), and stepped them
-/// there.
-#[test]
-fn frozen_parameters_are_refused_naming_them() {
-    let _rng = hold_rng();
-    let device = Device::default().autodiff();
-    for strategy in ["single", "zero3"] {
-        let mut model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
-        burnscale::shard::params::materialize(&model);
-        model.wpe = model.wpe.no_grad();
-        let args = args(&["--max-steps", "1", "--strategy", strategy]);
-        let Err(e) = train(model, &mut task(8), &args, &device) else {
-            panic!("{strategy}: trained a model with frozen parameters");
-        };
-        assert!(
-            e.to_string()
-                .starts_with("`wpe.weight` track no gradient (frozen)"),
-            "{strategy}: {e}"
-        );
-    }
-}
-
 /// Without the counting allocator (this test binary installs none) a plan would read 0 for
 /// every term: `--plan` and `--memory-budget` are refused, naming what to install.
 #[test]

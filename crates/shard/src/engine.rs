@@ -113,7 +113,6 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 });
             }
         }
-        params::check_trainable(&model)?;
         let buckets = layout::buckets(&slots, BUCKET_ELEMS)
             .into_iter()
             .map(|range| range.collect())

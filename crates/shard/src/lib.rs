@@ -135,8 +135,4 @@ pub enum ShardError {
         "`{second}` is the same parameter as `{first}` (tied weights): the engine shards, reduces and steps a parameter once for each place it appears, which would lose part of its gradient and untie it after one step; give each place a parameter of its own"
     )]
     SharedParameter { first: String, second: String },
-    #[error(
-        "{0} track no gradient (frozen): the engine trains every parameter of the model, so it would step them under some strategies and world sizes and not under others; unfreeze them, or keep them out of the model"
-    )]
-    Frozen(String),
 }

@@ -10,7 +10,6 @@ use burn::prelude::*;
 use burn::tensor::DType as TensorDType;
 use burnscale_nn::autodiff_on;
 
-use crate::ShardError;
 use crate::layout::Slot;
 
 /// Flat values (parameters or gradients) by parameter id.
@@ -244,40 +243,6 @@ pub fn materialize<M: Module>(module: &M) {
         }
     }
     module.visit(&mut Touch);
-}
-
-/// `Ok` unless `module` has frozen parameters (see [`frozen`]), which the engine cannot train
-/// as asked: it trains every parameter.
-pub fn check_trainable<M: Module>(module: &M) -> Result<(), ShardError> {
-    let frozen = frozen(module);
-    if frozen.is_empty() {
-        return Ok(());
-    }
-    let paths = crate::layout::slots(module, 1)
-        .into_iter()
-        .filter(|slot| frozen.contains(&slot.id))
-        .map(|slot| format!("`{}`", slot.path));
-    Err(ShardError::Frozen(paths.collect::<Vec<_>>().join(", ")))
-}
-
-/// The ids of `module`'s frozen parameters: initialised on an autodiff device but set to
-/// track no gradient (`Module::no_grad`, `Param::set_require_grad(false)`). A lazy parameter
-/// is not initialised to ask.
-fn frozen<M: Module>(module: &M) -> Vec<ParamId> {
-    struct Frozen(Vec<ParamId>);
-    impl ModuleVisitor for Frozen {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.is_initialized() {
-                let value = param.val();
-                if value.is_autodiff() && !value.is_require_grad() {
-                    self.0.push(param.id);
-                }
-            }
-        }
-    }
-    let mut frozen = Frozen(Vec::new());
-    module.visit(&mut frozen);
-    frozen.0
 }
 
 /// The parameter ids of `module`, in visit order.

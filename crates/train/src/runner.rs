@@ -194,8 +194,6 @@ pub fn train<T: TrainTask>(
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
-    // Before the model is prepared for its ranks, which may leave autodiff.
-    burnscale_shard::params::check_trainable(&model)?;
     optim::check_flags_act_on(&model, args)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
@@ -274,8 +272,6 @@ pub fn train_on<T: TrainTask>(
     }
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
-    // Before the model is prepared for its ranks, which may leave autodiff.
-    burnscale_shard::params::check_trainable(&model)?;
     optim::check_flags_act_on(&model, args)?;
     train_rank(comm, model, task, args, device, Planned::default())
 }
