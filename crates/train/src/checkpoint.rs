@@ -812,16 +812,28 @@ impl Checkpoint {
             self.mismatch(format!("`{}` is stored as {}", tensor.name, tensor.dtype))
         })?;
         if tensor.replicated {
-            // Only a one-row state is the same on every rank; burnscale before 2026-11-30
-            // wrote Adafactor's column moments of tensors above 2-D (each rank's own rows)
-            // as rank 0's alone.
-            if dims.first() != Some(&1) {
+            let whole = self.replicated(tensor, dtype)?;
+            if dims.first() == Some(&1) {
+                return Ok(whole);
+            }
+            // Only a one-row state is the same on every rank. burnscale before 2026-11-30 wrote
+            // Adafactor's column moments of tensors above 2-D (each rank's own rows) as rank
+            // 0's alone: its rows are read from it, whole where rank 0 held them all (one
+            // rank, ddp), and rows it lacks are refused.
+            if from + count > dims[0] {
                 return Err(self.mismatch(format!(
-                    "`{}` of shape {dims:?} was saved as rank 0's rows alone (the other ranks' are missing): resume from a checkpoint written since, or start again",
-                    tensor.name
+                    "`{}` holds rows 0..{} alone (rank 0's: the other ranks' were not saved), where this rank reads rows {from}..{}: resume at the world size and strategy that saved it, or from a checkpoint written since",
+                    tensor.name,
+                    dims[0],
+                    from + count
                 )));
             }
-            return self.replicated(tensor, dtype);
+            let row = whole.as_bytes().len() / dims[0];
+            let mut bytes = whole.as_bytes()[from * row..(from + count) * row].to_vec();
+            bytes.resize(pad_to.max(count) * row, 0);
+            let mut shape = dims.clone();
+            shape[0] = pad_to.max(count);
+            return Ok(TensorData::from_bytes_vec(bytes, shape, dtype));
         }
         // Held in memory before its pieces are read: no more than the files hold (a meta.json
         // edited by hand could ask for any size; a file that cannot be read is named when it

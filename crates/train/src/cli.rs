@@ -326,11 +326,12 @@ pub struct TrainArgs {
     pub model_config: Option<serde_json::Value>,
 }
 
-/// A finite number of seconds, at least a millisecond.
+/// `duration` as its number of seconds, as `--collective-timeout` reads it.
 fn seconds<S: serde::Serializer>(duration: &Duration, to: S) -> Result<S::Ok, S::Error> {
     to.serialize_f64(duration.as_secs_f64())
 }
 
+/// A finite number of seconds, at least a millisecond.
 fn parse_seconds(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text
         .trim()
@@ -849,11 +850,16 @@ impl TrainArgs {
         if let Some(dir) = &self.checkpoint_dir
             && crate::checkpoint::is_checkpoint(dir)
         {
-            let parent = dir.parent().filter(|p| !p.as_os_str().is_empty());
+            // `step-N` is held by `.`, and `.` (or `dir/.`) by its parent.
+            let holder = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.parent().map(std::path::Path::to_path_buf));
+            let holder = holder.unwrap_or_else(|| dir.join(".."));
             return invalid(format!(
                 "--checkpoint-dir {} is a checkpoint, not a directory of them: give the one that holds it, {} (--resume goes on from the newest there)",
                 dir.display(),
-                parent.unwrap_or(std::path::Path::new("..")).display()
+                holder.display()
             ));
         }
         // A new run beside an earlier run's checkpoints would mix with them: `--resume` would
@@ -1376,9 +1382,10 @@ mod tests {
         // The checkpoint itself, given for the directory: refused, naming that directory.
         let inside = ["--checkpoint-dir", step.to_str().unwrap(), "--resume"];
         let err = refused(&inside);
+        let holder = dir.canonicalize().unwrap();
         let named = format!(
             "is a checkpoint, not a directory of them: give the one that holds it, {}",
-            dir.display()
+            holder.display()
         );
         assert!(err.contains(&named), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();

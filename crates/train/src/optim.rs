@@ -848,7 +848,8 @@ pub fn optimizer_flags(args: &TrainArgs) -> BTreeMap<String, String> {
             set("--momentum", args.sgd_momentum().to_string());
         }
         OptimizerKind::Adafactor => {
-            set("--beta1", format!("{:?}", args.beta1));
+            let beta1 = args.beta1.map_or("none".to_string(), |b| b.to_string());
+            set("--beta1", beta1);
             set(
                 "--adafactor-relative-step",
                 args.adafactor_relative_step.to_string(),

@@ -465,9 +465,10 @@ fn run_rank<T: TrainTask>(
         let lr = schedule.next_lr();
         let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
         // The loss is read once the step is queued; with a loss scaler an overflow was a
-        // skipped step, without one training on NaN would only waste the run. Non-finite
-        // gradients (the global norm, the same on every rank) were applied: the weights are
-        // NaN from here, so the run stops before this step's checkpoint or `--save`.
+        // skipped step, without one training on NaN would only waste the run. A non-finite
+        // gradient norm (global, the same on every rank; its f32 sum of squares passes
+        // f32's range from a norm of ~1.8e19) was applied unclipped: the run stops before
+        // this step's checkpoint or `--save` keeps what it made of the weights.
         let asked = args.stop.as_ref().is_some_and(StopFlag::requested);
         let (step_loss, step_items, step_flops, stop) =
             over_ranks(comm, outcome.loss, step_items, step_flops, asked)?;
