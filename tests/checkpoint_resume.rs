@@ -198,6 +198,26 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
     }
 }
 
+/// Resumed at another world size, a rank goes on with the dropout stream of the checkpoint's
+/// rank of its number rather than drawing that stream's first masks again: a zero2 x 2 run's
+/// step-3 checkpoint resumed on one rank has drawn twice as many keys by step 6.
+#[test]
+fn a_rank_resumed_at_another_world_size_draws_new_dropout_masks() {
+    let dir = scratch("dropout-reshard");
+    run(&dir, "zero2", 2, 0.1, &[]).unwrap();
+    keep_only(&dir, 3);
+    let calls = |step: usize| {
+        let meta = fs::read_to_string(dir.join(format!("step-{step:08}/meta.json"))).unwrap();
+        let meta: serde_json::Value = serde_json::from_str(&meta).unwrap();
+        meta["dropout"][0][1].as_u64().unwrap()
+    };
+    let saved = calls(3);
+    run(&dir, "single", 1, 0.1, &["--resume"]).unwrap();
+    assert!(saved > 0);
+    assert_eq!(calls(6), 2 * saved);
+    fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A run resumed with other schedule or optimizer settings follows its own and names those
 /// that differ from the checkpoint's run (in its summary, as on stderr); resumed as it ran,
 /// none.

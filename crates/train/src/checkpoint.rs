@@ -1242,10 +1242,11 @@ pub fn restore<T: TrainTask>(
         schedule.next_lr();
     }
     task.skip(meta.micro_batches, device, BatchPart { rank, world });
-    // Another world size draws other masks anyway (each rank has its own stream).
-    if meta.world_size == world
-        && let Some(&(seed, calls)) = meta.dropout.get(rank)
-    {
+    // A rank's stream is seeded by its rank alone: at any world size rank r goes on with the
+    // stream of the checkpoint's rank r, drawing no mask that run drew (at another world
+    // size the masks are others than the uninterrupted run's anyway); a rank the
+    // checkpoint's run did not have starts its own.
+    if let Some(&(seed, calls)) = meta.dropout.get(rank) {
         dropout::rewind(dropout::StreamPosition(seed, calls));
     }
     Ok(Resumed {
