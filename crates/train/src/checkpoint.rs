@@ -251,8 +251,18 @@ pub fn save<M: BlockModel>(
                     })
                     .collect(),
             };
+            // Once it is complete, what cannot be removed of older ones (a file a reader
+            // holds open on NFS) is said, and training goes on.
+            let pruned = |()| {
+                if let Err(e) = prune(root, args.keep_checkpoints) {
+                    eprintln!(
+                        "warning: checkpoint {} is complete, but clearing older ones failed ({e}): training goes on",
+                        done.display()
+                    );
+                }
+            };
             complete(&partial, &done, &meta)
-                .and_then(|()| prune(root, args.keep_checkpoints))
+                .map(pruned)
                 .map_err(TrainError::from)
         }
         _ => Ok(()),
@@ -301,25 +311,29 @@ fn complete(partial: &Path, done: &Path, meta: &Meta) -> Result<(), CheckpointEr
 }
 
 /// Removes all but the newest `keep` complete checkpoints under `root`, and what interrupted
-/// saves left there.
+/// saves left there: all it can, returning the first failure.
 fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
+    let mut failed = Ok(());
     for entry in fs::read_dir(root).map_err(io_error(root))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         if name.starts_with(".step-") && name.ends_with(".partial") {
             let path = entry.path();
-            match path.is_dir() {
+            let removed = match path.is_dir() {
                 true => fs::remove_dir_all(&path),
                 false => fs::remove_file(&path),
-            }
-            .map_err(io_error(&path))?;
+            };
+            failed = failed.and(removed.map_err(io_error(&path)));
         }
     }
     let complete = complete_checkpoints(root)?;
     let excess = complete.len().saturating_sub(keep.unwrap_or(usize::MAX));
     for (_, path) in complete.into_iter().take(excess) {
-        fs::remove_dir_all(&path).map_err(io_error(&path))?;
+        // `meta.json` first: a checkpoint removed in part is no longer one, and one whose
+        // `meta.json` stays is whole.
+        let removed = fs::remove_file(path.join(META)).and_then(|()| fs::remove_dir_all(&path));
+        failed = failed.and(removed.map_err(io_error(&path)));
     }
-    Ok(())
+    failed
 }
 
 /// The step and directory of the newest complete checkpoint under `root`, if any.
