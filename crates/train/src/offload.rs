@@ -35,14 +35,23 @@ pub struct DiskStates {
 /// The file in each run's directory that the run holds an exclusive lock on while it lives.
 const LOCK: &str = ".burnscale.lock";
 
-/// `--offload-dir` when the run made it: removed when dropped, if nothing is left there.
-struct MadeRoot(Option<PathBuf>);
+/// `--offload-dir`, which the rank that finds it missing makes and marks with [`MADE`]: the
+/// last rank to leave a marked root with nothing else in it removes it (whichever rank that
+/// is, thread or process).
+struct MadeRoot(PathBuf);
+
+/// The file that says a run made its `--offload-dir`.
+const MADE: &str = ".burnscale-made";
 
 impl Drop for MadeRoot {
     fn drop(&mut self) {
-        if let Some(root) = &self.0 {
-            // Fails, as it should, while another rank's directory is still there.
-            let _ = fs::remove_dir(root);
+        let only_marked = fs::read_dir(&self.0).is_ok_and(|entries| {
+            let names: Vec<_> = entries.flatten().map(|e| e.file_name()).collect();
+            names.len() == 1 && names[0] == MADE
+        });
+        if only_marked {
+            // Fails, as it should, if another rank's directory came meanwhile.
+            let _ = fs::remove_file(self.0.join(MADE)).and_then(|()| fs::remove_dir(&self.0));
         }
     }
 }
@@ -71,8 +80,12 @@ impl DiskStates {
             path: root.to_path_buf(),
             source,
         };
-        let made_root = MadeRoot((!root.exists()).then(|| root.to_path_buf()));
-        fs::create_dir_all(root).map_err(io)?;
+        if !root.exists() {
+            fs::create_dir_all(root)
+                .and_then(|()| fs::write(root.join(MADE), []))
+                .map_err(io)?;
+        }
+        let made_root = MadeRoot(root.to_path_buf());
         let host = host_name();
         if let Some(host) = &host {
             remove_dead_runs(root, host);
@@ -355,7 +368,29 @@ mod tests {
         drop((live, next));
         fs::remove_dir(&other).unwrap();
         fs::remove_dir_all(&elsewhere).unwrap();
+        fs::remove_file(root.join(MADE)).unwrap();
         fs::remove_dir(&root).unwrap();
+    }
+
+    /// Two ranks of a run that made `--offload-dir`: whichever leaves last removes it, the
+    /// rank that made it leaving first or not.
+    #[test]
+    fn the_last_rank_to_leave_removes_the_directory_the_run_made() {
+        for first in [0, 1] {
+            let root =
+                std::env::temp_dir().join(format!("burnscale-made-{}-{first}", std::process::id()));
+            let mut ranks = vec![
+                Some(DiskStates::create(&root, 0).unwrap()),
+                Some(DiskStates::create(&root, 1).unwrap()),
+            ];
+            drop(ranks[first].take());
+            assert!(
+                root.exists(),
+                "rank {first} left first: the other's files stay"
+            );
+            ranks.clear();
+            assert!(!root.exists(), "rank {first} left first");
+        }
     }
 
     /// SGD without momentum keeps no tensor: no file is written (or synced) at each step.
