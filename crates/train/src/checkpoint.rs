@@ -836,7 +836,7 @@ impl Checkpoint {
             // rank, ddp), and rows it lacks are refused.
             if from + count > dims[0] {
                 return Err(self.mismatch(format!(
-                    "`{}` holds rows 0..{} alone (rank 0's: the other ranks' were not saved), where this rank reads rows {from}..{}: resume at the world size and strategy that saved it, or from a checkpoint written since",
+                    "`{}` holds rows 0..{} alone (rank 0's: the other ranks' were not saved), where this rank reads rows {from}..{}: resume from a checkpoint written since, or start again",
                     tensor.name,
                     dims[0],
                     from + count
