@@ -93,7 +93,8 @@ pub struct Meta {
     /// The flags that made the learning-rate schedule, with their values.
     #[serde(default)]
     pub schedule: BTreeMap<String, String>,
-    /// The settings the optimizer stepped with ([`crate::optim::optimizer_flags`]).
+    /// The settings the optimizer stepped with, as flags with their values (`--weight-decay`,
+    /// `--grad-clip`, and those of the optimizer in use).
     #[serde(default)]
     pub optimizer_flags: BTreeMap<String, String>,
     pub loss_scaler: Option<LossScaler>,
