@@ -20,7 +20,7 @@ use burnscale::train::{
     Batch, BatchPart, OnStep, RunSummary, Score, StepMetrics, StopFlag, TrainArgs, TrainError,
     TrainTask, train,
 };
-use common::seeded_model;
+use common::{assert_steps_close, seeded_model, steps};
 
 /// A directory of the test's own, empty.
 fn scratch(name: &str) -> PathBuf {
@@ -91,14 +91,6 @@ fn run_task<T: TrainTask<Model = Gpt>>(
 
 fn model_device() -> burn::prelude::Device {
     burn::prelude::Device::default().autodiff()
-}
-
-fn steps(summary: &RunSummary) -> Vec<(usize, f64, f64)> {
-    summary
-        .history
-        .iter()
-        .map(|m| (m.step, m.loss, m.grad_norm))
-        .collect()
 }
 
 /// Leaves only the checkpoint of `step` in `dir`.
@@ -286,17 +278,7 @@ fn resharded(flags: &[&str]) {
         .copied()
         .collect();
     assert_eq!(got.len(), 6);
-    for ((step, loss, norm), (want_step, want_loss, want_norm)) in got.iter().zip(&expected[3..]) {
-        assert_eq!(step, want_step);
-        // Each world size sums the batch in its own order: f32 rounding, not more.
-        for (what, got, want) in [("loss", loss, want_loss), ("norm", norm, want_norm)] {
-            let relative = (got - want).abs() / want.abs();
-            assert!(
-                relative < 1e-5,
-                "step {step}: {what} {got}, uninterrupted {want}"
-            );
-        }
-    }
+    assert_steps_close(&got, &expected[3..]);
     let (got, want) = (weights::collect(&single_model), weights::collect(&whole));
     for (path, w) in &want {
         // The attention key bias's gradient is float noise, which Adafactor normalises into

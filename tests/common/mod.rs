@@ -150,3 +150,29 @@ impl burnscale::train::TrainTask for EmptyValidation {
         self.0.score(logits, target)
     }
 }
+
+/// Each step of a run's history: its number, loss and gradient norm.
+pub fn steps(summary: &burnscale::train::RunSummary) -> Vec<(usize, f64, f64)> {
+    summary
+        .history
+        .iter()
+        .map(|m| (m.step, m.loss, m.grad_norm))
+        .collect()
+}
+
+/// `got` takes the steps `want` took (as [`steps`] gives them), at another world size: the
+/// same steps, each loss and gradient norm within 1e-5 relative of the uninterrupted run's.
+pub fn assert_steps_close(got: &[(usize, f64, f64)], want: &[(usize, f64, f64)]) {
+    assert_eq!(got.len(), want.len());
+    for ((step, loss, norm), (want_step, want_loss, want_norm)) in got.iter().zip(want) {
+        assert_eq!(step, want_step);
+        // Each world size sums the batch in its own order: f32 rounding, not more.
+        for (what, got, want) in [("loss", loss, want_loss), ("norm", norm, want_norm)] {
+            let relative = (got - want).abs() / want.abs();
+            assert!(
+                relative < 1e-5,
+                "step {step}: {what} {got}, uninterrupted {want}"
+            );
+        }
+    }
+}

@@ -378,6 +378,23 @@ pub(crate) fn naming_older(root: &Path, error: TrainError) -> TrainError {
     }
 }
 
+/// `bytes`, `count` rows of `row` bytes each of a tensor of `dims`, as `pad_to` rows (or
+/// `count`, if more), those past `count` zero (a shard's padding).
+fn padded(
+    mut bytes: Vec<u8>,
+    row: usize,
+    count: usize,
+    pad_to: usize,
+    dims: &[usize],
+    dtype: TensorDType,
+) -> TensorData {
+    let rows = pad_to.max(count);
+    bytes.resize(rows * row, 0);
+    let mut shape = dims.to_vec();
+    shape[0] = rows;
+    TensorData::from_bytes_vec(bytes, shape, dtype)
+}
+
 /// Whether `dir` is a checkpoint (it holds `meta.json`), whatever its name.
 pub(crate) fn is_checkpoint(dir: &Path) -> bool {
     dir.join(META).is_file()
@@ -844,11 +861,8 @@ impl Checkpoint {
                 )));
             }
             let row = whole.as_bytes().len() / dims[0];
-            let mut bytes = whole.as_bytes()[from * row..(from + count) * row].to_vec();
-            bytes.resize(pad_to.max(count) * row, 0);
-            let mut shape = dims.clone();
-            shape[0] = pad_to.max(count);
-            return Ok(TensorData::from_bytes_vec(bytes, shape, dtype));
+            let bytes = whole.as_bytes()[from * row..(from + count) * row].to_vec();
+            return Ok(padded(bytes, row, count, pad_to, dims, dtype));
         }
         // Held in memory before its pieces are read: no more than the files hold (a meta.json
         // edited by hand could ask for any size; a file that cannot be read is named when it
@@ -884,10 +898,7 @@ impl Checkpoint {
             let data = self.file(r)?.tensor(&key, dtype, real * row, path, what)?;
             bytes.extend_from_slice(&data[(lo - start) * row..(hi - start) * row]);
         }
-        bytes.resize(pad_to.max(count) * row, 0);
-        let mut shape = dims.clone();
-        shape[0] = pad_to.max(count);
-        Ok(TensorData::from_bytes_vec(bytes, shape, dtype))
+        Ok(padded(bytes, row, count, pad_to, dims, dtype))
     }
 
     /// A replicated optimizer state tensor, whole, from rank 0's file.
