@@ -92,6 +92,39 @@ fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
     );
 }
 
+/// A run resumed under `auto` continues in its checkpoint's precision, the one `--resume`
+/// accepts, whatever its own `--precision` (auto's first candidate otherwise), and says so.
+#[test]
+fn auto_resumes_in_the_checkpoints_precision() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path().to_str().unwrap();
+    let saving = ["--checkpoint-dir", dir, "--checkpoint-every", "1"];
+    run(&[
+        &saving[..],
+        &["--precision", "bf16-mixed", "--max-steps", "1"],
+    ]
+    .concat())
+    .unwrap();
+
+    let resumed = run(&[
+        &saving[..],
+        &["--resume", "--strategy", "auto", "--memory-budget", "64GiB"],
+    ]
+    .concat())
+    .unwrap();
+    assert_eq!(resumed.checkpoints.as_ref().unwrap().resumed_from, Some(1));
+    let choice = resumed.auto.as_ref().unwrap();
+    assert_eq!(
+        choice.chosen.flags,
+        "--strategy single --precision bf16-mixed"
+    );
+    assert_eq!(
+        choice.unused,
+        ["--precision 32-true (the checkpoint --resume continues is bf16-mixed)"]
+    );
+}
+
 /// A thread's first matmul leaves buffers the backend keeps for good (gemm's packing
 /// buffers, the thread's own); the probe counts them once, outside the model, not as what
 /// the first block it measures keeps (which the plan multiplies by the depth).

@@ -13,13 +13,16 @@
 //! with activation checkpointing (a second forward per block), then all of them again with
 //! the optimizer state on disk when `--offload-dir` names a place for it. The
 //! precision given stays unless nothing fits in it: it changes what the model learns, so
-//! bf16-mixed, then bf16-true, are tried only after every other candidate.
+//! bf16-mixed, then bf16-true, are tried only after every other candidate. A run resumed
+//! from a checkpoint weighs the checkpoint's precision alone, which it must continue in.
 
 use burn::prelude::*;
 use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
+use clap::ValueEnum;
 use serde::Serialize;
 
 use crate::accelerator::Accelerator;
+use crate::checkpoint::Checkpoint;
 use crate::cli::{Offload, Strategy, TrainArgs, value_name};
 use crate::memory::{self, human_bytes};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
@@ -290,6 +293,16 @@ fn unused_by(chosen: &TrainArgs, given: &TrainArgs) -> Vec<String> {
     .into_iter()
     .filter(|&(_, unused)| unused)
     .map(|(flag, _)| flag.to_string())
+    .chain(
+        resumed_precision(given)
+            .filter(|&saved| saved == chosen.precision && saved != given.precision)
+            .map(|saved| {
+                format!(
+                    "--precision {} (the checkpoint --resume continues is {saved})",
+                    given.precision
+                )
+            }),
+    )
     .collect()
 }
 
@@ -314,6 +327,9 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
         if !precisions.contains(&fallback) {
             precisions.push(fallback);
         }
+    }
+    if let Some(saved) = resumed_precision(args).filter(|p| precisions.contains(p)) {
+        precisions = vec![saved];
     }
     let disks = match &args.offload_dir {
         Some(dir) => vec![None, Some(dir.clone())],
@@ -350,6 +366,15 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
         }
     }
     out
+}
+
+/// The precision of the checkpoint `args` resumes from, if any: a resumed run continues in
+/// it ([`crate::checkpoint::restore`] refuses another), so `auto` weighs that precision's
+/// candidates alone. A checkpoint that cannot be read is left to `restore` to report.
+fn resumed_precision(args: &TrainArgs) -> Option<Precision> {
+    let dir = args.checkpoint_dir.as_ref().filter(|_| args.resume)?;
+    let saved = Checkpoint::latest(dir).ok()??.meta.precision;
+    Precision::from_str(&saved, false).ok()
 }
 
 /// The `--reshard-after-forward` values a candidate of `strategy` takes, in order, when the
