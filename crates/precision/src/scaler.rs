@@ -3,7 +3,8 @@
 //! divided by it before the optimizer. A step whose gradients hold an inf or NaN is skipped
 //! and the scale backs off; after `growth_interval` good steps in a row it grows. A run whose
 //! gradients overflow step after step trains nothing while its scale falls without bound, so
-//! after `max_consecutive_skips` skips in a row it stops with [`PrecisionError::Overflowing`].
+//! once a skip takes the scale below 1 (or after `max_consecutive_skips` skips in a row, when
+//! given) it stops with [`PrecisionError::Overflowing`].
 
 use crate::{Precision, PrecisionError};
 
@@ -14,27 +15,21 @@ pub struct ScalerConfig {
     pub growth_factor: f64,
     pub backoff_factor: f64,
     pub growth_interval: usize,
-    /// Consecutive skipped steps after which training stops.
-    pub max_consecutive_skips: usize,
+    /// Consecutive skipped steps after which training stops; `None`: once a skip takes the
+    /// scale below 1, where DeepSpeed's dynamic loss scaler stops a run (its
+    /// `min_loss_scale`): 17 skips from 2^16, more from a scale that has grown.
+    pub max_consecutive_skips: Option<usize>,
 }
 
 impl ScalerConfig {
-    /// PyTorch's settings from `init_scale`, stopping after as many consecutive skips as
-    /// take the scale below 1, where DeepSpeed's dynamic loss scaler stops a run (its
-    /// `min_loss_scale`): 17 from 2^16.
+    /// PyTorch's settings from `init_scale`.
     pub fn starting_at(init_scale: f64) -> Self {
-        let backoff_factor = 0.5;
-        let (mut scale, mut skips) = (init_scale * backoff_factor, 1);
-        while scale >= 1.0 {
-            scale *= backoff_factor;
-            skips += 1;
-        }
         Self {
             init_scale,
             growth_factor: 2.0,
-            backoff_factor,
+            backoff_factor: 0.5,
             growth_interval: 2000,
-            max_consecutive_skips: skips,
+            max_consecutive_skips: None,
         }
     }
 }
@@ -86,14 +81,18 @@ impl LossScaler {
 
     /// Records one optimizer step: `found_inf` (agreed by every rank) means its gradients
     /// overflowed and it must be skipped. Returns whether to apply the step, or an error
-    /// once `max_consecutive_skips` steps in a row were skipped.
+    /// once the scale is below 1 (`max_consecutive_skips` steps in a row skipped, if given).
     pub fn update(&mut self, found_inf: bool) -> Result<bool, PrecisionError> {
         if found_inf {
             self.scale *= self.config.backoff_factor;
             self.good_steps = 0;
             self.skipped += 1;
             self.consecutive_skips += 1;
-            if self.consecutive_skips >= self.config.max_consecutive_skips {
+            let limit_reached = match self.config.max_consecutive_skips {
+                Some(limit) => self.consecutive_skips >= limit,
+                None => self.scale < 1.0,
+            };
+            if limit_reached {
                 return Err(PrecisionError::Overflowing {
                     precision: Precision::F16Mixed,
                     steps: self.consecutive_skips,
@@ -150,7 +149,7 @@ mod tests {
     #[test]
     fn consecutive_overflows_stop_with_an_error_a_good_step_resets_the_count() {
         let mut s = LossScaler::new(ScalerConfig {
-            max_consecutive_skips: 3,
+            max_consecutive_skips: Some(3),
             ..ScalerConfig::default()
         });
         assert_eq!(s.update(true).ok(), Some(false));
@@ -169,13 +168,29 @@ mod tests {
                 && err.contains("bf16-mixed"),
             "{err}"
         );
-        let default = ScalerConfig::default();
-        assert_eq!(
-            default.max_consecutive_skips, 17,
-            "2^16 halved 17 times is below 1"
-        );
-        assert_eq!(ScalerConfig::starting_at(1024.0).max_consecutive_skips, 11);
-        assert_eq!(ScalerConfig::starting_at(1000.0).max_consecutive_skips, 10);
-        assert_eq!(ScalerConfig::starting_at(0.5).max_consecutive_skips, 1);
+    }
+
+    /// Without a limit given, the run stops once a skip takes the scale below 1: 17 skips
+    /// from 2^16, 20 from a scale grown to 2^19 (not the count that takes the starting scale
+    /// there).
+    #[test]
+    fn overflows_stop_the_run_once_the_scale_is_below_one() {
+        let skips_to_stop = |init_scale: f64, grown: usize| {
+            let mut s = LossScaler::new(ScalerConfig {
+                growth_interval: 1,
+                ..ScalerConfig::starting_at(init_scale)
+            });
+            for _ in 0..grown {
+                s.update(false).unwrap();
+            }
+            (1..)
+                .find(|_| s.update(true).is_err())
+                .map(|skips| (skips, s.scale()))
+                .unwrap()
+        };
+        assert_eq!(skips_to_stop(65536.0, 0), (17, 0.5));
+        assert_eq!(skips_to_stop(65536.0, 3), (20, 0.5));
+        assert_eq!(skips_to_stop(1000.0, 0), (10, 1000.0 / 1024.0));
+        assert_eq!(skips_to_stop(1.0, 0), (1, 0.5));
     }
 }

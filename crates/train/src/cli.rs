@@ -164,7 +164,7 @@ pub struct TrainArgs {
     #[arg(long)]
     pub initial_loss_scale: Option<f64>,
     /// 16-mixed: stop after this many consecutive steps skipped for overflowing gradients
-    /// [default: as many as take the loss scale below 1: 17 from 65536].
+    /// [default: once a skip takes the loss scale below 1: 17 skips from 65536].
     #[arg(long)]
     pub max_consecutive_skips: Option<usize>,
     /// Create the model's parameters directly in the precision's weight dtype, one at a

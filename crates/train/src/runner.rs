@@ -689,12 +689,12 @@ pub(crate) fn build_engine<'c, M: BlockModel>(
     comm: &'c dyn Communicator,
     device: &Device,
 ) -> Result<Sharded<'c, M>, TrainError> {
-    let mut scaler = args
-        .initial_loss_scale
-        .map_or_else(ScalerConfig::default, ScalerConfig::starting_at);
-    if let Some(skips) = args.max_consecutive_skips {
-        scaler.max_consecutive_skips = skips;
-    }
+    let scaler = ScalerConfig {
+        max_consecutive_skips: args.max_consecutive_skips,
+        ..args
+            .initial_loss_scale
+            .map_or_else(ScalerConfig::default, ScalerConfig::starting_at)
+    };
     let mut engine = Sharded::new(args.strategy.engine()?, model, comm, device)?
         .checkpoint_activations(args.checkpoint_activations)
         .precision(args.precision, scaler)
