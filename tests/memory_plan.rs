@@ -125,6 +125,27 @@ fn auto_resumes_in_the_checkpoints_precision() {
     );
 }
 
+/// Each candidate `auto` weighs is planned from a probe of its own kind: a step with the
+/// optimizer state on disk reads the state in and writes it back, which the probe of the
+/// in-memory candidates before it does not.
+#[test]
+fn auto_plans_the_optimizer_state_on_disk_from_its_own_probe() {
+    let _one = MEASURING.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let disk = ["--offload-dir", dir.path().to_str().unwrap()];
+    let in_memory = planned(&["--checkpoint-activations"]);
+    let on_disk = planned(&[&disk[..], &["--checkpoint-activations"]].concat());
+    assert!(on_disk < in_memory, "{on_disk} {in_memory}");
+
+    let budget = ((in_memory + on_disk) / 2).to_string();
+    let auto = ["--strategy", "auto", "--memory-budget", &budget];
+    let (model, task, args, device) = setup(&[&disk[..], &auto[..]].concat()).unwrap();
+    let resolved = resolve(&model, &task, &args, &device).unwrap();
+    assert!(resolved.args.offload_dir.is_some() && resolved.args.checkpoint_activations);
+    let own = Probe::measure(&model, &task, &resolved.args, &device).unwrap();
+    assert_eq!(resolved.probe.unwrap().step, own.step);
+}
+
 /// A thread's first matmul leaves buffers the backend keeps for good (gemm's packing
 /// buffers, the thread's own); the probe counts them once, outside the model, not as what
 /// the first block it measures keeps (which the plan multiplies by the depth).

@@ -190,13 +190,17 @@ pub fn resolve<T: TrainTask>(
     };
     let world = world_size(args)?;
     let threads = ranks_in_process(world);
-    let mut probes: Vec<(Precision, Probe)> = Vec::new();
+    // A probe measures the precision's dtypes and, with the optimizer state on disk, the
+    // step's reading it in and writing it back: the candidates' other flags are planned
+    // from its terms.
+    let mut probes: Vec<((Precision, bool), Probe)> = Vec::new();
     let (args, probe, choice) = search(args, world, device, Budget::given(budget), |candidate| {
-        let probe = match probes.iter().find(|(p, _)| *p == candidate.precision) {
+        let measures = (candidate.precision, candidate.offload_dir.is_some());
+        let probe = match probes.iter().find(|(m, _)| *m == measures) {
             Some((_, probe)) => probe.clone(),
             None => {
                 let probe = Probe::measure(model, task, candidate, device)?;
-                probes.push((candidate.precision, probe.clone()));
+                probes.push((measures, probe.clone()));
                 probe
             }
         };
