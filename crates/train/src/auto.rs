@@ -293,6 +293,14 @@ fn unused_by(chosen: &TrainArgs, given: &TrainArgs) -> Vec<String> {
             "--init-on-device (the weights stay f32, as built)",
             given.init_on_device && !chosen.init_on_device,
         ),
+        (
+            "--initial-loss-scale (the chosen precision has no loss scaler)",
+            given.initial_loss_scale.is_some() && chosen.initial_loss_scale.is_none(),
+        ),
+        (
+            "--max-consecutive-skips (the chosen precision has no loss scaler)",
+            given.max_consecutive_skips.is_some() && chosen.max_consecutive_skips.is_none(),
+        ),
     ]
     .into_iter()
     .filter(|&(_, unused)| unused)
@@ -354,6 +362,14 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                             checkpoint_activations: checkpoint,
                             reshard_after_forward,
                             offload_dir: offload_dir.clone(),
+                            // A precision without a loss scaler is weighed without its flags
+                            // (which `validate` refuses there).
+                            initial_loss_scale: args
+                                .initial_loss_scale
+                                .filter(|_| precision.scales_loss()),
+                            max_consecutive_skips: args
+                                .max_consecutive_skips
+                                .filter(|_| precision.scales_loss()),
                             ..args.clone()
                         };
                         let runs = candidate.validate().is_ok()
@@ -715,5 +731,50 @@ mod tests {
         let (_, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
         let said = choice.unwrap().explain();
         assert!(!said.contains("not used"), "{said}");
+    }
+
+    /// The loss scaler's flags go with 16-mixed's candidates only: the bf16 ones, which
+    /// `validate` refuses them for, are weighed without them (not passed over), and a bf16
+    /// choice names them as not used.
+    #[test]
+    fn loss_scaler_flags_leave_the_bf16_candidates_in() {
+        let args = on_cpu(&[
+            "--strategy",
+            "auto",
+            "--memory-budget",
+            "1G",
+            "--precision",
+            "16-mixed",
+            "--initial-loss-scale",
+            "1024",
+            "--max-consecutive-skips",
+            "5",
+        ]);
+        let all = candidates(&args, 2, &Device::flex());
+        assert_eq!(all.len(), 3 * 10);
+        assert!(
+            all[..10]
+                .iter()
+                .all(|c| c.initial_loss_scale == Some(1024.0))
+        );
+        assert!(
+            all[10..]
+                .iter()
+                .all(|c| c.initial_loss_scale.is_none() && c.max_consecutive_skips.is_none())
+        );
+        let plan = |c: &TrainArgs| {
+            let fits = c.precision == Precision::Bf16True;
+            Ok::<_, TrainError>((if fits { 0 } else { 2 }, ()))
+        };
+        let (chosen, _, choice) =
+            search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
+        assert_eq!(chosen.precision, Precision::Bf16True);
+        let said = choice.unwrap().explain();
+        for flag in ["--initial-loss-scale", "--max-consecutive-skips"] {
+            assert!(
+                said.contains(&format!("not used by this choice: {flag}")),
+                "{said}"
+            );
+        }
     }
 }
