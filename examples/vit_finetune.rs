@@ -121,7 +121,11 @@ fn run() -> Result<()> {
         cli.train.seed,
     )?;
     let data = serde_json::json!({ "data": cli.data, "test_fraction": cli.test_fraction });
-    let args = cli.train.with_model_and_data(&config, data)?;
+    // Recorded beside `--save`'s file, so that `--weights FILE` normalises as this run did.
+    let mut recorded = serde_json::to_value(&config)?;
+    recorded[loader::IMAGE_MEAN] = serde_json::json!(mean);
+    recorded[loader::IMAGE_STD] = serde_json::json!(std);
+    let args = cli.train.with_model_and_data(&recorded, data)?;
     let (_, summary) = burnscale::train_stopping_on_signals(model, &mut task, &args, &device)?;
     if !lead {
         return Ok(());

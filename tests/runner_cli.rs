@@ -214,6 +214,26 @@ fn a_run_resumed_on_another_split_is_stopped() {
     );
 }
 
+/// A ViT saved by a run and loaded back with `--weights FILE` sees its images normalised as
+/// that run did (ImageNet's, DINOv2's), not as an HF checkpoint without a preprocessor's.
+#[test]
+fn a_saved_vit_is_loaded_back_with_its_normalisation() {
+    use burnscale::vit::{dinov2, loader};
+    let dir = tempfile::tempdir().unwrap();
+    let saved = dir.path().join("vit.safetensors");
+    let tiny = ["--model", "tiny", "--max-steps", "1", "--warmup-steps", "0"];
+    let save = ["--weights", "none", "--save", saved.to_str().unwrap()];
+    example_succeeds("vit_finetune", &[&tiny[..], &save].concat());
+    assert_eq!(
+        loader::image_normalization(&saved).unwrap(),
+        (dinov2::MEAN, dinov2::STD)
+    );
+    example_succeeds(
+        "vit_finetune",
+        &[&tiny[..], &["--weights", saved.to_str().unwrap()]].concat(),
+    );
+}
+
 #[test]
 fn bad_weight_files_are_named() {
     let dir = tempfile::tempdir().unwrap();

@@ -13,6 +13,14 @@ use burn::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::{Dtype, SafeTensors};
 
+/// Where the configuration a run recorded (the model's, with what a program adds, such as
+/// minGPT's characters or ViT's image normalisation) is written beside a weights file
+/// (`--save`, `consolidate`): `FILE` with the extension `config.json`, as a Hugging Face
+/// directory keeps its `config.json` beside its weights.
+pub fn config_path(weights: &Path) -> PathBuf {
+    weights.with_extension("config.json")
+}
+
 /// Everything that can go wrong reading, applying or writing weights.
 #[derive(Debug, thiserror::Error)]
 pub enum WeightError {

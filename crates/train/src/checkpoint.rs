@@ -20,6 +20,7 @@ use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::DType as TensorDType;
 use burnscale_collective::Communicator;
+pub use burnscale_nn::weights::config_path;
 use burnscale_nn::weights::{KeyMap, Planned, SafetensorsWriter, Weight};
 use burnscale_nn::{BlockModel, dropout};
 use burnscale_precision::LossScaler;
@@ -917,14 +918,6 @@ impl Checkpoint {
             dtype,
         ))
     }
-}
-
-/// Where the configuration a run recorded ([`crate::TrainArgs::model_config`]: the model's,
-/// with what a program adds, such as minGPT's characters) is written beside a weights file
-/// (`--save`, `consolidate`): `FILE` with the extension `config.json`, as a Hugging Face
-/// directory keeps its `config.json` beside its weights.
-pub fn config_path(weights: &Path) -> PathBuf {
-    weights.with_extension("config.json")
 }
 
 /// Writes `config` beside `weights` ([`config_path`]).

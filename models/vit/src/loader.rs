@@ -242,41 +242,55 @@ pub fn resample_positions(w: Weight, config: &VitConfig, device: &Device) -> Wei
 /// transformers' `ViTImageProcessor` defaults (`IMAGENET_STANDARD_MEAN` and `_STD`).
 pub const HF_MEAN_STD: ([f32; 3], [f32; 3]) = ([0.5; 3], [0.5; 3]);
 
-/// The per-channel mean and std an HF ViT checkpoint's images are normalised with: its
-/// `preprocessor_config.json` beside `weights` (an HF model directory's), else
-/// `ViTImageProcessor`'s defaults ([`HF_MEAN_STD`], google/vit-*'s).
+/// The per-channel mean and std `weights`' images are normalised with: those a burnscale run
+/// recorded beside them ([`weights::config_path`], written by `vit_finetune --save` and
+/// `consolidate`), else those of the `preprocessor_config.json` beside them (an HF model
+/// directory's), else `ViTImageProcessor`'s defaults ([`HF_MEAN_STD`], google/vit-*'s).
 pub fn image_normalization(weights: &Path) -> Result<([f32; 3], [f32; 3]), VitError> {
-    let path = weights.with_file_name("preprocessor_config.json");
-    let Ok(text) = std::fs::read_to_string(&path) else {
-        return Ok(HF_MEAN_STD);
-    };
-    let error = |reason: String| VitError::Preprocessor {
-        path: path.clone(),
-        reason,
-    };
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| error(format!("not JSON: {e}")))?;
-    let channels = |key: &str, default: [f32; 3]| -> Result<[f32; 3], VitError> {
-        let Some(value) = json.get(key) else {
-            return Ok(default);
+    let recorded = weights::config_path(weights);
+    let preprocessor = weights.with_file_name("preprocessor_config.json");
+    for (path, recorded) in [(recorded, true), (preprocessor, false)] {
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            continue;
         };
-        let values: Option<Vec<f32>> = value
-            .as_array()
-            .and_then(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect());
-        values
-            .and_then(|v| <[f32; 3]>::try_from(v).ok())
-            .ok_or_else(|| error(format!("`{key}` is {value}, not three numbers")))
-    };
-    let (mean, std) = HF_MEAN_STD;
-    Ok((channels("image_mean", mean)?, channels("image_std", std)?))
+        let error = |reason: String| VitError::Preprocessor {
+            path: path.clone(),
+            reason,
+        };
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| error(format!("not JSON: {e}")))?;
+        // A run's configuration without them is another program's (or an older run's).
+        if recorded && json.get(IMAGE_MEAN).is_none() {
+            continue;
+        }
+        let channels = |key: &str, default: [f32; 3]| -> Result<[f32; 3], VitError> {
+            let Some(value) = json.get(key) else {
+                return Ok(default);
+            };
+            let values: Option<Vec<f32>> = value
+                .as_array()
+                .and_then(|a| a.iter().map(|v| v.as_f64().map(|x| x as f32)).collect());
+            values
+                .and_then(|v| <[f32; 3]>::try_from(v).ok())
+                .ok_or_else(|| error(format!("`{key}` is {value}, not three numbers")))
+        };
+        let (mean, std) = HF_MEAN_STD;
+        return Ok((channels(IMAGE_MEAN, mean)?, channels(IMAGE_STD, std)?));
+    }
+    Ok(HF_MEAN_STD)
 }
+
+/// The keys of the normalisation, as HF's `preprocessor_config.json` names them (and a run's
+/// recorded configuration, after it).
+pub const IMAGE_MEAN: &str = "image_mean";
+pub const IMAGE_STD: &str = "image_std";
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn images_are_normalised_as_the_checkpoint_says() {
+    fn images_are_normalised_as_the_weights_were_trained() {
         let dir = std::env::temp_dir().join(format!("burnscale-vit-pre-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let weights = dir.join("model.safetensors");
@@ -287,6 +301,18 @@ mod tests {
         std::fs::write(&config, imagenet).unwrap();
         let (mean, std) = image_normalization(&weights).unwrap();
         assert_eq!((mean[0], std[2]), (0.485, 0.225));
+        // A run's own record beside the weights comes first; one without it is passed over.
+        let recorded = weights::config_path(&weights);
+        std::fs::write(&recorded, r#"{"hidden_size": 384}"#).unwrap();
+        assert_eq!(image_normalization(&weights).unwrap().0[0], 0.485);
+        let run =
+            r#"{"hidden_size": 384, "image_mean": [0.1, 0.2, 0.3], "image_std": [0.4, 0.5, 0.6]}"#;
+        std::fs::write(&recorded, run).unwrap();
+        assert_eq!(
+            image_normalization(&weights).unwrap(),
+            ([0.1, 0.2, 0.3], [0.4, 0.5, 0.6])
+        );
+        std::fs::remove_file(&recorded).unwrap();
         std::fs::write(&config, r#"{"image_mean": [0.5, 0.5]}"#).unwrap();
         let err = image_normalization(&weights).unwrap_err().to_string();
         assert!(
