@@ -7,13 +7,14 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use burn::optim::{DynOptimizer, DynState, StateSink};
 use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::DType;
-use memmap2::{Mmap, MmapMut};
+use memmap2::Mmap;
 use tempfile::TempDir;
 
 use crate::TrainError;
@@ -24,11 +25,13 @@ use crate::accelerator::host_name;
 /// the run made it and nothing else is left there). The directory's [`LOCK`] file is locked
 /// while the run lives, so that the next run can tell the directory of one that was killed.
 pub struct DiskStates {
+    /// Held, not read: the kernel releases it however the process ends. Closed before `dir`
+    /// is removed (declared before it): NFS keeps an open file that is removed as a
+    /// `.nfsXXXX` file, which would keep the directory from being removed.
+    _lock: File,
     dir: TempDir,
     /// Read only by its drop, which runs after `dir`'s (declared after it).
     _made_root: MadeRoot,
-    /// Held, not read: the kernel releases it however the process ends.
-    _lock: File,
     entries: HashMap<String, Entry>,
 }
 
@@ -158,22 +161,20 @@ impl DiskStates {
         };
         // A state of scalars only (SGD without momentum) has no file.
         let written = offset > 0;
-        let in_place = written
-            && self.entries.contains_key(path)
-            && fs::metadata(&file).is_ok_and(|m| m.len() == offset as u64);
-        if in_place {
-            let handle = OpenOptions::new().read(true).write(true).open(&file);
-            // SAFETY: the file is in this run's own directory and has the size written.
-            let mut map = handle
-                .and_then(|f| unsafe { MmapMut::map_mut(&f) })
+        // Written in place, by positional writes rather than a memory map: a write that finds
+        // the disk full (btrfs and ZFS take new blocks to overwrite) is an error here rather
+        // than a SIGBUS, and `sync_data` reports what write-back met (an NFS quota).
+        if written {
+            let out = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&file)
                 .map_err(io)?;
+            out.set_len(offset as u64).map_err(io)?;
             for ((_, data), stored) in sink.tensors.iter().zip(&tensors) {
-                map[stored.offset..stored.offset + stored.len].copy_from_slice(data.as_bytes());
-            }
-        } else if written {
-            let mut out = File::create(&file).map_err(io)?;
-            for (_, data) in &sink.tensors {
-                out.write_all(data.as_bytes()).map_err(io)?;
+                out.write_all_at(data.as_bytes(), stored.offset as u64)
+                    .map_err(io)?;
             }
             out.sync_data().map_err(io)?;
         }
