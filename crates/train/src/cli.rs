@@ -337,13 +337,18 @@ fn parse_seconds(text: &str) -> Result<Duration, String> {
         .trim()
         .parse()
         .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
-    match seconds.is_finite() && seconds >= 1e-3 {
-        true => Duration::try_from_secs_f64(seconds).map_err(|e| format!("{text:?} seconds: {e}")),
+    match (1e-3..=MAX_COLLECTIVE_TIMEOUT.as_secs_f64()).contains(&seconds) {
+        true => Ok(Duration::from_secs_f64(seconds)),
         false => Err(format!(
-            "{text:?}: give a number of seconds, at least 0.001"
+            "{text:?}: give a number of seconds, at least 0.001 and at most {}",
+            MAX_COLLECTIVE_TIMEOUT.as_secs()
         )),
     }
 }
+
+/// The longest `--collective-timeout`, 31 years: a deadline is an `Instant` plus the timeout,
+/// which overflows past ~9.2e18 s.
+pub const MAX_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.
 pub const ADAM_BETA1: f64 = 0.9;
@@ -752,9 +757,10 @@ impl TrainArgs {
             ));
         }
         // What the flag's parser refuses, for arguments built in code.
-        if self.collective_timeout < Duration::from_millis(1) {
+        if !(Duration::from_millis(1)..=MAX_COLLECTIVE_TIMEOUT).contains(&self.collective_timeout) {
             return invalid(format!(
-                "--collective-timeout must be at least 0.001 s, got {:?}",
+                "--collective-timeout must be at least 0.001 s and at most {} s, got {:?}",
+                MAX_COLLECTIVE_TIMEOUT.as_secs(),
                 self.collective_timeout
             ));
         }
@@ -1050,14 +1056,17 @@ mod tests {
             ("-3", "at least 0.001"),
             ("inf", "at least 0.001"),
             ("ten", "is not a number of seconds"),
+            ("1e19", "at most 1000000000"),
         ] {
             let err = parse(&[&format!("--collective-timeout={given}")]).unwrap_err();
             assert!(err.contains(says), "{given}: {err}");
         }
         let mut args = parse(&[]).unwrap();
-        args.collective_timeout = Duration::ZERO;
-        let err = args.validate().unwrap_err().to_string();
-        assert!(err.contains("--collective-timeout"), "{err}");
+        for refused in [Duration::ZERO, Duration::from_secs(10_000_000_000)] {
+            args.collective_timeout = refused;
+            let err = args.validate().unwrap_err().to_string();
+            assert!(err.contains("--collective-timeout"), "{err}");
+        }
     }
 
     #[test]
