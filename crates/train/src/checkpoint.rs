@@ -55,6 +55,10 @@ pub enum CheckpointError {
     #[error("checkpoint {path} does not fit this run: {detail}")]
     Mismatch { path: PathBuf, detail: String },
     #[error(
+        "--resume: the ranks found different newest checkpoints in {path} ({found}): every rank must see the same directory (a filesystem the nodes share, its listing up to date)"
+    )]
+    Disagree { path: PathBuf, found: String },
+    #[error(
         "{source}; the checkpoint before it, {}, is complete: move the damaged one out of the directory to resume from that",
         older.display()
     )]
@@ -356,6 +360,35 @@ fn complete_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>, Checkpoint
         .collect();
     complete.sort();
     Ok(complete)
+}
+
+/// Stops every rank, naming what each found, when the ranks found different newest
+/// checkpoints under `root` (`found`: this rank's step, if any). Each reads the directory
+/// itself: one whose view lags (an NFS client's cached listing after a requeue) would resume
+/// from another step than the others, or train from step 0 beside them.
+pub(crate) fn agree_on_newest(
+    comm: &dyn Communicator,
+    root: &Path,
+    found: Option<usize>,
+) -> Result<(), TrainError> {
+    let steps = gather_u64s(comm, &[found.map_or(u64::MAX, |step| step as u64)])?;
+    if steps.iter().all(|s| *s == steps[0]) {
+        return Ok(());
+    }
+    let found = steps
+        .iter()
+        .enumerate()
+        .map(|(rank, s)| match s[0] {
+            u64::MAX => format!("rank {rank}: none"),
+            step => format!("rank {rank}: step {step}"),
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(CheckpointError::Disagree {
+        path: root.to_path_buf(),
+        found,
+    }
+    .into())
 }
 
 /// `error`, met resuming from the newest checkpoint in `root`, naming the complete checkpoint
@@ -1303,6 +1336,29 @@ fn flat(data: TensorData, device: &Device) -> Tensor<1> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Ranks that see different newest checkpoints (one directory listed differently on
+    /// two nodes) all stop, naming what each found; alike, they go on.
+    #[test]
+    fn ranks_that_find_different_checkpoints_stop_naming_them() {
+        use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
+        let root = Path::new("/ckpt");
+        let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
+            let found = [Some(4), Some(4), None][comm.rank()];
+            agree_on_newest(&comm, root, found).map_err(|e| e.to_string())
+        });
+        for rank in ranks {
+            let err = rank.unwrap().unwrap_err();
+            assert!(
+                err.contains("/ckpt (rank 0: step 4, rank 1: step 4, rank 2: none)"),
+                "{err}"
+            );
+        }
+        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
+            agree_on_newest(&comm, root, Some(6)).is_ok()
+        });
+        assert!(ranks.into_iter().all(|r| r == Ok(true)));
+    }
 
     #[test]
     fn scalars_round_trip_exactly() {

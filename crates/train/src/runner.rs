@@ -382,6 +382,7 @@ fn run_rank<T: TrainTask>(
         let loading = Instant::now();
         let latest =
             Checkpoint::latest(dir).map_err(|e| checkpoint::naming_older(dir, e.into()))?;
+        checkpoint::agree_on_newest(comm, dir, latest.as_ref().map(|c| c.meta.step))?;
         match latest {
             Some(ckpt) => {
                 let resumed = checkpoint::restore(
