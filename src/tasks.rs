@@ -160,8 +160,12 @@ impl TrainTask for ImageClassification {
         x.dims()[0]
     }
 
-    /// The model's head has a logit for every class of the data.
+    /// The images are the model's size (and RGB, as batches are), and its head has a logit
+    /// for every class of the data.
     fn check(&self, model: &Vit) -> Result<(), TrainError> {
+        model
+            .check_images([1, 3, self.prep.size, self.prep.size])
+            .map_err(|e| TrainError::InvalidData(e.to_string()))?;
         let head = model.classifier.weight.lazy_shape()[1];
         match self.train.classes.max(self.test.classes) <= head {
             true => Ok(()),

@@ -8,7 +8,7 @@ use burnscale::equivalence::seeded_model_on;
 use burnscale::images::{self, Preprocess};
 use burnscale::nn::BlockModel;
 use burnscale::tasks::ImageClassification;
-use burnscale::train::{RunSummary, TrainArgs, train};
+use burnscale::train::{RunSummary, TrainArgs, TrainError, train};
 use burnscale::vit::{Vit, VitConfig};
 use common::{assert_same, assert_steps_close, seeded_model, steps};
 
@@ -95,6 +95,27 @@ fn tiny_vit_learns_the_digits() {
         "{} model FLOP/s, {per_image} an image at {:?} images/s",
         summary.model_flops_per_s,
         summary.samples_per_s
+    );
+}
+
+/// Images resized to another size than the model's are refused before any step, naming
+/// both sizes.
+#[test]
+fn images_of_another_size_than_the_models_are_refused() {
+    let device = Device::default().autodiff();
+    let model = seeded_model(7, |device| Vit::new(&config(), device).unwrap());
+    let (train_set, test_set) = images::load("digits", None, 0).unwrap();
+    let prep = Preprocess {
+        size: 32,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+    };
+    let mut task = ImageClassification::new(train_set, test_set, prep, 4, 8, 5).unwrap();
+    let args = TrainArgs::from_flags(&["--max-steps", "1"]).unwrap();
+    let err = train(model, &mut task, &args, &device).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::InvalidData(e) if e.contains("[1, 3, 32, 32]") && e.contains("[batch, 3, 16, 16]")),
+        "{err}"
     );
 }
 
