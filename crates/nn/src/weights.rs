@@ -50,7 +50,7 @@ pub enum WeightError {
         found: Vec<usize>,
         hint: String,
     },
-    #[error("{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 (and I64 buffers) load")]
+    #[error("{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 (and integer or bool buffers) load")]
     Dtype {
         path: PathBuf,
         key: String,
@@ -126,11 +126,19 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Weight>, WeightError> {
                     .chunks_exact(2)
                     .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
                     .collect(),
-                // Integer buffers (BERT's `position_ids`) and test inputs; exact below 2^24.
+                // Integer buffers (BERT's `position_ids`, GPT-2's causal mask as uint8 or
+                // bool in older transformers' files, which the loaders skip) and test
+                // inputs; exact below 2^24.
                 Dtype::I64 => data
                     .chunks_exact(8)
                     .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
                     .collect(),
+                Dtype::I32 => data
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32)
+                    .collect(),
+                Dtype::U8 | Dtype::BOOL => data.iter().map(|&b| f32::from(b)).collect(),
+                Dtype::I8 => data.iter().map(|&b| f32::from(b as i8)).collect(),
                 other => {
                     return Err(WeightError::Dtype {
                         path: path.to_path_buf(),
@@ -808,6 +816,44 @@ mod tests {
                 _ => vec![saved],
             }
         }
+    }
+
+    /// Integer and bool buffers (GPT-2's causal mask, saved as uint8 or bool by older
+    /// transformers) read as their values, for the loaders to skip or use; a dtype no
+    /// checkpoint's weights take is named.
+    #[test]
+    fn integer_and_bool_buffers_read_as_their_values() {
+        use safetensors::tensor::TensorView;
+        let path = temp_path("buffers.safetensors");
+        let (mask, signed, ints) = (
+            [1u8, 0, 1],
+            [(-2i8) as u8, 3],
+            [7i32, -9].map(i32::to_le_bytes).concat(),
+        );
+        let views = [
+            ("h.0.attn.bias", TensorView::new(Dtype::BOOL, vec![3], &mask)),
+            ("h.1.attn.bias", TensorView::new(Dtype::U8, vec![3], &mask)),
+            ("i8", TensorView::new(Dtype::I8, vec![2], &signed)),
+            ("i32", TensorView::new(Dtype::I32, vec![2], &ints)),
+        ]
+        .map(|(key, view)| (key, view.unwrap()));
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let read: BTreeMap<String, Vec<f32>> = read_safetensors(&path)
+            .unwrap()
+            .into_iter()
+            .map(|w| (w.key, w.values))
+            .collect();
+        assert_eq!(read["h.0.attn.bias"], [1.0, 0.0, 1.0]);
+        assert_eq!(read["h.1.attn.bias"], [1.0, 0.0, 1.0]);
+        assert_eq!(read["i8"], [-2.0, 3.0]);
+        assert_eq!(read["i32"], [7.0, -9.0]);
+
+        let u16s = [1u8, 0];
+        let view = TensorView::new(Dtype::U16, vec![1], &u16s).unwrap();
+        safetensors::serialize_to_file([("odd", view)], None, &path).unwrap();
+        let err = read_safetensors(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        assert!(err.contains("`odd` has dtype U16"), "{err}");
     }
 
     #[test]
