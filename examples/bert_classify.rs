@@ -20,7 +20,7 @@ use burnscale::bert::{Bert, BertConfig, BertHead, Layout};
 use burnscale::bigbird::{AttentionType, BigBirdConfig};
 use burnscale::collective::launcher_rank;
 use burnscale::pretrained;
-use burnscale::spam::{self, Email};
+use burnscale::spam;
 use burnscale::tasks::{SequenceClassifier, TextClassification};
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{RunSummary, TrainArgs};
@@ -83,27 +83,32 @@ fn run() -> Result<()> {
     }
     let tokenizer = BertTokenizer::from_file(&files.tokenizer_json, true)?;
     tokenizer.check_vocab(&minilm, &files.tokenizer_json)?;
-    let (train_set, test_set) = spam::split(spam::load()?, cli.test_fraction, cli.train.seed);
-    let encode = |emails: &[Email]| -> Result<Vec<(Vec<i64>, i64)>> {
-        let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
-        let ids = tokenizer.ids(&texts, Some(cli.max_length))?;
-        Ok(ids
-            .into_iter()
-            .zip(emails)
-            .map(|(ids, e)| (ids, e.spam as i64))
-            .collect())
-    };
-    let (train_rows, test_rows) = (encode(&train_set)?, encode(&test_set)?);
+    let emails = spam::load()?;
+    let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
+    let rows: Vec<(Vec<i64>, i64)> = tokenizer
+        .ids(&texts, Some(cli.max_length))?
+        .into_iter()
+        .zip(&emails)
+        .map(|(ids, e)| (ids, e.spam as i64))
+        .collect();
+    // Split as the model reads them: emails alike in their first --max-length tokens are one.
+    let (train_rows, test_rows) = spam::split(
+        rows,
+        |(ids, _)| ids.clone(),
+        |&(_, spam)| spam == 1,
+        cli.test_fraction,
+        cli.train.seed,
+    );
     let lead = launcher_rank() == 0;
     if lead {
-        let spam = |set: &[Email]| set.iter().filter(|e| e.spam).count();
+        let spam = |rows: &[(Vec<i64>, i64)]| rows.iter().filter(|(_, spam)| *spam == 1).count();
         println!(
-            "{:?} on SpamAssassin: {} train ({} spam) / {} test ({} spam) emails, {} tokens each at most",
+            "{:?} on SpamAssassin: {} train ({} spam) / {} test ({} spam) emails, distinct in their first {} tokens",
             cli.model,
-            train_set.len(),
-            spam(&train_set),
-            test_set.len(),
-            spam(&test_set),
+            train_rows.len(),
+            spam(&train_rows),
+            test_rows.len(),
+            spam(&test_rows),
             cli.max_length
         );
     }

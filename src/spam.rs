@@ -5,6 +5,7 @@
 
 use std::collections::HashSet;
 use std::fs::File;
+use std::hash::Hash;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -54,24 +55,30 @@ pub fn load() -> Result<Vec<Email>, SpamError> {
     read(&path)
 }
 
-/// The corpus split into (train, test) with a fraction `test` of each class in the test set,
-/// shuffled by `seed`. A text that occurs more than once (as the classifier reads it: the
-/// corpus has 87 such, 120 extra copies) is kept once, so that no test email is also a
-/// training email.
-pub fn split(emails: Vec<Email>, test: f64, seed: u64) -> (Vec<Email>, Vec<Email>) {
+/// `items` (the emails, or what the classifier reads of them) split into (train, test) with
+/// a fraction `test` of each class (`is_spam`) in the test set, shuffled by `seed`. Items the
+/// classifier reads alike (the same `key`: the tokens it reads, after truncation) are kept
+/// once, so that no test email is also a training email (at 128 tokens the corpus has 5,877
+/// distinct).
+pub fn split<T, K: Hash + Eq>(
+    items: Vec<T>,
+    key: impl Fn(&T) -> K,
+    is_spam: impl Fn(&T) -> bool,
+    test: f64,
+    seed: u64,
+) -> (Vec<T>, Vec<T>) {
     let mut seen = HashSet::new();
-    let emails: Vec<Email> = emails
+    let (mut spam, mut ham): (Vec<T>, Vec<T>) = items
         .into_iter()
-        .filter(|e| seen.insert(e.text.clone()))
-        .collect();
+        .filter(|item| seen.insert(key(item)))
+        .partition(|item| is_spam(item));
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut train, mut held_out) = (Vec::new(), Vec::new());
-    for spam in [false, true] {
-        let mut class: Vec<Email> = emails.iter().filter(|e| e.spam == spam).cloned().collect();
+    for class in [&mut ham, &mut spam] {
         class.shuffle(&mut rng);
         let n = (class.len() as f64 * test).round() as usize;
         held_out.extend(class.drain(..n));
-        train.extend(class);
+        train.append(class);
     }
     train.shuffle(&mut rng);
     held_out.shuffle(&mut rng);
@@ -154,8 +161,10 @@ fn read(path: &Path) -> Result<Vec<Email>, SpamError> {
 }
 
 /// What the classifier reads of a raw message: its subject and body, without the other
-/// headers (routing headers name the corpus's mail servers, which would leak the label) or
-/// HTML tags, whitespace collapsed.
+/// headers (routing headers name the corpus's mail servers, which would leak the label) or,
+/// in an HTML message (one with an HTML part, or `<html` in it), HTML tags, whitespace
+/// collapsed. A `<` that opens no tag (`<-- click here`, `a < b`) and any `<` of a plain-text
+/// message stay text.
 pub fn message_text(raw: &str) -> String {
     let raw = raw.replace("\r\n", "\n");
     let (headers, body) = raw.split_once("\n\n").unwrap_or(("", &raw));
@@ -164,13 +173,19 @@ pub fn message_text(raw: &str) -> String {
         .find_map(|l| l.strip_prefix("Subject:"))
         .unwrap_or("")
         .trim();
+    let lower = raw.to_ascii_lowercase();
+    let html = lower.contains("text/html") || lower.contains("<html");
     let mut text = String::with_capacity(subject.len() + body.len().min(4096) + 1);
     text.push_str(subject);
     text.push('\n');
     let mut in_tag = false;
-    for c in body.chars().take(4096) {
+    let mut chars = body.chars().take(4096).peekable();
+    while let Some(c) = chars.next() {
+        let opens_tag = chars
+            .peek()
+            .is_some_and(|n| n.is_ascii_alphabetic() || matches!(n, '/' | '!' | '?'));
         match c {
-            '<' => in_tag = true,
+            '<' if html && !in_tag && opens_tag => in_tag = true,
             '>' if in_tag => in_tag = false,
             _ if !in_tag => text.push(c),
             _ => {}
@@ -188,6 +203,14 @@ mod tests {
         let raw = "From: a@b\r\nReceived: by x\r\nSubject: Win  big\r\n\r\n<html><b>Cash</b>\n now</html>";
         assert_eq!(message_text(raw), "Win big Cash now");
         assert_eq!(message_text("no headers at all"), "no headers at all");
+        // A `<` that opens no tag is text, and so is every `<` of a plain-text message.
+        let html = "Content-Type: text/html\n\n<p>a < b</p> <!-- c --> <-- click";
+        assert_eq!(message_text(html), "a < b <-- click");
+        let plain = "Subject: s\n\nrun cpio -i <file and read >> HARD NEWS << again";
+        assert_eq!(
+            message_text(plain),
+            "s run cpio -i <file and read >> HARD NEWS << again"
+        );
     }
 
     #[test]
@@ -198,13 +221,20 @@ mod tests {
                 spam: i % 4 == 0,
             })
             .collect();
-        let (train, test) = split(emails.clone(), 0.2, 0);
+        let by_text = |e: &Email| e.text.clone();
+        let spam = |e: &Email| e.spam;
+        let (train, test) = split(emails.clone(), by_text, spam, 0.2, 0);
         assert_eq!((train.len(), test.len()), (80, 20));
         assert_eq!(test.iter().filter(|e| e.spam).count(), 5);
-        assert_eq!(split(train.clone(), 0.0, 1).1.len(), 0);
+        assert_eq!(split(train.clone(), by_text, spam, 0.0, 1).1.len(), 0);
         // Each text twice: kept once, so none is in both sets.
-        let (train, test) = split([emails.clone(), emails].concat(), 0.2, 0);
+        let twice = [emails.clone(), emails.clone()].concat();
+        let (train, test) = split(twice, by_text, spam, 0.2, 0);
         assert_eq!((train.len(), test.len()), (80, 20));
         assert!(test.iter().all(|e| !train.contains(e)));
+        // Texts alike where the classifier reads them (their first character here) count as
+        // one: 10 of the 100.
+        let (train, test) = split(emails, |e| e.text.chars().next(), spam, 0.2, 0);
+        assert_eq!(train.len() + test.len(), 10);
     }
 }

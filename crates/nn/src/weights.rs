@@ -50,7 +50,9 @@ pub enum WeightError {
         found: Vec<usize>,
         hint: String,
     },
-    #[error("{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 (and integer or bool buffers) load")]
+    #[error(
+        "{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 (and integer or bool buffers) load"
+    )]
     Dtype {
         path: PathBuf,
         key: String,
@@ -831,7 +833,10 @@ mod tests {
             [7i32, -9].map(i32::to_le_bytes).concat(),
         );
         let views = [
-            ("h.0.attn.bias", TensorView::new(Dtype::BOOL, vec![3], &mask)),
+            (
+                "h.0.attn.bias",
+                TensorView::new(Dtype::BOOL, vec![3], &mask),
+            ),
             ("h.1.attn.bias", TensorView::new(Dtype::U8, vec![3], &mask)),
             ("i8", TensorView::new(Dtype::I8, vec![2], &signed)),
             ("i32", TensorView::new(Dtype::I32, vec![2], &ints)),
