@@ -545,22 +545,15 @@ impl TrainArgs {
     }
 
     /// The flags every rank of a run takes alike, each as its name and its value (under mpirun
-    /// each process parses its own command line), those `--strategy auto` chose left out where
-    /// `auto_chose` (the ranks compare their choices apart). Paths are compared as given or
-    /// not: a node may keep its files elsewhere; so is the model's configuration, which
-    /// names them (a data directory), its shapes being checked by the collectives.
-    pub(crate) fn shared_by_ranks(&self, auto_chose: bool) -> Vec<(&'static str, String)> {
-        let chosen_by_auto = [
-            "--strategy",
-            "--precision",
-            "--init-on-device",
-            "--checkpoint-activations",
-            "--reshard-after-forward",
-            "--offload-dir (given or not)",
-        ];
+    /// each process parses its own command line), as given (`--strategy auto`'s choices are
+    /// compared apart). Paths are compared as given or not: a node may keep its files
+    /// elsewhere; so is the model's configuration, which names them (a data directory), its
+    /// shapes being checked by the collectives.
+    pub(crate) fn shared_by_ranks(&self) -> Vec<(&'static str, String)> {
         let given = |path: &Option<PathBuf>| path.is_some().to_string();
-        let mut flags = vec![
+        vec![
             ("--strategy", value_name(self.strategy)),
+            ("--memory-budget", format!("{:?}", self.memory_budget)),
             ("--precision", self.precision.to_string()),
             ("--grad-reduce-dtype", value_name(self.grad_reduce_dtype)),
             (
@@ -618,11 +611,7 @@ impl TrainArgs {
                 "the whole model kept at the end",
                 self.gather_model.to_string(),
             ),
-        ];
-        if auto_chose {
-            flags.retain(|(flag, _)| !chosen_by_auto.contains(flag));
-        }
-        flags
+        ]
     }
 
     /// Whether the run's memory is planned before it starts: `--plan`, `--memory-budget`, or

@@ -191,6 +191,7 @@ pub fn train<T: TrainTask>(
     if let Some(world) = auto::launched_world(args) {
         check_world(args, world)?;
     }
+    let given = args;
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
@@ -232,6 +233,7 @@ pub fn train<T: TrainTask>(
             probe: probe.as_ref(),
             choice: choice.as_ref(),
             prepare: Some(&prepare),
+            given: Some(given),
         };
         train_rank(comm, model, &mut task.clone(), args, &device, planned)
     })?;
@@ -286,6 +288,9 @@ struct Planned<'a> {
     /// How the model given to [`train`] is made ready on the rank (none for [`train_on`]'s,
     /// which its caller made ready).
     prepare: Option<&'a Prepare>,
+    /// The flags as given, before `--strategy auto` chose (the processes of an MPI world
+    /// compare these; their choices are compared apart).
+    given: Option<&'a TrainArgs>,
 }
 
 /// One rank's training, with the memory plan when `planned` has the backend's terms.
@@ -323,7 +328,7 @@ fn run_rank<T: TrainTask>(
     let (rank, world) = (comm.rank(), comm.world_size());
     check_world(args, world)?;
     if world > 1 && burnscale_collective::launched_by_mpirun() {
-        check_flags_alike(comm, args, planned.choice.is_some())?;
+        check_flags_alike(comm, planned.given.unwrap_or(args))?;
     }
     let part = BatchPart { rank, world };
     // On a cubecl device the plan is a dry run of the steps (each candidate's, under
@@ -902,15 +907,11 @@ fn check_world(args: &TrainArgs, world: usize) -> Result<(), TrainError> {
 
 /// Stops every rank, naming the flags, when the processes of an MPI world were given
 /// different ones (each parses its own command line): ranks of another precision or batch
-/// size would train on without a word. One all-gather of a hash per flag; where `auto_chose`,
-/// the flags `--strategy auto` chose are compared by [`auto::agree`] instead.
-fn check_flags_alike(
-    comm: &dyn Communicator,
-    args: &TrainArgs,
-    auto_chose: bool,
-) -> Result<(), TrainError> {
+/// size would train on without a word. One all-gather of a hash per flag, of the flags as
+/// given: what `--strategy auto` chose from them is compared by [`auto::agree`].
+fn check_flags_alike(comm: &dyn Communicator, args: &TrainArgs) -> Result<(), TrainError> {
     use std::hash::{Hash, Hasher};
-    let flags = args.shared_by_ranks(auto_chose);
+    let flags = args.shared_by_ranks();
     let hashes: Vec<u64> = flags
         .iter()
         .map(|(_, value)| {
@@ -1205,7 +1206,7 @@ mod tests {
                 2 => &["--precision", "bf16-mixed", "--lr", "1e-3"],
                 _ => &[],
             };
-            check_flags_alike(&comm, &args(flags), false).map_err(|e| e.to_string())
+            check_flags_alike(&comm, &args(flags)).map_err(|e| e.to_string())
         });
         for rank in ranks {
             let err = rank.unwrap().unwrap_err();
@@ -1216,16 +1217,7 @@ mod tests {
             assert!(!err.contains("--seed"), "{err}");
         }
         let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
-            check_flags_alike(&comm, &args(&[]), false).is_ok()
-        });
-        assert!(ranks.into_iter().all(|r| r == Ok(true)));
-        // What auto chose is left to its own comparison.
-        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
-            let flags: &[&str] = match comm.rank() {
-                1 => &["--precision", "bf16-mixed"],
-                _ => &[],
-            };
-            check_flags_alike(&comm, &args(flags), true).is_ok()
+            check_flags_alike(&comm, &args(&[])).is_ok()
         });
         assert!(ranks.into_iter().all(|r| r == Ok(true)));
     }
