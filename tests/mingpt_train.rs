@@ -7,6 +7,7 @@ use std::sync::{Mutex, MutexGuard};
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
+use burnscale::train::checkpoint::Checkpoint;
 use burnscale::train::{
     OnStep, RunSummary, Score, StopFlag, TrainArgs, TrainError, TrainTask, train,
 };
@@ -156,6 +157,52 @@ fn gradients_that_overflow_stop_the_run_before_its_checkpoint() {
     );
     let written: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
     assert!(written.is_empty(), "{written:?}");
+}
+
+/// Weights an update of finite gradients made NaN (16-true AdamW: its 1e-8 epsilon is 0 in
+/// f16) are neither checkpointed nor saved: the run stops naming them, and no checkpoint
+/// or file is left that looks whole.
+#[test]
+fn weights_an_update_made_nan_are_not_saved() {
+    let _rng = hold_rng();
+    let device = Device::default().autodiff();
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, saved) = (
+        dir.path().join("ckpt"),
+        dir.path().join("model.safetensors"),
+    );
+    let checkpoints = [
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--checkpoint-every",
+        "1",
+    ];
+    // The last step's update is saved by --save alone.
+    let save = ["--save", saved.to_str().unwrap()];
+    for (steps, saving) in [("3", &checkpoints[..]), ("1", &save[..])] {
+        let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+        let flags = [
+            &["--precision", "16-true", "--max-steps", steps][..],
+            saving,
+        ]
+        .concat();
+        let Err(e) = train(model, &mut task(8), &args(&flags), &device) else {
+            panic!("{flags:?}: saved NaN weights");
+        };
+        assert!(
+            matches!(
+                e,
+                TrainError::NonFinite {
+                    quantity: "a weight",
+                    step: 1,
+                    ..
+                }
+            ),
+            "{flags:?}: {e}"
+        );
+    }
+    assert!(Checkpoint::latest(&ckpt).unwrap().is_none());
+    assert!(!saved.exists());
 }
 
 /// Without the counting allocator no memory figure is reported as measured: the summary's

@@ -23,7 +23,7 @@ use burnscale_collective::Communicator;
 pub use burnscale_nn::weights::config_path;
 use burnscale_nn::weights::{KeyMap, Planned, SafetensorsWriter, Weight};
 use burnscale_nn::{BlockModel, dropout};
-use burnscale_precision::LossScaler;
+use burnscale_precision::{LossScaler, Precision};
 use burnscale_shard::Sharded;
 use burnscale_shard::layout::Slot;
 use memmap2::Mmap;
@@ -205,7 +205,14 @@ pub fn save<M: BlockModel>(
         _ => Ok(()),
     };
     agree(comm, step, prepared, &[])?;
-    let written = write_rank_file(&partial.join(rank_file(rank)), step, rank, engine, optim);
+    let written = write_rank_file(
+        &partial.join(rank_file(rank)),
+        step,
+        rank,
+        engine,
+        optim,
+        args.precision,
+    );
     let position = dropout::position();
     let mine = match &written {
         Ok((bytes, crc, _)) => [*bytes, *crc as u64, position.0, position.1],
@@ -449,6 +456,7 @@ fn write_rank_file<M: BlockModel>(
     rank: usize,
     engine: &Sharded<'_, M>,
     optim: &ParamOptimizer,
+    precision: Precision,
 ) -> Result<(u64, u32, Vec<SavedState>), TrainError> {
     let slots: HashMap<&str, &Slot> = engine
         .slots()
@@ -533,6 +541,7 @@ fn write_rank_file<M: BlockModel>(
             0
         };
         let rows = value.narrow(0, first * row, real * row).into_data();
+        TrainError::check_finite_weights(rows.iter::<f32>(), step, precision)?;
         writer.write_bytes(
             &range_key(&format!("param/{}", slot.path), start, real),
             rows.as_bytes(),

@@ -25,8 +25,8 @@ pub enum TrainError {
         if *f16_reduce { "; gradients reduced in f16 (--grad-reduce-dtype f16) without a loss scaler overflow above 65504 and flush below 6e-8: reduce in bf16 or f32, or train 16-mixed" } else { "" }
     )]
     NonFinite {
-        /// What was not finite: the step's loss, or its gradients' norm (an update that
-        /// would write NaN/inf into the weights).
+        /// What was not finite: the step's loss, its gradients' norm (an update that would
+        /// write NaN/inf into the weights), or a weight about to be saved.
         quantity: &'static str,
         value: f64,
         step: usize,
@@ -91,6 +91,29 @@ impl TrainError {
                 | CollectiveError::PeerLeft { .. }
                 | CollectiveError::Timeout { .. }
         )
+    }
+}
+
+impl TrainError {
+    /// `Err(NonFinite)` naming the weights when `values`, weights about to be saved after
+    /// `step`, hold a NaN or inf: an update of finite gradients can make them so (16-true
+    /// Adam dividing by its epsilon, which f16 rounds to 0), and a checkpoint or `--save` of
+    /// them would keep nothing to resume or load.
+    pub(crate) fn check_finite_weights(
+        values: impl IntoIterator<Item = f32>,
+        step: usize,
+        precision: Precision,
+    ) -> Result<(), TrainError> {
+        match values.into_iter().find(|v| !v.is_finite()) {
+            Some(value) => Err(TrainError::NonFinite {
+                quantity: "a weight",
+                value: value.into(),
+                step,
+                precision,
+                f16_reduce: false,
+            }),
+            None => Ok(()),
+        }
     }
 }
 

@@ -620,13 +620,7 @@ fn run_rank<T: TrainTask>(
         ],
     )?;
     let saved = match &args.save {
-        Some(path) => Some(save(
-            &engine,
-            path,
-            &*keys,
-            args.model_config.as_ref(),
-            lead,
-        )?),
+        Some(path) => Some(save(&engine, path, &*keys, args, lead)?),
         None => None,
     };
     // After the memory figures: the probe's matrices are no part of training's peak.
@@ -806,7 +800,7 @@ fn save<M: BlockModel>(
     engine: &Sharded<'_, M>,
     path: &std::path::Path,
     keys: &dyn KeyMap,
-    config: Option<&serde_json::Value>,
+    args: &TrainArgs,
     lead: bool,
 ) -> Result<SaveReport, TrainError> {
     let start = Instant::now();
@@ -817,23 +811,33 @@ fn save<M: BlockModel>(
         false => None,
     };
     // A failed write stops the writing, not the gathers the other ranks are in.
-    let mut written = Ok(());
+    let mut written: Result<(), TrainError> = Ok(());
     engine.for_each_full_parameter(|param, dims, value| {
         if let (Some(saver), Ok(())) = (saver.as_mut(), &written) {
             written = value
                 .into_data()
                 .try_into_vec::<f32>()
-                .map_err(|e| WeightError::Save {
-                    path: path.to_path_buf(),
-                    reason: format!("{param}: {e:?}"),
+                .map_err(|e| {
+                    WeightError::Save {
+                        path: path.to_path_buf(),
+                        reason: format!("{param}: {e:?}"),
+                    }
+                    .into()
                 })
-                .and_then(|values| saver.put(param, dims, values));
+                .and_then(|values| {
+                    TrainError::check_finite_weights(
+                        values.iter().copied(),
+                        args.max_steps,
+                        args.precision,
+                    )?;
+                    Ok(saver.put(param, dims, values)?)
+                });
         }
     })?;
     written?;
     if let Some(saver) = saver {
         saver.finish()?;
-        if let Some(config) = config {
+        if let Some(config) = &args.model_config {
             crate::checkpoint::write_config(path, config)?;
         }
     }
