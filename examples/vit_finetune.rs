@@ -122,7 +122,7 @@ fn run() -> Result<()> {
     )?;
     let data = serde_json::json!({ "data": cli.data, "test_fraction": cli.test_fraction });
     // Recorded beside `--save`'s file, so that `--weights FILE` normalises as this run did.
-    let mut recorded = serde_json::to_value(&config)?;
+    let mut recorded = serde_json::to_value(config)?;
     recorded[loader::IMAGE_MEAN] = serde_json::json!(mean);
     recorded[loader::IMAGE_STD] = serde_json::json!(std);
     let args = cli.train.with_model_and_data(&recorded, data)?;
