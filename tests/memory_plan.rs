@@ -100,9 +100,10 @@ fn auto_resumes_in_the_checkpoints_precision() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path().to_str().unwrap();
     let saving = ["--checkpoint-dir", dir, "--checkpoint-every", "1"];
+    // 16-mixed: none of auto's candidates for a run given 32-true.
     run(&[
         &saving[..],
-        &["--precision", "bf16-mixed", "--max-steps", "1"],
+        &["--precision", "16-mixed", "--max-steps", "1"],
     ]
     .concat())
     .unwrap();
@@ -117,11 +118,11 @@ fn auto_resumes_in_the_checkpoints_precision() {
     let choice = resumed.auto.as_ref().unwrap();
     assert_eq!(
         choice.chosen.flags,
-        "--strategy single --precision bf16-mixed"
+        "--strategy single --precision 16-mixed"
     );
     assert_eq!(
         choice.unused,
-        ["--precision 32-true (the checkpoint --resume continues is bf16-mixed)"]
+        ["--precision 32-true (the checkpoint --resume continues is 16-mixed)"]
     );
 }
 
@@ -143,7 +144,8 @@ fn auto_plans_the_optimizer_state_on_disk_from_its_own_probe() {
     let resolved = resolve(&model, &task, &args, &device).unwrap();
     assert!(resolved.args.offload_dir.is_some() && resolved.args.checkpoint_activations);
     let own = Probe::measure(&model, &task, &resolved.args, &device).unwrap();
-    assert_eq!(resolved.probe.unwrap().step, own.step);
+    let step = resolved.probe.unwrap().step;
+    assert!(off(step, own.step).abs() < 0.01, "{step} {}", own.step);
 }
 
 /// A thread's first matmul leaves buffers the backend keeps for good (gemm's packing

@@ -51,7 +51,7 @@ pub enum WeightError {
         hint: String,
     },
     #[error(
-        "{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 (and integer or bool buffers) load"
+        "{path}: tensor `{key}` has dtype {dtype}; only F32, F16, BF16 and I64, I32, I8, U8, BOOL buffers load"
     )]
     Dtype {
         path: PathBuf,

@@ -340,7 +340,7 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
             precisions.push(fallback);
         }
     }
-    if let Some(saved) = resumed_precision(args).filter(|p| precisions.contains(p)) {
+    if let Some(saved) = resumed_precision(args) {
         precisions = vec![saved];
     }
     let disks = match &args.offload_dir {

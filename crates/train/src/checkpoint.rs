@@ -58,6 +58,8 @@ pub enum CheckpointError {
         "--resume: the ranks found different newest checkpoints in {path} ({found}): every rank must see the same directory (a filesystem the nodes share, its listing up to date)"
     )]
     Disagree { path: PathBuf, found: String },
+    #[error("rank {rank} could not read the newest checkpoint (its own error says why)")]
+    PeerRead { rank: usize },
     #[error(
         "{source}; the checkpoint before it, {}, is complete: move the damaged one out of the directory to resume from that",
         older.display()
@@ -369,24 +371,38 @@ fn complete_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>, Checkpoint
     Ok(complete)
 }
 
-/// Stops every rank, naming what each found, when the ranks found different newest
-/// checkpoints under `root` (`found`: this rank's step, if any). Each reads the directory
-/// itself: one whose view lags (an NFS client's cached listing after a requeue) would resume
-/// from another step than the others, or train from step 0 beside them.
-pub(crate) fn agree_on_newest(
+/// `found`, this rank's reading of the newest checkpoint under `root` (`step` gives a
+/// checkpoint's step), once every rank has
+/// read its own: each reads the directory itself, and one whose view lags (an NFS client's
+/// cached listing after a requeue) would resume from another step than the others, or
+/// train from step 0 beside them. Every rank stops, naming what each found, when they
+/// differ, and when any could not read it (that rank with its own error).
+pub(crate) fn agree_on_newest<C>(
     comm: &dyn Communicator,
     root: &Path,
-    found: Option<usize>,
-) -> Result<(), TrainError> {
-    let steps = gather_u64s(comm, &[found.map_or(u64::MAX, |step| step as u64)])?;
-    if steps.iter().all(|s| *s == steps[0]) {
-        return Ok(());
+    found: Result<Option<C>, TrainError>,
+    step: impl Fn(&C) -> usize,
+) -> Result<Option<C>, TrainError> {
+    const NONE: u64 = u64::MAX;
+    const UNREAD: u64 = u64::MAX - 1;
+    let code = match &found {
+        Ok(Some(ckpt)) => step(ckpt) as u64,
+        Ok(None) => NONE,
+        Err(_) => UNREAD,
+    };
+    let codes: Vec<u64> = gather_u64s(comm, &[code])?.iter().map(|c| c[0]).collect();
+    let found = found?;
+    if let Some(rank) = codes.iter().position(|&c| c == UNREAD) {
+        return Err(CheckpointError::PeerRead { rank }.into());
     }
-    let found = steps
+    if codes.iter().all(|&c| c == codes[0]) {
+        return Ok(found);
+    }
+    let found = codes
         .iter()
         .enumerate()
-        .map(|(rank, s)| match s[0] {
-            u64::MAX => format!("rank {rank}: none"),
+        .map(|(rank, &code)| match code {
+            NONE => format!("rank {rank}: none"),
             step => format!("rank {rank}: step {step}"),
         })
         .collect::<Vec<_>>()
@@ -1347,14 +1363,17 @@ mod tests {
     use super::*;
 
     /// Ranks that see different newest checkpoints (one directory listed differently on
-    /// two nodes) all stop, naming what each found; alike, they go on.
+    /// two nodes) all stop, naming what each found; one that could not read it stops with
+    /// its own error, the others naming it; alike, they go on.
     #[test]
     fn ranks_that_find_different_checkpoints_stop_naming_them() {
         use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
         let root = Path::new("/ckpt");
+        let agree = |comm: &ThreadComm, found| {
+            agree_on_newest(comm, root, found, |step: &usize| *step).map_err(|e| e.to_string())
+        };
         let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
-            let found = [Some(4), Some(4), None][comm.rank()];
-            agree_on_newest(&comm, root, found).map_err(|e| e.to_string())
+            agree(&comm, Ok([Some(4), Some(4), None][comm.rank()]))
         });
         for rank in ranks {
             let err = rank.unwrap().unwrap_err();
@@ -1363,10 +1382,15 @@ mod tests {
                 "{err}"
             );
         }
-        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
-            agree_on_newest(&comm, root, Some(6)).is_ok()
+        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| match comm.rank() {
+            1 => agree(&comm, Err(TrainError::InvalidData("torn meta.json".into()))),
+            _ => agree(&comm, Ok(Some(4))),
         });
-        assert!(ranks.into_iter().all(|r| r == Ok(true)));
+        let errors: Vec<String> = ranks.into_iter().map(|r| r.unwrap().unwrap_err()).collect();
+        assert!(errors[0].contains("rank 1 could not read"), "{}", errors[0]);
+        assert!(errors[1].contains("torn meta.json"), "{}", errors[1]);
+        let ranks = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| agree(&comm, Ok(Some(6))));
+        assert!(ranks.into_iter().all(|r| r == Ok(Ok(Some(6)))));
     }
 
     #[test]

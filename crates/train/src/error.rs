@@ -82,7 +82,9 @@ impl TrainError {
     pub fn is_peer_failure(&self) -> bool {
         let collective = match self {
             TrainError::Collective(e) | TrainError::Shard(ShardError::Collective(e)) => e,
-            TrainError::Checkpoint(CheckpointError::PeerWrite { .. }) => return true,
+            TrainError::Checkpoint(
+                CheckpointError::PeerWrite { .. } | CheckpointError::PeerRead { .. },
+            ) => return true,
             _ => return false,
         };
         matches!(

@@ -124,9 +124,9 @@ impl DiskStates {
         })
     }
 
-    /// Writes `state` of the parameter at `path`. A file of the right size (every step after
-    /// the first) is written through a memory map; a new one with plain writes, so that a
-    /// full disk is an error here rather than a fault on a mapped page.
+    /// Writes `state` of the parameter at `path`, in place after the first step, by
+    /// positional writes synced to the disk: a full disk is an error here rather than a
+    /// fault on a mapped page.
     pub fn store(
         &mut self,
         optim: &dyn DynOptimizer,
@@ -208,7 +208,8 @@ impl DiskStates {
             path: entry.file.clone(),
             source,
         };
-        // SAFETY: as in `store`; a truncated file is caught below.
+        // SAFETY: the file is in this run's own directory, written and synced by `store`
+        // alone; a truncated file is caught below.
         let map = File::open(&entry.file)
             .and_then(|f| unsafe { Mmap::map(&f) })
             .map_err(io)?;

@@ -385,10 +385,8 @@ fn run_rank<T: TrainTask>(
     let mut checkpoints = CheckpointReport::default();
     if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
         let loading = Instant::now();
-        let latest =
-            Checkpoint::latest(dir).map_err(|e| checkpoint::naming_older(dir, e.into()))?;
-        checkpoint::agree_on_newest(comm, dir, latest.as_ref().map(|c| c.meta.step))?;
-        match latest {
+        let latest = Checkpoint::latest(dir).map_err(|e| checkpoint::naming_older(dir, e.into()));
+        match checkpoint::agree_on_newest(comm, dir, latest, |c| c.meta.step)? {
             Some(ckpt) => {
                 let resumed = checkpoint::restore(
                     ckpt,
