@@ -19,19 +19,24 @@ fn config() -> VitConfig {
     }
 }
 
+/// The bundled digits resized to `size` px, in batches of `batch` (evaluated in batches of
+/// `eval_batch`).
+fn digits(size: usize, batch: usize, eval_batch: usize) -> ImageClassification {
+    let (train_set, test_set) = images::load("digits", None, 0).unwrap();
+    let prep = Preprocess {
+        size,
+        mean: [0.5; 3],
+        std: [0.5; 3],
+    };
+    ImageClassification::new(train_set, test_set, prep, batch, eval_batch, 5).unwrap()
+}
+
 fn run(flags: &[&str]) -> (Vit, RunSummary) {
     let mut args = TrainArgs::from_flags(flags).unwrap();
     args.gather_model = true;
     let device = Device::default().autodiff();
     let model = seeded_model(5, |device| Vit::new(&config(), device).unwrap());
-    let (train_set, test_set) = images::load("digits", None, 0).unwrap();
-    let prep = Preprocess {
-        size: 16,
-        mean: [0.5; 3],
-        std: [0.5; 3],
-    };
-    let mut task =
-        ImageClassification::new(train_set, test_set, prep, args.batch_size, 256, 5).unwrap();
+    let mut task = digits(16, args.batch_size, 256);
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
     (model.expect("asked for the whole model"), summary)
 }
@@ -104,13 +109,7 @@ fn tiny_vit_learns_the_digits() {
 fn images_of_another_size_than_the_models_are_refused() {
     let device = Device::default().autodiff();
     let model = seeded_model(7, |device| Vit::new(&config(), device).unwrap());
-    let (train_set, test_set) = images::load("digits", None, 0).unwrap();
-    let prep = Preprocess {
-        size: 32,
-        mean: [0.5; 3],
-        std: [0.5; 3],
-    };
-    let mut task = ImageClassification::new(train_set, test_set, prep, 4, 8, 5).unwrap();
+    let mut task = digits(32, 4, 8);
     let args = TrainArgs::from_flags(&["--max-steps", "1"]).unwrap();
     let err = train(model, &mut task, &args, &device).unwrap_err();
     assert!(

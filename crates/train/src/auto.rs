@@ -334,15 +334,18 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
             Strategy::Zero3,
         ],
     };
-    let mut precisions = vec![args.precision];
-    for fallback in [Precision::Bf16Mixed, Precision::Bf16True] {
-        if !precisions.contains(&fallback) {
-            precisions.push(fallback);
+    let precisions = match resumed_precision(args) {
+        Some(saved) => vec![saved],
+        None => {
+            let mut precisions = vec![args.precision];
+            for fallback in [Precision::Bf16Mixed, Precision::Bf16True] {
+                if !precisions.contains(&fallback) {
+                    precisions.push(fallback);
+                }
+            }
+            precisions
         }
-    }
-    if let Some(saved) = resumed_precision(args) {
-        precisions = vec![saved];
-    }
+    };
     let disks = match &args.offload_dir {
         Some(dir) => vec![None, Some(dir.clone())],
         None => vec![None],
