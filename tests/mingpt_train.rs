@@ -194,6 +194,7 @@ fn weights_an_update_made_nan_are_not_saved() {
                 e,
                 TrainError::NonFinite {
                     quantity: "a weight",
+                    parameter: Some(_),
                     step: 1,
                     ..
                 }

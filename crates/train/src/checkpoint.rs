@@ -557,7 +557,7 @@ fn write_rank_file<M: BlockModel>(
             0
         };
         let rows = value.narrow(0, first * row, real * row).into_data();
-        TrainError::check_finite_weights(rows.iter::<f32>(), step, precision)?;
+        TrainError::check_finite_weights(&slot.path, rows.iter::<f32>(), step, precision)?;
         writer.write_bytes(
             &range_key(&format!("param/{}", slot.path), start, real),
             rows.as_bytes(),

@@ -20,7 +20,8 @@ pub enum TrainError {
     #[error("invalid data: {0}")]
     InvalidData(String),
     #[error(
-        "{quantity} became {value} at step {step} under --precision {precision}; training stopped before anything of this step was saved, instead of continuing on NaN/inf ({}{})",
+        "{quantity}{} became {value} at step {step} under --precision {precision}; training stopped before anything of this step was saved, instead of continuing on NaN/inf ({}{})",
+        parameter.as_ref().map(|p| format!(" of {p}")).unwrap_or_default(),
         non_finite_hint(precision),
         if *f16_reduce { "; gradients reduced in f16 (--grad-reduce-dtype f16) without a loss scaler overflow above 65504 and flush below 6e-8: reduce in bf16 or f32, or train 16-mixed" } else { "" }
     )]
@@ -28,6 +29,8 @@ pub enum TrainError {
         /// What was not finite: the step's loss, its gradients' norm (an update that would
         /// write NaN/inf into the weights), or a weight about to be saved.
         quantity: &'static str,
+        /// The parameter a weight that was not finite belongs to.
+        parameter: Option<String>,
         value: f64,
         step: usize,
         precision: Precision,
@@ -97,11 +100,12 @@ impl TrainError {
 }
 
 impl TrainError {
-    /// `Err(NonFinite)` naming the weights when `values`, weights about to be saved after
+    /// `Err(NonFinite)` naming `parameter` when `values`, its weights about to be saved after
     /// `step`, hold a NaN or inf: an update of finite gradients can make them so (16-true
     /// Adam dividing by its epsilon, which f16 rounds to 0), and a checkpoint or `--save` of
     /// them would keep nothing to resume or load.
     pub(crate) fn check_finite_weights(
+        parameter: &str,
         values: impl IntoIterator<Item = f32>,
         step: usize,
         precision: Precision,
@@ -109,6 +113,7 @@ impl TrainError {
         match values.into_iter().find(|v| !v.is_finite()) {
             Some(value) => Err(TrainError::NonFinite {
                 quantity: "a weight",
+                parameter: Some(parameter.to_string()),
                 value: value.into(),
                 step,
                 precision,

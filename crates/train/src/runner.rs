@@ -483,6 +483,7 @@ fn run_rank<T: TrainTask>(
         if let (Some((quantity, value)), None) = (not_finite, engine.loss_scale()) {
             return Err(TrainError::NonFinite {
                 quantity,
+                parameter: None,
                 value,
                 step,
                 precision: args.precision,
@@ -824,6 +825,7 @@ fn save<M: BlockModel>(
                 })
                 .and_then(|values| {
                     TrainError::check_finite_weights(
+                        param,
                         values.iter().copied(),
                         args.max_steps,
                         args.precision,
