@@ -188,7 +188,7 @@ pub struct TrainArgs {
     /// (params) in host memory, and step the optimizer there.
     #[arg(long, value_enum, default_value = "none")]
     pub offload: Offload,
-    /// Keep the optimizer state in memory-mapped files under this directory between steps
+    /// Keep the optimizer state in files under this directory between steps
     /// (ZeRO-Infinity's disk offload; implies --offload optimizer). Each rank of each run
     /// uses a fresh `rank<N>-XXXXXX` subdirectory, removed at the end.
     #[arg(long)]

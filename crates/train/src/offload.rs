@@ -307,7 +307,7 @@ mod tests {
         let state = stepped_state(&optim, &device);
         disk.store(&optim, "w", &state).unwrap();
         assert_eq!(disk.bytes(), 2 * 6 * 4, "two f32 moments");
-        // The second store goes through the memory map of the existing file.
+        // The second store rewrites the existing file in place.
         disk.store(&optim, "w", &state).unwrap();
         let mut stored = StateSink::default();
         optim.state_flatten("w", &state, &mut stored);
