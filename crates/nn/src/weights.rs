@@ -689,12 +689,25 @@ impl ModuleMapper for LoadMapper<'_> {
             return param;
         };
         if weight.shape != expected {
+            // Both shapes in the file's layout: a weight the loader transposed into Burn's
+            // was `[out, in]` there.
+            let transposed = self
+                .keys
+                .saved_as(&path, &expected)
+                .iter()
+                .any(|s| s.key == weight.key && s.transposed);
+            let in_file = |mut shape: Vec<usize>| {
+                if transposed {
+                    shape.reverse();
+                }
+                shape
+            };
             self.shape_error.get_or_insert(WeightError::Shape {
                 path: self.file.to_path_buf(),
                 hint: self.keys.shape_hint(&path).to_string(),
                 key: weight.key,
-                expected,
-                found: weight.shape,
+                expected: in_file(expected),
+                found: in_file(weight.shape),
             });
             return param;
         }
@@ -818,6 +831,42 @@ mod tests {
                 _ => vec![saved],
             }
         }
+    }
+
+    #[derive(Module, Debug)]
+    struct OneMatrix {
+        w: Param<Tensor<2>>,
+    }
+
+    /// A shape mismatch names both shapes in the file's layout, also for a weight the loader
+    /// transposed into Burn's (a PyTorch `[out, in]` linear weight).
+    #[test]
+    fn a_transposed_weights_shape_mismatch_is_told_in_the_files_layout() {
+        let device = Device::default();
+        let model = OneMatrix {
+            w: Param::from_tensor(Tensor::zeros([2, 3], &device)),
+        };
+        // The file's `[2, 4]` as the loader hands it over, transposed.
+        let wrong = Weight {
+            key: "file.w".into(),
+            shape: vec![2, 4],
+            values: vec![0.0; 8],
+        }
+        .transposed();
+        let weights = HashMap::from([("w".to_string(), wrong)]);
+        let err = apply(
+            model,
+            weights,
+            &Transposing,
+            Path::new("m.safetensors"),
+            &device,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("`file.w` has shape [2, 4], the config expects [3, 2]"),
+            "{err}"
+        );
     }
 
     /// Integer and bool buffers (GPT-2's causal mask, saved as uint8 or bool by older
