@@ -6,7 +6,9 @@
 //! Bus bandwidth follows NCCL-tests: all_reduce 2(N-1)/N · bytes / time; all_gather and
 //! reduce_scatter (N-1)/N · bytes / time, with `bytes` the full buffer. The MPI columns come
 //! from re-running this binary under `mpirun -np N` (needs `--features mpi` and Open MPI); the
-//! NCCL rows (built with `--features cuda`) run one thread per GPU where N GPUs are present.
+//! NCCL rows (built with `--features cuda`) run one thread per GPU where N GPUs are present,
+//! on host buffers (`nccl-host`): each call copies them to the GPU and back, so they time
+//! the staging too, not the device tensors a training step reduces.
 
 use std::process::{Command, ExitCode};
 use std::time::{Duration, Instant};
@@ -93,7 +95,7 @@ fn nccl_rows(world: usize) {
                 time_engine(comm, op, mb)
             });
             match secs.map(|ranks| ranks.into_iter().next()) {
-                Ok(Some(Ok(secs))) => println!("{}", row("nccl", op, world, mb, secs)),
+                Ok(Some(Ok(secs))) => println!("{}", row("nccl-host", op, world, mb, secs)),
                 other => println!("nccl {op} {world} {mb} MB failed: {other:?}"),
             }
         }

@@ -121,13 +121,14 @@ fn task() -> Result<NextToken> {
     Ok(NextToken::new(tokens, BLOCK, 1, 1)?)
 }
 
-/// The planner's per-rank peak for `row` at `width`, on one of `RANKS` processes. The model
-/// is never initialised: the probe zero-copies one block.
+/// The planner's peak of one of `RANKS` processes (a rank each) for `row` at `width`, the
+/// process's baseline in it, as the measured peak has it. The model is never initialised:
+/// the probe zero-copies one block.
 fn planned(cli: &Cli, row: usize, width: usize, device: &Device) -> Result<usize> {
     let args = args(row)?;
     let model = Gpt::new(&cli.config(width), device)?;
     let probe = Probe::measure(&model, &task()?, &args, device)?;
-    Ok(MemoryPlan::new(&model, &args, RANKS, 1, probe)?.rank_peak)
+    Ok(MemoryPlan::new(&model, &args, RANKS, 1, probe)?.rank_share())
 }
 
 /// One rank of a measured run (under mpirun): rank 0 prints the largest rank peak.

@@ -10,8 +10,8 @@
 //!     cargo bench --features cuda --bench hf_bert_large   # on a GPU: 512 tokens, 5 steps
 //!
 //! On a GPU (`--accelerator cuda`, the default in a `cuda` build on a machine with one) the
-//! rungs run at the article's 512 tokens, and the peak is the device pool's reserved bytes
-//! (no plan: the tables plan CPU runs only). Scaled for a CPU: sequences of 128
+//! rungs run at the article's 512 tokens, the peak is the device pool's reserved bytes and
+//! the plan the device plan's (none for the fp16 rungs). Scaled for a CPU: sequences of 128
 //! tokens instead of 512 (activations are a smaller share of the peak than in the article),
 //! a few steps instead of an epoch. The article's
 //! `nvidia-smi` figures include ~1.3 GB of CUDA kernels (its 1343 MB before the model loads);
@@ -182,7 +182,7 @@ fn run() -> Result<()> {
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            let planned = num(r, "/planned_peak_mem_bytes");
+            let planned = num(r, "/rank_planned");
             let states = ["params", "grads", "optimizer"]
                 .iter()
                 .filter_map(|k| num(r, &format!("/model_state/{k}")))

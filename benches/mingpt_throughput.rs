@@ -75,6 +75,8 @@ struct Cli {
     /// Timed optimizer steps (after `--warmup` untimed ones).
     #[arg(long, default_value_t = 20)]
     steps: usize,
+    /// Untimed steps of a run before the timed one (at least 1: its first step is the
+    /// cold start reported).
     #[arg(long, default_value_t = 3)]
     warmup: usize,
     /// Threads for PyTorch (this machine has 2 cores).
@@ -232,6 +234,10 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
+    anyhow::ensure!(
+        cli.warmup >= 1,
+        "--warmup 0: the untimed run needs a step, whose time is the cold start reported"
+    );
     let mut config = GptConfig::preset(&cli.model, cli.vocab_size, cli.block_size)?;
     config.n_layer = cli.n_layer.unwrap_or(config.n_layer);
     config.n_head = cli.n_head.unwrap_or(config.n_head);
@@ -333,9 +339,10 @@ fn run() -> Result<()> {
         );
     }
     println!(
-        "peak process memory {} | model states {} (formula 16 B/param: {})",
+        "peak process memory {} | model states {} (formula {:.0} B/param: {})",
         process_peak(&ours),
         memory::human_bytes(ours.model_state_bytes_per_rank),
+        ours.model_state_predicted_bytes as f64 / ours.num_params.max(1) as f64,
         memory::human_bytes(ours.model_state_predicted_bytes)
     );
     if let Some(path) = &cli.summary_json {

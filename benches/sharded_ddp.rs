@@ -131,6 +131,7 @@ fn run() -> Result<()> {
                 cell(speed_ratio[i]),
                 cell(over_ddp(&states, i)),
                 cell(over_ddp(&peaks, i)),
+                cell(over_ddp(&speeds, i)),
             ]
         })
         .collect();
@@ -159,6 +160,7 @@ fn run() -> Result<()> {
             "speed ratio",
             "states vs DDP",
             "peak vs DDP",
+            "speed vs DDP",
         ],
         rows,
         plotted: vec!["states ratio", "peak ratio", "speed ratio"],
