@@ -614,10 +614,20 @@ impl ModuleMapper for StepMapper<'_> {
     }
 }
 
-/// `Ok` if `model` has what `args`' optimizer flags act on: `--embedding-state-32bit` needs
-/// an embedding table. Checked once on the model given, before any plan or rank.
-pub(crate) fn check_flags_act_on<M: Module>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
-    if args.embedding_state_32bit && embedding_paths(model).is_empty() {
+/// `Ok` if the optimizer can train `model` as `args` say: no parameter is frozen (the engine
+/// tracks every parameter it gathers or sets for gradients, so a frozen one would train
+/// under every strategy but `single`), and `--embedding-state-32bit` has an embedding table
+/// to act on. Checked once on the model given, before any plan or rank.
+pub(crate) fn check_trains<M: Module>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
+    let found = find_params(model);
+    if !found.frozen.is_empty() {
+        return Err(TrainError::InvalidArgs(format!(
+            "{} parameter(s) of the model are frozen (require_grad false: {}): burnscale trains every parameter and cannot leave these out yet; unfreeze them (`set_require_grad(true)`), or keep them out of the model",
+            found.frozen.len(),
+            found.frozen.join(", ")
+        )));
+    }
+    if args.embedding_state_32bit && found.embeddings.is_empty() {
         return Err(TrainError::InvalidArgs(
             "--embedding-state-32bit keeps embedding tables' state in 32 bits, but this model has none (no burn `Embedding`): drop the flag".into(),
         ));
@@ -633,7 +643,7 @@ pub fn eight_bit_paths<M: Module>(model: &M, args: &TrainArgs) -> HashSet<String
         return HashSet::new();
     }
     let kept = match args.embedding_state_32bit {
-        true => embedding_paths(model),
+        true => find_params(model).embeddings,
         false => HashSet::new(),
     };
     burnscale_shard::layout::slots(model, 1)
@@ -676,12 +686,20 @@ pub(crate) fn state_bytes_of(
 }
 
 /// The paths of the parameters of `model` that are burn `Embedding` tables.
-fn embedding_paths<M: Module>(model: &M) -> HashSet<String> {
+/// The paths of `model`'s embedding tables, and of its frozen parameters (initialised with
+/// autodiff and not tracked: a lazy parameter's setting cannot be read without initialising it).
+#[derive(Default)]
+struct FoundParams {
+    embeddings: HashSet<String>,
+    frozen: Vec<String>,
+}
+
+fn find_params<M: Module>(model: &M) -> FoundParams {
     #[derive(Default)]
     struct Find {
         path: Vec<String>,
         owners: Vec<String>,
-        found: HashSet<String>,
+        found: FoundParams,
     }
     impl ModuleVisitor for Find {
         fn enter_module(&mut self, name: &str, container_type: &str) {
@@ -692,9 +710,15 @@ fn embedding_paths<M: Module>(model: &M) -> HashSet<String> {
             self.path.pop();
             self.owners.pop();
         }
-        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if self.owners.last().is_some_and(|o| o == "Struct:Embedding") {
-                self.found.insert(self.path.join("."));
+                self.found.embeddings.insert(self.path.join("."));
+            }
+            if param.is_initialized() {
+                let value = param.val();
+                if value.is_autodiff() && !value.is_require_grad() {
+                    self.found.frozen.push(self.path.join("."));
+                }
             }
         }
     }
@@ -925,11 +949,30 @@ mod tests {
         let flags = args(&["--optimizer", "adam8bit", "--embedding-state-32bit"]);
         let device = Device::flex();
         let table = EmbeddingConfig::new(5000, 8).init(&device);
-        check_flags_act_on(&table, &flags).unwrap();
+        check_trains(&table, &flags).unwrap();
         assert!(eight_bit_paths(&table, &flags).is_empty());
         let linear = LinearConfig::new(4, 3).init(&device);
-        let err = check_flags_act_on(&linear, &flags).unwrap_err();
+        let err = check_trains(&linear, &flags).unwrap_err();
         assert!(err.to_string().contains("this model has none"), "{err}");
+    }
+
+    /// A frozen parameter is refused by name (the engine would train it); a model without
+    /// autodiff, whose parameters track nothing yet, is not taken for a frozen one.
+    #[test]
+    fn frozen_parameters_are_refused_by_name() {
+        use burn::nn::LinearConfig;
+        let flags = args(&[]);
+        let device = Device::flex().autodiff();
+        let mut linear = LinearConfig::new(4, 3).init(&device);
+        check_trains(&linear, &flags).unwrap();
+        // Initialised, as loaded weights are (a lazy parameter's setting cannot be read).
+        linear.weight = Param::from_tensor(Tensor::zeros([4, 3], &device)).set_require_grad(false);
+        let err = check_trains(&linear, &flags).unwrap_err().to_string();
+        assert!(
+            err.contains("1 parameter(s) of the model are frozen (require_grad false: weight)"),
+            "{err}"
+        );
+        check_trains(&LinearConfig::new(4, 3).init(&Device::flex()), &flags).unwrap();
     }
 
     /// Two AdamW steps of a linear layer (a decayed weight, an undecayed bias) with gradients

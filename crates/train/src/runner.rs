@@ -195,7 +195,7 @@ pub fn train<T: TrainTask>(
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
-    optim::check_flags_act_on(&model, args)?;
+    optim::check_trains(&model, args)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
         args,
@@ -274,7 +274,7 @@ pub fn train_on<T: TrainTask>(
     }
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
-    optim::check_flags_act_on(&model, args)?;
+    optim::check_trains(&model, args)?;
     train_rank(comm, model, task, args, device, Planned::default())
 }
 
@@ -661,6 +661,9 @@ fn run_rank<T: TrainTask>(
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     summary.timed_steps = timed_steps;
+    // A run resumed at its last step took none: its steps are the checkpoint's.
+    summary.first_step = first_step;
+    summary.steps = summary.steps.max(first_step - 1);
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
