@@ -144,10 +144,14 @@ impl Communicator for MpiComm {
     fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_gather");
         self.agree("all_gather", input.dtype(), None)?;
-        let mut counts = vec![0i32; self.size];
+        // Exchanged wide, so that every rank sees a total too large for MPI's counts and
+        // refuses it alike, before the gather.
+        let mut wide = vec![0u64; self.size];
         self.world
-            .all_gather_into(&(input.len() as i32), &mut counts[..]);
-        let total: usize = counts.iter().map(|&c| c as usize).sum();
+            .all_gather_into(&(input.len() as u64), &mut wide[..]);
+        let total = wide.iter().sum::<u64>() as usize;
+        mpi_count("all_gather", total)?;
+        let counts: Vec<i32> = wide.iter().map(|&c| c as i32).collect();
         *output = match input {
             Buffer::F32(send) => Buffer::F32(self.gather_bits(send, &counts, total, 0.0)),
             Buffer::F16(send) => {
@@ -172,6 +176,8 @@ impl Communicator for MpiComm {
         self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
         let n = input.len();
         let chunk = n.div_ceil(self.size);
+        // Agreed above: every rank refuses alike.
+        mpi_count("reduce_scatter", chunk * self.size)?;
         let mine = shard_range(n, self.size, self.rank).len();
         // MPI wants equal blocks: pad (a copy) only when the size does not divide, and cut
         // the padding off again.
@@ -212,6 +218,8 @@ impl Communicator for MpiComm {
         let mut len = buf.len() as u64;
         root_process.broadcast_into(&mut len);
         let len = len as usize;
+        // Every rank has the root's length: all refuse alike.
+        mpi_count("broadcast", len)?;
         match buf {
             Buffer::F32(values) => {
                 values.resize(len, 0.0);
@@ -234,6 +242,16 @@ impl Communicator for MpiComm {
         // The agreement is the barrier: every rank's call has arrived once it completes.
         self.agree("barrier", DType::F32, None)
     }
+}
+
+/// `n` elements as an MPI count, or an error naming `op`: MPI's counts are C ints.
+fn mpi_count(op: &str, n: usize) -> Result<c_int, CollectiveError> {
+    c_int::try_from(n).map_err(|_| {
+        CollectiveError::Invalid(format!(
+            "{op} of {n} elements: MPI counts stop at {}",
+            c_int::MAX
+        ))
+    })
 }
 
 impl MpiComm {
@@ -270,13 +288,7 @@ impl MpiComm {
         values: &mut [T],
         op: impl Operation,
     ) -> Result<(), CollectiveError> {
-        let count = c_int::try_from(values.len()).map_err(|_| {
-            CollectiveError::Invalid(format!(
-                "all_reduce of {} elements: MPI counts stop at {}",
-                values.len(),
-                c_int::MAX
-            ))
-        })?;
+        let count = mpi_count("all_reduce", values.len())?;
         // SAFETY: MPI reads and writes `count` elements of `T`'s datatype in `values`, which
         // is borrowed mutably for the call; every rank passes the same count (`agree`).
         unsafe {
@@ -446,5 +458,28 @@ fn system_op(op: ReduceOp) -> SystemOperation {
     match op {
         ReduceOp::Max => SystemOperation::max(),
         ReduceOp::Sum | ReduceOp::Mean => SystemOperation::sum(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A unit past a C int's elements (a block of a ~400B-parameter model) is an error naming
+    /// the collective, not a wrapped count or rsmpi's panic.
+    #[test]
+    fn counts_past_a_c_int_are_refused_by_name() {
+        assert_eq!(mpi_count("all_gather", 7).unwrap(), 7);
+        assert_eq!(
+            mpi_count("all_gather", c_int::MAX as usize).unwrap(),
+            c_int::MAX
+        );
+        let err = mpi_count("reduce_scatter", 1 << 31)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("reduce_scatter of 2147483648 elements"),
+            "{err}"
+        );
     }
 }
