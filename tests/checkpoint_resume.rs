@@ -236,6 +236,34 @@ fn a_resumed_run_names_the_settings_it_changed() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A requeue's command, `--initial-loss-scale` in it, resumes a 16-mixed run; another
+/// starting scale, which the saved scale would override, is refused by name.
+#[test]
+fn a_16_mixed_run_resumes_with_its_own_initial_loss_scale() {
+    let dir = scratch("loss-scale");
+    let scaled = |scale: &str, steps: &str| {
+        let flags = [
+            "--precision",
+            "16-mixed",
+            "--initial-loss-scale",
+            scale,
+            "--max-steps",
+            steps,
+            "--resume",
+        ];
+        run(&dir, "zero2", 2, 0.0, &flags)
+    };
+    scaled("1024", "3").unwrap();
+    let (_, summary) = scaled("1024", "6").unwrap();
+    assert_eq!((summary.first_step, summary.steps), (4, 6));
+    let err = scaled("512", "9").unwrap_err().to_string();
+    assert!(
+        err.contains("--initial-loss-scale 1024, this run 512"),
+        "{err}"
+    );
+    fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_checkpoint_resumes_at_another_world_size_and_strategy() {
     resharded(&[]);
@@ -332,19 +360,31 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     );
     fs::write(&file, &pristine).unwrap();
 
-    // A meta.json edited by hand: a split tensor without dimensions.
+    // A meta.json edited by hand: a tensor without dimensions (split, or replicated), or
+    // with more elements than can be counted.
     let meta_path = dir.join("step-00000003/meta.json");
     let meta = fs::read_to_string(&meta_path).unwrap();
-    let mut edited: serde_json::Value = serde_json::from_str(&meta).unwrap();
-    edited["params"][0]["dims"] = serde_json::json!([]);
-    fs::write(&meta_path, edited.to_string()).unwrap();
-    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("meta.json") && err.contains("has no dimensions"),
-        "{err}"
-    );
+    let mut edited: serde_json::Value;
+    let edits: [(&str, Vec<u64>, bool); 3] = [
+        ("/params/0", vec![], false),
+        ("/states/0/tensors/0", vec![], true),
+        ("/params/0", vec![1 << 40, 1 << 40], false),
+    ];
+    for (tensor, dims, replicated) in edits {
+        edited = serde_json::from_str(&meta).unwrap();
+        let t = edited.pointer_mut(tensor).unwrap();
+        t["dims"] = serde_json::json!(dims);
+        t["replicated"] = replicated.into();
+        fs::write(&meta_path, edited.to_string()).unwrap();
+        let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("meta.json") && err.contains(&format!("has dimensions {dims:?}")),
+            "{err}"
+        );
+    }
+    edited = serde_json::from_str(&meta).unwrap();
     // A shape far larger than the files: an error before any of it is held (consolidating
     // it asked the allocator for 1.4 TB, which aborted the process).
     edited["params"][0]["dims"] = serde_json::json!([76, 4_800_000_000u64]);
@@ -870,6 +910,42 @@ fn a_rank_late_past_the_collective_timeout_stops_the_run_naming_it() {
         message.contains("rank(s) [1]") && message.contains("timed out after 2.0 s"),
         "{message}"
     );
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run stopped after its last checkpoint (before its `--save`), requeued as it was, takes
+/// no step and saves the checkpoint's model; a checkpoint past `--max-steps` is refused.
+#[test]
+fn a_run_resumed_at_its_last_step_saves_the_checkpoints_model() {
+    let dir = scratch("resume-at-end");
+    let saved = dir.with_extension("saved.safetensors");
+    let resaved = dir.with_extension("resaved.safetensors");
+    let save = |path: &Path, steps: &str| {
+        let flags = ["--max-steps", steps, "--save", path.to_str().unwrap()];
+        run(&dir, "zero3", 2, 0.0, &[&flags[..], &["--resume"]].concat())
+    };
+    save(&saved, "3").unwrap();
+    let (_, summary) = save(&resaved, "3").unwrap();
+    assert_eq!(
+        (summary.first_step, summary.steps, summary.timed_steps),
+        (4, 3, 0)
+    );
+    let table = summary.table();
+    assert!(
+        table.contains("3 (resumed from step 3: none in this run)"),
+        "{table}"
+    );
+    let read = |path: &Path| {
+        let mut w = weights::read_safetensors(path).unwrap();
+        w.sort_by(|a, b| a.key.cmp(&b.key));
+        w
+    };
+    assert_eq!(read(&resaved), read(&saved));
+    let err = save(&resaved, "2").unwrap_err().to_string();
+    assert!(err.contains("at step 3, past --max-steps 2"), "{err}");
+    for file in [saved, resaved] {
+        fs::remove_file(file).unwrap();
+    }
     fs::remove_dir_all(&dir).unwrap();
 }
 

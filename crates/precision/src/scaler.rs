@@ -70,6 +70,11 @@ impl LossScaler {
     }
 
     /// What the loss is multiplied by before backward.
+    /// The scale the run started at (`--initial-loss-scale`).
+    pub fn initial_scale(&self) -> f64 {
+        self.config.init_scale
+    }
+
     pub fn scale(&self) -> f64 {
         self.scale
     }

@@ -39,6 +39,8 @@ use crate::{TrainError, fault};
 /// The layout version `meta.json` records; another one is refused.
 const FORMAT: u32 = 1;
 const META: &str = "meta.json";
+/// The widest dtype a checkpoint stores (f64; see `parse_dtype`).
+const MAX_DTYPE_SIZE: usize = 8;
 
 /// Everything that can go wrong finding, reading or writing a checkpoint.
 #[derive(Debug, thiserror::Error)]
@@ -786,17 +788,19 @@ impl Checkpoint {
                 ),
             });
         }
-        // Split tensors are read by rows: each has a first dimension.
+        // Tensors are read by rows (a replicated one's first, when it has one row): each has a
+        // first dimension, and a size that can be counted.
         let states = meta.states.iter().flat_map(|s| &s.tensors);
-        if let Some(t) = meta
-            .params
-            .iter()
-            .chain(states)
-            .find(|t| t.dims.is_empty() && !t.replicated)
-        {
+        if let Some(t) = meta.params.iter().chain(states).find(|t| {
+            t.dims.is_empty()
+                || t.dims
+                    .iter()
+                    .try_fold(MAX_DTYPE_SIZE, |n, &d| n.checked_mul(d))
+                    .is_none()
+        }) {
             return Err(CheckpointError::Corrupt {
                 path,
-                reason: format!("`{}` has no dimensions, but is split by rows", t.name),
+                reason: format!("`{}` has dimensions {:?}", t.name, t.dims),
             });
         }
         Ok(Self {
@@ -1235,10 +1239,17 @@ pub fn restore<T: TrainTask>(
                 args.accumulate
             )
         }),
-        // The scaler resumes at its saved scale, which a flag would not change.
-        (args.initial_loss_scale.is_some() && meta.loss_scaler.is_some()).then(|| {
-            "the loss scaler's scale is saved, this run gives --initial-loss-scale (drop it to resume)".to_string()
-        }),
+        // The scaler resumes at its saved scale, which another starting scale would not
+        // change; the same one (a requeue's own command) is the checkpoint's run's.
+        args.initial_loss_scale
+            .zip(meta.loss_scaler.as_ref())
+            .filter(|(given, saved)| *given != saved.initial_scale())
+            .map(|(given, saved)| {
+                format!(
+                    "--initial-loss-scale {}, this run {given} (the scale resumes where it was saved: drop the flag or give the same)",
+                    saved.initial_scale()
+                )
+            }),
     ]
     .into_iter()
     .flatten()
@@ -1250,9 +1261,11 @@ pub fn restore<T: TrainTask>(
     if !problems.is_empty() {
         return Err(ckpt.mismatch(problems.join("; ")).into());
     }
-    if meta.step >= args.max_steps {
+    // At --max-steps itself the run takes no step, and evaluates and saves the checkpoint's
+    // model: a run stopped after its last checkpoint, requeued as it was, ends.
+    if meta.step > args.max_steps {
         return Err(TrainError::InvalidArgs(format!(
-            "the checkpoint in {} is at step {}; --max-steps {} leaves nothing to train (raise it to continue)",
+            "the checkpoint in {} is at step {}, past --max-steps {} (raise it to continue)",
             ckpt.dir.display(),
             meta.step,
             args.max_steps

@@ -246,6 +246,8 @@ pub struct SaveReport {
 
 /// What the report says of a process peak where nothing counted it.
 const NOT_COUNTED: &str = "not measured (no counting allocator installed)";
+/// What the rows of a step say for a run that took none (resumed at its last step).
+const NO_STEP: &str = "none in this run (resumed at --max-steps)";
 
 impl RunSummary {
     #[allow(clippy::too_many_arguments)]
@@ -363,18 +365,17 @@ impl RunSummary {
 
     /// The closing table.
     pub fn table(&self) -> String {
+        // A run resumed at its last step takes none: it evaluates and saves.
+        let stepped = self.steps >= self.first_step;
         let mut rows: Vec<(&str, String)> = vec![
             ("time elapsed", format!("{:.1} s", self.elapsed_s)),
             (
                 "first step",
-                format!(
-                    "{:.2} s ({})",
-                    self.warmup_s,
-                    match self.steps > self.first_step {
-                        true => "not in the throughput",
-                        false => "the throughput's only step",
-                    }
-                ),
+                match (stepped, self.steps > self.first_step) {
+                    (false, _) => NO_STEP.into(),
+                    (true, true) => format!("{:.2} s (not in the throughput)", self.warmup_s),
+                    (true, false) => format!("{:.2} s (the throughput's only step)", self.warmup_s),
+                },
             ),
             (
                 "memory used (peak, process)",
@@ -456,17 +457,27 @@ impl RunSummary {
             ),
             (
                 "steps",
-                match self.first_step {
-                    1 => format!("{}", self.steps),
-                    first => format!(
+                match (self.first_step, stepped) {
+                    (1, _) => format!("{}", self.steps),
+                    (first, true) => format!(
                         "{} (resumed from step {}: {first}-{} in this run)",
                         self.steps,
                         first - 1,
                         self.steps
                     ),
+                    (_, false) => format!(
+                        "{} (resumed from step {}: none in this run)",
+                        self.steps, self.steps
+                    ),
                 },
             ),
-            ("final train loss", format!("{:.4}", self.final_loss)),
+            (
+                "final train loss",
+                match stepped {
+                    true => format!("{:.4}", self.final_loss),
+                    false => NO_STEP.into(),
+                },
+            ),
             ("validation loss", format!("{:.4}", self.val_loss)),
         ]);
         if self.model_state.offloaded > 0 {
@@ -501,15 +512,16 @@ impl RunSummary {
         if let Some(acc) = self.accuracy {
             rows.push(("test accuracy", format!("{:.2}%", 100.0 * acc)));
         }
-        if let Some(t) = self.tokens_per_s {
+        if let Some(t) = self.tokens_per_s.filter(|_| stepped) {
             rows.push(("throughput", format!("{t:.0} tokens/s")));
         }
-        if let Some(s) = self.samples_per_s {
+        if let Some(s) = self.samples_per_s.filter(|_| stepped) {
             rows.push(("throughput", format!("{s:.1} samples/s")));
         }
         let dtype = burn::tensor::DType::from(self.precision.compute_dtype()).name();
         let achieved = self.model_flops_per_s / 1e9;
         match (self.mfu, self.peak_flops) {
+            _ if !stepped => {}
             (Some(mfu), Some(peak)) => rows.push((
                 "MFU",
                 format!(
