@@ -236,27 +236,24 @@ fn a_resumed_run_names_the_settings_it_changed() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A requeue's command, `--initial-loss-scale` in it, resumes a 16-mixed run; another
-/// starting scale, which the saved scale would override, is refused by name.
+/// A requeue's command, `--initial-loss-scale` in it, resumes a 16-mixed run, also after a
+/// resume without the flag; another starting scale, which the saved scale would override, is
+/// refused by name.
 #[test]
 fn a_16_mixed_run_resumes_with_its_own_initial_loss_scale() {
     let dir = scratch("loss-scale");
-    let scaled = |scale: &str, steps: &str| {
-        let flags = [
-            "--precision",
-            "16-mixed",
-            "--initial-loss-scale",
-            scale,
-            "--max-steps",
-            steps,
-            "--resume",
-        ];
+    let scaled = |scale: Option<&str>, steps: &str| {
+        let mut flags = vec!["--precision", "16-mixed", "--max-steps", steps, "--resume"];
+        if let Some(scale) = scale {
+            flags.extend(["--initial-loss-scale", scale]);
+        }
         run(&dir, "zero2", 2, 0.0, &flags)
     };
-    scaled("1024", "3").unwrap();
-    let (_, summary) = scaled("1024", "6").unwrap();
-    assert_eq!((summary.first_step, summary.steps), (4, 6));
-    let err = scaled("512", "9").unwrap_err().to_string();
+    scaled(Some("1024"), "3").unwrap();
+    scaled(None, "6").unwrap();
+    let (_, summary) = scaled(Some("1024"), "9").unwrap();
+    assert_eq!((summary.first_step, summary.steps), (7, 9));
+    let err = scaled(Some("512"), "12").unwrap_err().to_string();
     assert!(
         err.contains("--initial-loss-scale 1024, this run 512"),
         "{err}"

@@ -690,12 +690,12 @@ impl ModuleMapper for LoadMapper<'_> {
         };
         if weight.shape != expected {
             // Both shapes in the file's layout: a weight the loader transposed into Burn's
-            // was `[out, in]` there.
+            // was `[out, in]` there (whatever prefix or old name its key had in the file).
             let transposed = self
                 .keys
                 .saved_as(&path, &expected)
                 .iter()
-                .any(|s| s.key == weight.key && s.transposed);
+                .any(|s| s.transposed);
             let in_file = |mut shape: Vec<usize>| {
                 if transposed {
                     shape.reverse();

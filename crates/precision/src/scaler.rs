@@ -61,20 +61,24 @@ impl LossScaler {
     }
 
     /// Continues where `saved` (a checkpoint's scaler) stopped: its scale and counters, this
-    /// scaler's configuration.
+    /// scaler's configuration but for the scale the first run started at, which stays on
+    /// record through every resume.
     pub fn resume_from(&mut self, saved: &LossScaler) {
         *self = LossScaler {
-            config: self.config,
+            config: ScalerConfig {
+                init_scale: saved.config.init_scale,
+                ..self.config
+            },
             ..saved.clone()
         };
     }
 
-    /// What the loss is multiplied by before backward.
-    /// The scale the run started at (`--initial-loss-scale`).
+    /// The scale the run started at (`--initial-loss-scale`), kept through its resumes.
     pub fn initial_scale(&self) -> f64 {
         self.config.init_scale
     }
 
+    /// What the loss is multiplied by before backward.
     pub fn scale(&self) -> f64 {
         self.scale
     }

@@ -716,7 +716,9 @@ fn find_params<M: Module>(model: &M) -> FoundParams {
             }
             if param.is_initialized() {
                 let value = param.val();
-                if value.is_autodiff() && !value.is_require_grad() {
+                // Untracked, rather than not requiring gradients: a parameter mapped after
+                // initialisation (`to_device`) is tracked through its map, and trains.
+                if value.is_autodiff() && !value.is_tracked() {
                     self.found.frozen.push(self.path.join("."));
                 }
             }
@@ -963,16 +965,22 @@ mod tests {
         use burn::nn::LinearConfig;
         let flags = args(&[]);
         let device = Device::flex().autodiff();
-        let mut linear = LinearConfig::new(4, 3).init(&device);
-        check_trains(&linear, &flags).unwrap();
         // Initialised, as loaded weights are (a lazy parameter's setting cannot be read).
-        linear.weight = Param::from_tensor(Tensor::zeros([4, 3], &device)).set_require_grad(false);
+        let weight = |device: &Device| Param::from_tensor(Tensor::<2>::zeros([4, 3], device));
+        let mut linear = LinearConfig::new(4, 3).init(&device);
+        linear.weight = weight(&device);
+        check_trains(&linear, &flags).unwrap();
+        // Mapped after initialisation: tracked through the map, not frozen.
+        linear.weight = linear.weight.map(|w| w * 2.0);
+        check_trains(&linear, &flags).unwrap();
+        linear.weight = weight(&device).set_require_grad(false);
         let err = check_trains(&linear, &flags).unwrap_err().to_string();
         assert!(
             err.contains("1 parameter(s) of the model are frozen (require_grad false: weight)"),
             "{err}"
         );
-        check_trains(&LinearConfig::new(4, 3).init(&Device::flex()), &flags).unwrap();
+        linear.weight = weight(&Device::flex());
+        check_trains(&linear, &flags).unwrap();
     }
 
     /// Two AdamW steps of a linear layer (a decayed weight, an undecayed bias) with gradients
