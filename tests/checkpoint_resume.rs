@@ -361,14 +361,13 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     // with more elements than can be counted.
     let meta_path = dir.join("step-00000003/meta.json");
     let meta = fs::read_to_string(&meta_path).unwrap();
-    let mut edited: serde_json::Value;
     let edits: [(&str, Vec<u64>, bool); 3] = [
         ("/params/0", vec![], false),
         ("/states/0/tensors/0", vec![], true),
         ("/params/0", vec![1 << 40, 1 << 40], false),
     ];
     for (tensor, dims, replicated) in edits {
-        edited = serde_json::from_str(&meta).unwrap();
+        let mut edited: serde_json::Value = serde_json::from_str(&meta).unwrap();
         let t = edited.pointer_mut(tensor).unwrap();
         t["dims"] = serde_json::json!(dims);
         t["replicated"] = replicated.into();
@@ -381,7 +380,7 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
             "{err}"
         );
     }
-    edited = serde_json::from_str(&meta).unwrap();
+    let mut edited: serde_json::Value = serde_json::from_str(&meta).unwrap();
     // A shape far larger than the files: an error before any of it is held (consolidating
     // it asked the allocator for 1.4 TB, which aborted the process).
     edited["params"][0]["dims"] = serde_json::json!([76, 4_800_000_000u64]);

@@ -685,8 +685,7 @@ pub(crate) fn state_bytes_of(
     }
 }
 
-/// The paths of the parameters of `model` that are burn `Embedding` tables.
-/// The paths of `model`'s embedding tables, and of its frozen parameters (initialised with
+/// The paths of `model`'s burn `Embedding` tables, and of its frozen parameters (initialised with
 /// autodiff and not tracked: a lazy parameter's setting cannot be read without initialising it).
 #[derive(Default)]
 struct FoundParams {

@@ -254,6 +254,7 @@ impl RunSummary {
     pub(crate) fn new(
         args: &TrainArgs,
         world_size: usize,
+        first_step: usize,
         history: Vec<StepMetrics>,
         val_loss: f64,
         accuracy: Option<f64>,
@@ -286,8 +287,9 @@ impl RunSummary {
             matmul: args.matmul,
             world_size,
             optimizer: args.optimizer,
-            steps: history.last().map_or(0, |m| m.step),
-            first_step: history.first().map_or(1, |m| m.step),
+            // A run resumed at its last step takes none: its steps are the checkpoint's.
+            steps: history.last().map_or(first_step - 1, |m| m.step),
+            first_step,
             timed_steps: 0,
             final_loss: history.last().map_or(f64::NAN, |m| m.loss),
             val_loss,

@@ -641,6 +641,7 @@ fn run_rank<T: TrainTask>(
     let mut summary = RunSummary::new(
         args,
         world,
+        first_step,
         history,
         val_loss,
         accuracy,
@@ -661,9 +662,6 @@ fn run_rank<T: TrainTask>(
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     summary.timed_steps = timed_steps;
-    // A run resumed at its last step took none: its steps are the checkpoint's.
-    summary.first_step = first_step;
-    summary.steps = summary.steps.max(first_step - 1);
     if let Some((scale, skipped)) = engine.loss_scale() {
         summary.loss_scale = Some(scale);
         summary.skipped_steps = skipped;
