@@ -96,6 +96,16 @@ fn report(comm: &dyn Communicator, cli: &Cli) -> usize {
         let case = format!("[rank {rank}/{world}] zero3 {}", flags.join(" "));
         outcome(case, check(comm, "zero3", &flags));
     }
+    // Frozen parameters, which rank 0's model names for every rank: the token table and the
+    // top block (backward goes through it), or the embeddings and the bottom block (below the
+    // lowest unit that trains: outside autodiff).
+    for freeze in ["wte,h.1", "wte,wpe,h.0"] {
+        for strategy in ["ddp", "zero3"] {
+            let flags = [ADAMW, &["--freeze", freeze], on].concat();
+            let case = format!("[rank {rank}/{world}] {strategy} {}", flags.join(" "));
+            outcome(case, check(comm, strategy, &flags));
+        }
+    }
     failed
 }
 

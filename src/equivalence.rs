@@ -16,6 +16,7 @@ use burnscale_collective::{Communicator, DType};
 use burnscale_mingpt::{Gpt, GptConfig};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{self, Weight};
+use burnscale_train::freeze::frozen_by;
 use burnscale_train::{
     Batch, BatchPart, OptimizerKind, RunSummary, Score, TrainArgs, TrainError, TrainTask,
     eight_bit_paths, train_on,
@@ -245,10 +246,25 @@ fn check_on<T: TrainTask<Model = Gpt>>(
             summary.history.len()
         ));
     }
+    let (trained, plain) = (weights::collect(&engine), weights::collect(&plain));
+    // A frozen parameter takes no step: the bits it started with (in 16 bits under `*-true`,
+    // where the plain loop's are its cast of them).
+    let start = match args.precision.param_dtype() {
+        FloatDType::F32 => &initial,
+        _ => &plain,
+    };
+    for (path, got) in trained
+        .iter()
+        .filter(|(path, _)| frozen_by(&args.freeze, path))
+    {
+        if start.get(path).is_none_or(|want| want.values != got.values) {
+            differences.push(format!("{path}: frozen, but changed"));
+        }
+    }
     let (params, params_worst) = parameter_differences(
         &initial,
-        &weights::collect(&engine),
-        &weights::collect(&plain),
+        &trained,
+        &plain,
         &tolerance,
         args.lr as f32 * STEPS as f32,
         (config.n_embd, args.optimizer == OptimizerKind::Adafactor),

@@ -5,8 +5,10 @@
 //! there cannot hide by appearing on both sides of a comparison. It reads the device once a
 //! step (the losses and the gradients' sums of squares, for clipping), so that it is also the
 //! speed floor `benches/mingpt_throughput.rs` puts beside the engine. What it does share is the
-//! starting point: the model (built by the caller) and, under `*-true`, its cast to 16 bits
-//! (`burnscale_precision::cast`, whose dtypes `tests/precision.rs` checks on its own).
+//! starting point: the model (built by the caller), the parameters `--freeze` marks frozen
+//! (`burnscale_train::freeze`, Burn's `set_require_grad(false)` on the paths named) and, under
+//! `*-true`, its cast to 16 bits (`burnscale_precision::cast`, whose dtypes
+//! `tests/precision.rs` checks on its own).
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;
@@ -41,6 +43,9 @@ pub struct PlainConfig {
     pub steps: usize,
     /// The dtype the weights are stored and trained in.
     pub dtype: FloatDType,
+    /// The paths (or prefixes) of the parameters that do not train: Burn's autodiff gives
+    /// them no gradient, and burn-optim steps only what has one.
+    pub freeze: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -117,17 +122,21 @@ impl PlainConfig {
             accumulate: args.accumulate,
             steps: args.max_steps,
             dtype: args.precision.param_dtype(),
+            freeze: args.freeze.clone(),
         })
     }
 
     /// Trains `model` on the whole global batches of `task` (each rank's slices together)
-    /// on `device` (an autodiff device); returns the trajectory and the trained model.
+    /// on `device` (an autodiff device); returns the trajectory and the trained model. Panics
+    /// if `freeze` names no parameter of `model`.
     pub fn train<T: TrainTask>(
         &self,
         model: T::Model,
         task: &mut T,
         device: &Device,
     ) -> (Trajectory, T::Model) {
+        let model = burnscale_train::freeze::freeze(model, &self.freeze)
+            .unwrap_or_else(|e| panic!("the plain loop's --freeze: {e}"));
         let mut model = if self.dtype == FloatDType::F32 {
             model
         } else {

@@ -160,6 +160,9 @@ fn a_resumed_run_takes_the_uninterrupted_runs_steps_bit_for_bit() {
                 offload_dir,
             ],
         ),
+        // Frozen parameters: saved, without optimizer state, and left out again.
+        ("zero3", 2, &["--freeze", "wte,h.1"]),
+        ("zero1", 2, &["--freeze", "wte,wpe,h.0"]),
         // Adafactor: row moments by rows, a matrix's column moment (the same on every rank)
         // once, and its first moment.
         ("zero3", 2, &["--optimizer", "adafactor", "--beta1", "0.9"]),

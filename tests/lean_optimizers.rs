@@ -392,7 +392,8 @@ fn sharded_adafactor_steps_as_burn_optims_on_the_whole_tensors() {
             };
             let device = Device::default().autodiff();
             let initial = ids.into_iter().zip(shard_of(&full)).collect();
-            let mut module = params::set_values(full.clone(), initial, &device, true);
+            let track = params::Track::AllBut(&Default::default());
+            let mut module = params::set_values(full.clone(), initial, &device, track);
             for g in &grads {
                 let [(m, md), (v, _), (c, cd)] = shard_of(g);
                 let mut shard_grads = GradientsParams::new();

@@ -357,6 +357,72 @@ fn model_states_match_the_16_bytes_per_param_formula() {
     assert_eq!(sgd.model_state.optimizer, 4 * p, "momentum buffer");
 }
 
+/// `--freeze`d parameters hold no gradient and no optimizer state (the formula counts them
+/// as weights alone), under DDP and ZeRO-3, and the summary counts them; a prefix that names
+/// no parameter, or one freezing everything, is refused naming it.
+#[test]
+fn frozen_parameters_hold_no_gradients_or_state() {
+    let p = GptConfig::tiny().num_params();
+    let freeze = ["--max-steps", "2", "--freeze", "wte,h.1"];
+    let (_, ddp) = run(&[&freeze[..], &["--strategy", "ddp", "--devices", "2"]].concat());
+    let frozen = p - ddp.trainable_params;
+    let config = GptConfig::tiny();
+    let block = (p
+        - config.vocab_size * config.n_embd * 2
+        - config.block_size * config.n_embd
+        - 2 * config.n_embd)
+        / config.n_layer;
+    assert_eq!(frozen, config.vocab_size * config.n_embd + block);
+    let t = ddp.trainable_params;
+    let states = ddp.model_state;
+    assert_eq!(
+        (states.params, states.grads, states.optimizer),
+        (4 * p, 4 * t, 8 * t)
+    );
+    assert_eq!(ddp.model_state_predicted_bytes, 4 * p + 12 * t);
+    // Sharded over two ranks: half the trainable parameters' moments, and the zero rows that
+    // pad an odd first dimension.
+    let (_, zero3) = run(&[&freeze[..], &["--strategy", "zero3", "--devices", "2"]].concat());
+    let optimizer = zero3.model_state.optimizer;
+    assert!(
+        optimizer >= 8 * t / 2 && optimizer < 8 * t / 2 + 8 * 64,
+        "{optimizer} bytes of moments for {t} trainable parameters"
+    );
+    for (freeze, expected) in [
+        (
+            "h.9",
+            "--freeze h.9: no parameter of the model has that path or path prefix",
+        ),
+        ("h.1.att", "--freeze h.1.att: no parameter"),
+        (
+            "wte,wpe,h,ln_f,lm_head",
+            "freezes every parameter of the model",
+        ),
+    ] {
+        let _rng = hold_rng();
+        let device = Device::default().autodiff();
+        let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+        let args = args(&["--freeze", freeze]);
+        let Err(e) = train(model, &mut task(args.batch_size), &args, &device) else {
+            panic!("--freeze {freeze} trained");
+        };
+        assert!(e.to_string().contains(expected), "{e}");
+    }
+    // A model frozen by its own code: the engine finds nothing to train.
+    let _rng = hold_rng();
+    let device = Device::default().autodiff();
+    let model = Gpt::new(&GptConfig::tiny(), &device).unwrap().no_grad();
+    let args = args(&["--strategy", "zero3", "--devices", "2"]);
+    let Err(e) = train(model, &mut task(args.batch_size), &args, &device) else {
+        panic!("a model frozen whole trained");
+    };
+    assert!(
+        e.to_string()
+            .contains("every parameter of the model is frozen"),
+        "{e}"
+    );
+}
+
 #[test]
 fn true_16_bit_policies_hold_gradients_in_16_bits() {
     let p = GptConfig::tiny().num_params();

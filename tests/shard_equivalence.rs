@@ -32,6 +32,46 @@ fn every_strategy_takes_the_plain_adamw_steps() {
     every_strategy(ADAMW, &[]);
 }
 
+/// `--freeze`: the token table and the top block (which backward still goes through, to the
+/// block below), or the embeddings and the bottom block (which run outside autodiff, backward
+/// stopping above them), take no step under any strategy, as Burn's autodiff and burn-optim
+/// leave them in the plain loop, and the rest its steps: whole units and part of one frozen,
+/// on uneven shards, with checkpointed blocks, with zero3's units kept gathered, and with
+/// dropout on one rank (whose masks are the plain loop's).
+#[test]
+fn frozen_parameters_take_no_step_under_every_strategy() {
+    let (top, bottom) = (["--freeze", "wte,h.1"], ["--freeze", "wte,wpe,h.0"]);
+    for freeze in [top, bottom] {
+        for optimizer in [SGD, ADAMW] {
+            every_strategy(optimizer, &freeze);
+        }
+        let checkpointed = ["--checkpoint-activations"];
+        for (strategy, extra) in [
+            ("zero2", &checkpointed[..]),
+            ("zero3", &checkpointed[..]),
+            ("zero3", KEPT_GATHERED),
+        ] {
+            assert_matches_plain(strategy, 2, &[ADAMW, &freeze, extra].concat());
+        }
+        for (strategy, extra) in [
+            ("zero3", &["--offload", "params"][..]),
+            ("ddp", &checkpointed[..]),
+        ] {
+            let flags = [ADAMW, &freeze, extra].concat();
+            let ranks = run_ranks(1, DEFAULT_TIMEOUT, |comm| {
+                check_with_dropout(comm, strategy, 0.1, &flags)
+            })
+            .unwrap();
+            let found = ranks.into_iter().next().unwrap().unwrap().unwrap();
+            assert!(
+                found.agrees(),
+                "{strategy} {flags:?} with dropout:\n{}",
+                found.differences.join("\n")
+            );
+        }
+    }
+}
+
 /// SGD with momentum (the velocity each rank keeps for what it steps) and Adam (decay as an
 /// L2 term in the gradient), both burn-optim's in the plain loop, stepped parameter by
 /// parameter on the shards in the engine.

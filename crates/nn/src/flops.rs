@@ -29,4 +29,60 @@ impl Flops {
         let weights = self.per_position as f64 * seq + self.per_sequence as f64;
         batch * (6.0 * weights + 12.0 * self.attention_width as f64 * seq * keys)
     }
+
+    /// The part of [`Flops::of`] that frozen parameters of the blocks leave undone: no
+    /// weight gradient for a frozen weight (2 FLOPs per position), and for a block below the
+    /// lowest unit that trains, which backward does not reach, no input gradient either (2
+    /// more per weight, and attention's backward, 8·d per query per key). `blocks` gives each
+    /// block's weights, frozen weights, and whether backward stops above it. Frozen weights
+    /// outside the blocks are not counted out (a frozen head or patch projection: how often
+    /// they run is the model's to say).
+    pub fn frozen_in_blocks(
+        &self,
+        batch: usize,
+        seq: usize,
+        keys: f64,
+        blocks: &[(usize, usize, bool)],
+    ) -> f64 {
+        let width = self.attention_width as f64 / blocks.len().max(1) as f64;
+        let (batch, seq) = (batch as f64, seq as f64);
+        let per_sequence: f64 = blocks
+            .iter()
+            .map(|&(weights, frozen, unreached)| {
+                let no_input_grad = match unreached {
+                    true => 2.0 * weights as f64 * seq + 8.0 * width * seq * keys,
+                    false => 0.0,
+                };
+                2.0 * frozen as f64 * seq + no_input_grad
+            })
+            .sum();
+        batch * per_sequence
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two blocks of 100 weights and width 8, at 4 sequences of 10 positions: the bottom one
+    /// frozen below the lowest that trains (its forward alone: 2 per weight, 4·d a query-key
+    /// pair), the top one with 30 frozen weights (their weight gradients out).
+    #[test]
+    fn frozen_blocks_leave_out_their_backward() {
+        let flops = Flops {
+            per_position: 200,
+            per_sequence: 0,
+            attention_width: 16,
+        };
+        let (batch, seq, keys) = (4, 10, 10.0);
+        let all = flops.of(batch, seq, keys);
+        let saved = flops.frozen_in_blocks(batch, seq, keys, &[(100, 100, true), (100, 30, false)]);
+        let bottom = 2.0 * 100.0 * 10.0 + 4.0 * 8.0 * 10.0 * 10.0;
+        let top = (6.0 * 100.0 - 2.0 * 30.0) * 10.0 + 12.0 * 8.0 * 10.0 * 10.0;
+        assert_eq!(all - saved, 4.0 * (bottom + top));
+        assert_eq!(
+            flops.frozen_in_blocks(batch, seq, keys, &[(100, 0, false); 2]),
+            0.0
+        );
+    }
 }

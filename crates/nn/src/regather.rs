@@ -63,6 +63,8 @@ fn regathered_linear<const D: usize>(layer: &Linear, x: Tensor<D>, gemm: bool) -
         }
     });
     let weight = layer.weight.val();
+    // A frozen weight is read in backward (for the input's gradient) but gets no gradient.
+    let weight_grad = weight.is_tracked();
     // Without a bias of its own, a zero one, outside the graph: one op for both cases.
     let bias = match &layer.bias {
         Some(bias) => bias.val(),
@@ -73,6 +75,7 @@ fn regathered_linear<const D: usize>(layer: &Linear, x: Tensor<D>, gemm: bool) -
         weight.into_dispatch(),
         bias.into_dispatch(),
         layer.weight.id.val(),
+        weight_grad,
         gemm,
     ))
 }
@@ -131,15 +134,17 @@ backend_ops! {
     pub trait RegatherOps {
         /// `x @ weight + bias` (`[.., d_in]` x `[d_in, d_out]` + `[d_out]`); under autodiff
         /// (the op's only use: its input is tracked) forward and backward products through
-        /// [`GemmOps`] where `gemm`, else the backend's linear ops.
+        /// [`GemmOps`] where `gemm`, else the backend's linear ops, and the weight's gradient
+        /// only where `weight_grad` (not for a frozen weight).
         fn regathered_linear(
             x: FloatTensor<Self>,
             weight: FloatTensor<Self>,
             bias: FloatTensor<Self>,
             key: u64,
+            weight_grad: bool,
             gemm: bool,
         ) -> FloatTensor<Self> {
-            let _ = (key, gemm);
+            let _ = (key, weight_grad, gemm);
             <Self as ModuleOps<Self>>::linear(x, weight, Some(bias))
         }
     }
@@ -156,6 +161,7 @@ where
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         key: u64,
+        weight_grad: bool,
         gemm: bool,
     ) -> FloatTensor<Self> {
         #[derive(Debug)]
@@ -165,7 +171,7 @@ where
         where
             DispatchTensor: DispatchKindConversion<B>,
         {
-            type State = (FloatTensor<B>, u64, bool);
+            type State = (FloatTensor<B>, u64, bool, bool);
 
             fn backward(
                 self,
@@ -173,7 +179,7 @@ where
                 grads: &mut Gradients,
                 _checkpointer: &mut Checkpointer,
             ) {
-                let (x, key, gemm) = ops.state;
+                let (x, key, weight_grad, gemm) = ops.state;
                 let id = ParamId::from(key);
                 let grad = grads.consume::<B>(&ops.node);
                 // Read, not taken: a layer may run more than once in a block.
@@ -181,18 +187,20 @@ where
                     .with(|s| s.borrow().get(&id).cloned())
                     .unwrap_or_else(|| panic!("weight {id} was not staged for its backward"));
                 let weight = primitive::<B>(weight);
-                let grad_weight = match gemm {
-                    true => linear_weight_backward::<B>(x, grad.clone()),
-                    false => B::linear_weight_backward(x, grad.clone()),
-                };
-                GRADS.with(|g| {
-                    let mut g = g.borrow_mut();
-                    let sum = match g.remove(&id) {
-                        Some(earlier) => B::float_add(primitive::<B>(earlier), grad_weight),
-                        None => grad_weight,
+                if weight_grad {
+                    let grad_weight = match gemm {
+                        true => linear_weight_backward::<B>(x, grad.clone()),
+                        false => B::linear_weight_backward(x, grad.clone()),
                     };
-                    g.insert(id, Tensor::from_primitive::<B>(sum));
-                });
+                    GRADS.with(|g| {
+                        let mut g = g.borrow_mut();
+                        let sum = match g.remove(&id) {
+                            Some(earlier) => B::float_add(primitive::<B>(earlier), grad_weight),
+                            None => grad_weight,
+                        };
+                        g.insert(id, Tensor::from_primitive::<B>(sum));
+                    });
+                }
                 let [x_node, bias_node] = ops.parents;
                 if let Some(node) = bias_node {
                     grads.register::<B>(node.id, B::linear_bias_backward(grad.clone()));
@@ -219,7 +227,7 @@ where
             .compute_bound()
             .stateful()
         {
-            OpsKind::Tracked(prep) => prep.finish((x, key, gemm), y),
+            OpsKind::Tracked(prep) => prep.finish((x, key, weight_grad, gemm), y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
     }
@@ -324,6 +332,29 @@ mod tests {
                 .into_data()
                 .assert_approx_eq::<f32>(&w_grad.clone().inner().into_data(), Tolerance::default());
         }
+    }
+
+    /// A frozen weight is still read for the input's gradient, but gets none of its own.
+    #[test]
+    fn a_frozen_weight_gets_no_gradient() {
+        let (mut layer, x, r) = setup();
+        let [x_grad, _, _] = reference(&layer, x.clone(), r.clone());
+        layer.weight = layer.weight.set_require_grad(false);
+        let x = x.require_grad();
+        let (y, read) = forward(|| linear(&layer, x.clone()));
+        assert_eq!(
+            read,
+            vec![layer.weight.id],
+            "staged for the input's gradient"
+        );
+        let staged = vec![(layer.weight.id, layer.weight.val().inner())];
+        let (grads, weights) = backward(staged, || (y * r).sum().backward());
+        assert!(weights[0].1.is_none(), "a frozen weight's gradient");
+        x.grad(&grads)
+            .expect("x")
+            .flatten::<1>(0, 2)
+            .into_data()
+            .assert_approx_eq::<f32>(&x_grad.inner().into_data(), Tolerance::default());
     }
 
     #[test]

@@ -9,7 +9,7 @@ use burnscale_nn::{BlockModel, Flops, autocast, autodiff_on, dropout, regather};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
-use crate::params::{self, Flat};
+use crate::params::{self, Flat, Track};
 use crate::{ShardError, Sharding, Share, StepGrads, Strategy, host};
 
 /// The root's units: the embeddings', then the rest (the head's); blocks follow them.
@@ -49,6 +49,10 @@ pub struct Sharded<'c, M: BlockModel> {
     head_units: Vec<usize>,
     /// The full replica, or this rank's shards when parameters are sharded.
     model: Option<M>,
+    /// The parameters rank 0's model had frozen (`require_grad` false): gathered and set
+    /// untracked, so that no backward gives them a gradient; never reduced, so never stepped
+    /// (no optimizer state), as PyTorch leaves a parameter whose `.grad` stays `None`.
+    frozen: HashSet<ParamId>,
     /// The whole model's FLOP count, taken before it was sharded.
     flops: Flops,
     /// This rank's own gradients not reduced yet (flat, in the gradient dtype): whole ones
@@ -146,6 +150,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             units,
             head_units,
             model: None,
+            frozen: HashSet::new(),
             flops: model.flops(),
             local: HashMap::new(),
             reached: HashSet::new(),
@@ -159,11 +164,22 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             reduce_dtype: DType::F32,
             scaler: None,
         };
+        // Rank 0's frozen parameters are every rank's, known before any value is set tracked.
         this.model = Some(if sharding.parameters {
-            this.shard_from_rank0(model)?
+            let (model, frozen) = this.shard_from_rank0(model)?;
+            this.frozen = this.frozen_on_every_rank(frozen)?;
+            model
         } else {
+            let frozen = match this.comm.rank() {
+                0 => params::frozen(&model, None),
+                _ => HashSet::new(),
+            };
+            this.frozen = this.frozen_on_every_rank(frozen)?;
             this.broadcast_from_rank0(model)?
         });
+        if this.slots.iter().all(|slot| this.frozen.contains(&slot.id)) {
+            return Err(ShardError::AllFrozen);
+        }
         Ok(this)
     }
 
@@ -370,7 +386,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let shards = self.own_shards(&model);
             let device = self.inner_device();
             (
-                params::set_values(model.clone(), shards, &device, false),
+                params::set_values(model.clone(), shards, &device, Track::No),
                 Some(model),
             )
         } else {
@@ -442,10 +458,32 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.model.as_ref().expect(PRESENT).extent(input)
     }
 
-    /// Model FLOPs of a forward and backward pass on `input` ([`BlockModel::train_flops`]).
+    /// Model FLOPs of a forward and backward pass on `input` ([`BlockModel::train_flops`]),
+    /// less what the blocks' frozen parameters leave undone ([`Flops::frozen_in_blocks`]).
     pub fn train_flops(&self, input: &M::Input) -> f64 {
         let model = self.model.as_ref().expect(PRESENT);
-        model.train_flops(&self.flops, input)
+        let all = model.train_flops(&self.flops, input);
+        if self.frozen.is_empty() {
+            return all;
+        }
+        let frozen_below = self.frozen_below();
+        let blocks: Vec<(usize, usize, bool)> = self.units[FIRST_BLOCK..]
+            .iter()
+            .enumerate()
+            .map(|(i, unit)| {
+                let numel = |frozen_only: bool| {
+                    unit.iter()
+                        .map(|&s| &self.slots[s])
+                        .filter(|s| !frozen_only || self.frozen.contains(&s.id))
+                        .map(Slot::numel)
+                        .sum()
+                };
+                (numel(false), numel(true), i < frozen_below)
+            })
+            .collect();
+        let [batch, seq] = model.extent(input);
+        let keys = model.attended_keys(seq);
+        all - self.flops.frozen_in_blocks(batch, seq, keys, &blocks)
     }
 
     /// Where [`Sharded::eval_logits`] takes its input.
@@ -522,6 +560,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
+    /// The elements of the parameters that train (not frozen).
+    pub fn trainable_params(&self) -> usize {
+        self.slots
+            .iter()
+            .filter(|s| !self.frozen.contains(&s.id))
+            .map(Slot::numel)
+            .sum()
+    }
+
     /// Every parameter's place in the layout, in visit order.
     pub fn slots(&self) -> &[Slot] {
         &self.slots
@@ -571,8 +618,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             })
             .collect();
         self.model = Some(match sharded {
-            true => params::set_values(model, shaped, &home, false),
-            false => params::set_values(model, shaped, &self.device, true),
+            true => params::set_values(model, shaped, &home, Track::No),
+            false => params::set_values(model, shaped, &self.device, self.track(true)),
         });
     }
 
@@ -651,7 +698,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 .zip(layout::split(root, slots.iter().map(|s| s.numel())))
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
-            model = params::set_values(model, bucket_values, &self.device, true);
+            model = params::set_values(model, bucket_values, &self.device, self.track(true));
         }
         Ok(model)
     }
@@ -659,11 +706,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// Rank 0's parameter values, each rank keeping only its shards: one parameter at a time,
     /// in visit order, so a lazy model is initialised one parameter at a time on rank 0 only
     /// (in the order a single device would draw them) and no rank ever holds the whole model.
-    fn shard_from_rank0(&self, mut model: M) -> Result<M, ShardError> {
+    /// Also, on rank 0, which of them are frozen (read as each is initialised).
+    fn shard_from_rank0(&self, mut model: M) -> Result<(M, HashSet<ParamId>), ShardError> {
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
         let device = self.inner_device();
+        let mut frozen = HashSet::new();
         for slot in &self.slots {
             let full = if rank == 0 {
+                frozen.extend(params::frozen(&model, Some(&[slot.id])));
                 params::values(&model, Some(&[slot.id]))
                     .remove(&slot.id)
                     .expect("the slot is a parameter of the model")
@@ -689,9 +739,53 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
             let shard = (layout::owned(slot.shard_of(&full, rank)), slot.shard_dims());
             drop(full);
-            model = params::set_values(model, HashMap::from([(slot.id, shard)]), &device, false);
+            let shard = HashMap::from([(slot.id, shard)]);
+            model = params::set_values(model, shard, &device, Track::No);
         }
-        Ok(model)
+        Ok((model, frozen))
+    }
+
+    /// Rank 0's `frozen` parameters, on every rank (a flag per slot, broadcast).
+    fn frozen_on_every_rank(
+        &self,
+        frozen: HashSet<ParamId>,
+    ) -> Result<HashSet<ParamId>, ShardError> {
+        if self.comm.world_size() == 1 {
+            return Ok(frozen);
+        }
+        let flags: Vec<f32> = self
+            .slots
+            .iter()
+            .map(|s| f32::from(u8::from(frozen.contains(&s.id))))
+            .collect();
+        let flags = Tensor::<1>::from_floats(flags.as_slice(), &self.inner_device());
+        let flags = self.comm.broadcast_tensor(flags, 0)?.into_data();
+        if flags.num_elements() != self.slots.len() {
+            return Err(ShardError::ModelMismatch {
+                rank: self.comm.rank(),
+                detail: format!(
+                    "rank 0 has {} parameters, this rank {}",
+                    flags.num_elements(),
+                    self.slots.len()
+                ),
+            });
+        }
+        Ok(self
+            .slots
+            .iter()
+            .zip(flags.iter::<f32>())
+            .filter(|(_, flag)| *flag != 0.0)
+            .map(|(slot, _)| slot.id)
+            .collect())
+    }
+
+    /// How values set for a forward are left: tracked (but the frozen parameters) when
+    /// `require_grad`, else plain.
+    fn track(&self, require_grad: bool) -> Track<'_> {
+        match require_grad {
+            true => Track::AllBut(&self.frozen),
+            false => Track::No,
+        }
     }
 
     /// This rank's shard of every parameter of `module`, shaped as shards.
@@ -745,7 +839,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 .into_iter()
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
-            module = params::set_values(module, full, &self.device, require_grad);
+            module = params::set_values(module, full, &self.device, self.track(require_grad));
         }
         Ok(module)
     }
@@ -789,10 +883,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
 
     /// Averages the local gradients of one group over the ranks: all-reduce, or
     /// reduce-scatter to this rank's shards when gradients are sharded, added to the shards
-    /// earlier micro-steps of the step reduced.
+    /// earlier micro-steps of the step reduced. Frozen parameters have none, and take no part.
     fn reduce(&mut self, group: Group) -> Result<(), ShardError> {
         let world = self.comm.world_size();
-        let slots: Vec<Slot> = self.group(group).into_iter().cloned().collect();
+        let slots: Vec<Slot> = self
+            .group(group)
+            .into_iter()
+            .filter(|s| !self.frozen.contains(&s.id))
+            .cloned()
+            .collect();
         if slots.is_empty() {
             return Ok(());
         }
@@ -893,11 +992,19 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         let inner_mask = mask.clone().map(|m| m.inner());
         let mask = mask.map(|m| autodiff_on(m, &self.device));
-        let mut saved = Vec::with_capacity(blocks.len());
+        // Below the lowest unit that trains nothing needs a gradient: those blocks run outside
+        // autodiff and keep nothing, and backward stops above them (as autodiff's own graph
+        // starts at the first tracked parameter).
+        let frozen_below = self.frozen_below();
+        let mut saved = Vec::with_capacity(blocks.len() - frozen_below);
         {
             let _training = dropout::training_scope();
             for (i, block) in blocks.iter().enumerate() {
                 let unit = [FIRST_BLOCK + i];
+                if i < frozen_below {
+                    x = root.block_forward(&self.unit(block, &unit, false)?, x, &inner_mask);
+                    continue;
+                }
                 saved.push(match keep {
                     Keep::Inputs => {
                         let at = dropout::position();
@@ -956,7 +1063,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if per_unit {
             self.reduce(Group::Unit(HEAD))?;
         }
-        for (i, block) in blocks.iter().enumerate().rev() {
+        for (i, block) in blocks.iter().enumerate().skip(frozen_below).rev() {
             let (block, input, y, weights) = match saved.pop().expect("one saved part per block") {
                 Saved::Input(x, at, gathered) => {
                     let block = match gathered {
@@ -1007,6 +1114,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         let embedded = match embedded {
             Some(embedded) => Some(embedded),
+            None if !self.trains(EMBEDDINGS) => None,
             None => {
                 dropout::rewind(start);
                 let gathered = self.unit(&root, &[EMBEDDINGS], true)?;
@@ -1028,6 +1136,24 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             }
         }
         Ok(())
+    }
+
+    /// Whether any parameter of `unit` trains (is not frozen).
+    fn trains(&self, unit: usize) -> bool {
+        self.units[unit]
+            .iter()
+            .any(|&i| !self.frozen.contains(&self.slots[i].id))
+    }
+
+    /// The blocks, from the first, below the lowest unit that trains: none when the
+    /// embeddings train.
+    fn frozen_below(&self) -> usize {
+        match self.trains(EMBEDDINGS) {
+            true => 0,
+            false => (FIRST_BLOCK..self.units.len())
+                .take_while(|&u| !self.trains(u))
+                .count(),
+        }
     }
 
     /// Adds the gradients `grads` holds for `module`'s parameters into this rank's sums.

@@ -2,7 +2,7 @@
 //! module's own device: what the engine slices into shards and the collectives move. Nothing
 //! here leaves the device.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
@@ -135,20 +135,29 @@ pub fn emptied<M: Module>(module: M, ids: &[ParamId]) -> M {
     module.map(&mut Empty(ids))
 }
 
+/// How [`set_values`] leaves the values it sets.
+#[derive(Debug, Clone, Copy)]
+pub enum Track<'a> {
+    /// Plain tensors on the values' own device, without autodiff (shards between uses).
+    No,
+    /// On the autodiff device, tracked for gradients, but for the frozen parameters named
+    /// here (on that device too, untracked: a forward through them gives them no gradient).
+    AllBut(&'a HashSet<ParamId>),
+}
+
 /// `module` with the parameters named in `values` replaced by those flat values reshaped to
 /// the given dims, each cast to its parameter's dtype (a lazy parameter keeps the value's,
-/// without running its initialiser): on the autodiff `device` and tracked for gradients if
-/// `require_grad`, else on the values' own device without autodiff. The others untouched.
+/// without running its initialiser), on `device` as `track` says. The others untouched.
 pub fn set_values<M: Module>(
     module: M,
     values: HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
     device: &Device,
-    require_grad: bool,
+    track: Track<'_>,
 ) -> M {
     struct Set<'a> {
         values: HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
         device: &'a Device,
-        require_grad: bool,
+        track: Track<'a>,
     }
     impl ModuleMapper for Set<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
@@ -166,8 +175,11 @@ pub fn set_values<M: Module>(
             if let Some(dtype) = dtype {
                 tensor = tensor.cast(dtype);
             }
-            if self.require_grad {
-                tensor = autodiff_on(tensor, self.device).require_grad();
+            if let Track::AllBut(frozen) = self.track {
+                tensor = autodiff_on(tensor, self.device);
+                if !frozen.contains(&id) {
+                    tensor = tensor.require_grad();
+                }
             }
             match mapper {
                 Some(mapper) => Param::from_mapped_value(id, tensor, mapper),
@@ -178,8 +190,32 @@ pub fn set_values<M: Module>(
     module.map(&mut Set {
         values,
         device,
-        require_grad,
+        track,
     })
+}
+
+/// Whether a parameter of value `value` is frozen: on an autodiff device and not tracked
+/// (`require_grad` false). Untracked, rather than not requiring gradients: a parameter mapped
+/// after initialisation (`to_device`) is tracked through its map, and trains.
+pub fn is_frozen<const D: usize>(value: &Tensor<D>) -> bool {
+    value.is_autodiff() && !value.is_tracked()
+}
+
+/// The parameters of `module` named in `ids` (every one when `None`) that are frozen
+/// ([`is_frozen`]). Only those are initialised if they were lazy (a lazy parameter's setting
+/// shows once it is).
+pub fn frozen<M: Module>(module: &M, ids: Option<&[ParamId]>) -> HashSet<ParamId> {
+    struct Frozen<'a>(Option<&'a [ParamId]>, HashSet<ParamId>);
+    impl ModuleVisitor for Frozen<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none_or(|ids| ids.contains(&param.id)) && is_frozen(&param.val()) {
+                self.1.insert(param.id);
+            }
+        }
+    }
+    let mut visit = Frozen(ids, HashSet::new());
+    module.visit(&mut visit);
+    visit.1
 }
 
 /// `module` with every parameter without autodiff: a forward through it records no graph
@@ -256,4 +292,37 @@ pub fn param_ids<M: Module>(module: &M) -> Vec<ParamId> {
     let mut ids = Ids(Vec::new());
     module.visit(&mut ids);
     ids.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::nn::{Linear, LinearConfig};
+
+    /// Frozen: on an autodiff device and untracked, lazy or not (initialised to be read); a
+    /// parameter mapped after initialisation is tracked through its map, and a model without
+    /// autodiff tracks nothing yet.
+    #[test]
+    fn frozen_parameters_are_the_untracked_ones_under_autodiff() {
+        let device = Device::flex().autodiff();
+        let frozen_of = |layer: &Linear| {
+            let found = frozen(layer, None);
+            (
+                found.contains(&layer.weight.id),
+                layer.bias.as_ref().is_some_and(|b| found.contains(&b.id)),
+            )
+        };
+        let lazy = LinearConfig::new(4, 3).init(&device);
+        assert_eq!(frozen_of(&lazy), (false, false));
+        let mut lazy = LinearConfig::new(4, 3).init(&device);
+        lazy.weight = lazy.weight.set_require_grad(false);
+        assert_eq!(frozen_of(&lazy), (true, false));
+        let mut loaded = LinearConfig::new(4, 3).init(&device);
+        loaded.weight = Param::from_tensor(Tensor::zeros([4, 3], &device)).set_require_grad(false);
+        assert_eq!(frozen_of(&loaded), (true, false));
+        loaded.weight = Param::from_tensor(Tensor::zeros([4, 3], &device)).map(|w| w * 2.0);
+        assert_eq!(frozen_of(&loaded), (false, false));
+        let plain = LinearConfig::new(4, 3).init(&Device::flex());
+        assert_eq!(frozen_of(&plain), (false, false));
+    }
 }

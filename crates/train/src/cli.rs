@@ -212,6 +212,13 @@ pub struct TrainArgs {
     /// advice for its StableEmbedding).
     #[arg(long)]
     pub embedding_state_32bit: bool,
+    /// Parameters that do not train, comma-separated, each a parameter's path or a prefix of
+    /// whole path components (`blocks.0` freezes every parameter of block 0, not of block 01):
+    /// they get no gradient and no optimizer state and keep their values, as PyTorch's frozen
+    /// parameters (`requires_grad_(False)`). A model may also freeze its own with Burn's
+    /// `set_require_grad(false)`.
+    #[arg(long, value_delimiter = ',')]
+    pub freeze: Vec<String>,
     /// Peak learning rate.
     #[arg(long, default_value_t = 5e-4)]
     pub lr: f64,
@@ -442,9 +449,16 @@ impl TrainArgs {
                 serde_json::Value::Bool(b) => argv.extend([flag, b.to_string()]),
                 serde_json::Value::Number(n) => argv.extend([flag, n.to_string()]),
                 serde_json::Value::String(text) => argv.extend([flag, text.clone()]),
+                // A list flag (`--freeze`): its values comma-separated, none when empty.
+                serde_json::Value::Array(items) if items.iter().all(|v| v.is_string()) => {
+                    let items: Vec<&str> = items.iter().filter_map(|v| v.as_str()).collect();
+                    if !items.is_empty() {
+                        argv.extend([flag, items.join(",")]);
+                    }
+                }
                 other => {
                     return Err(invalid(format!(
-                        "runner flag {key:?}: give a string, a number or a boolean, not {other}"
+                        "runner flag {key:?}: give a string, a number, a boolean or a list of strings, not {other}"
                     )));
                 }
             }
@@ -602,6 +616,7 @@ impl TrainArgs {
                 "--embedding-state-32bit",
                 self.embedding_state_32bit.to_string(),
             ),
+            ("--freeze", self.freeze.join(",")),
             (
                 "--checkpoint-dir (given or not)",
                 given(&self.checkpoint_dir),
@@ -1010,7 +1025,7 @@ mod tests {
              --initial-loss-scale 1024 --max-consecutive-skips 9 --init-on-device \
              --checkpoint-activations --reshard-after-forward false --offload optimizer \
              --offload-dir /tmp/off --optimizer adam8bit --min-8bit-size 77 \
-             --adafactor-relative-step --embedding-state-32bit --lr 0.00123 --weight-decay \
+             --adafactor-relative-step --embedding-state-32bit --freeze wte,h.0 --lr 0.00123 --weight-decay \
              0.05 --beta1 0.8 --beta2 0.99 --adam-epsilon 1e-6 --momentum 0.5 --schedule \
              constant --warmup-steps 4 --min-lr-ratio 0.2 --batch-size 5 --accumulate 2 \
              --max-steps 11 --seed 7 --grad-clip 0.5 --eval-interval 3 --plan --memory-budget \

@@ -13,6 +13,7 @@ pub mod data;
 pub mod device_plan;
 mod error;
 mod fault;
+pub mod freeze;
 pub mod fused_adamw;
 pub mod memory;
 mod offload;

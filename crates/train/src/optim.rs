@@ -614,20 +614,10 @@ impl ModuleMapper for StepMapper<'_> {
     }
 }
 
-/// `Ok` if the optimizer can train `model` as `args` say: no parameter is frozen (the engine
-/// tracks every parameter it gathers or sets for gradients, so a frozen one would train
-/// under every strategy but `single`), and `--embedding-state-32bit` has an embedding table
-/// to act on. Checked once on the model given, before any plan or rank.
+/// `Ok` if the optimizer can train `model` as `args` say: `--embedding-state-32bit` has an
+/// embedding table to act on. Checked once on the model given, before any plan or rank.
 pub(crate) fn check_trains<M: Module>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
-    let found = find_params(model);
-    if !found.frozen.is_empty() {
-        return Err(TrainError::InvalidArgs(format!(
-            "{} parameter(s) of the model are frozen (require_grad false: {}): burnscale trains every parameter and cannot leave these out yet; unfreeze them (`set_require_grad(true)`), or keep them out of the model",
-            found.frozen.len(),
-            found.frozen.join(", ")
-        )));
-    }
-    if args.embedding_state_32bit && found.embeddings.is_empty() {
+    if args.embedding_state_32bit && embedding_paths(model).is_empty() {
         return Err(TrainError::InvalidArgs(
             "--embedding-state-32bit keeps embedding tables' state in 32 bits, but this model has none (no burn `Embedding`): drop the flag".into(),
         ));
@@ -643,7 +633,7 @@ pub fn eight_bit_paths<M: Module>(model: &M, args: &TrainArgs) -> HashSet<String
         return HashSet::new();
     }
     let kept = match args.embedding_state_32bit {
-        true => find_params(model).embeddings,
+        true => embedding_paths(model),
         false => HashSet::new(),
     };
     burnscale_shard::layout::slots(model, 1)
@@ -685,20 +675,13 @@ pub(crate) fn state_bytes_of(
     }
 }
 
-/// The paths of `model`'s burn `Embedding` tables, and of its frozen parameters (initialised with
-/// autodiff and not tracked: a lazy parameter's setting cannot be read without initialising it).
-#[derive(Default)]
-struct FoundParams {
-    embeddings: HashSet<String>,
-    frozen: Vec<String>,
-}
-
-fn find_params<M: Module>(model: &M) -> FoundParams {
+/// The paths of `model`'s burn `Embedding` tables.
+fn embedding_paths<M: Module>(model: &M) -> HashSet<String> {
     #[derive(Default)]
     struct Find {
         path: Vec<String>,
         owners: Vec<String>,
-        found: FoundParams,
+        embeddings: HashSet<String>,
     }
     impl ModuleVisitor for Find {
         fn enter_module(&mut self, name: &str, container_type: &str) {
@@ -709,23 +692,15 @@ fn find_params<M: Module>(model: &M) -> FoundParams {
             self.path.pop();
             self.owners.pop();
         }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
             if self.owners.last().is_some_and(|o| o == "Struct:Embedding") {
-                self.found.embeddings.insert(self.path.join("."));
-            }
-            if param.is_initialized() {
-                let value = param.val();
-                // Untracked, rather than not requiring gradients: a parameter mapped after
-                // initialisation (`to_device`) is tracked through its map, and trains.
-                if value.is_autodiff() && !value.is_tracked() {
-                    self.found.frozen.push(self.path.join("."));
-                }
+                self.embeddings.insert(self.path.join("."));
             }
         }
     }
     let mut find = Find::default();
     model.visit(&mut find);
-    find.found
+    find.embeddings
 }
 
 /// `state` (of one of the runner's optimizers) with its tensors cast to `dtype`; `None` for a
@@ -955,31 +930,6 @@ mod tests {
         let linear = LinearConfig::new(4, 3).init(&device);
         let err = check_trains(&linear, &flags).unwrap_err();
         assert!(err.to_string().contains("this model has none"), "{err}");
-    }
-
-    /// A frozen parameter is refused by name (the engine would train it); a model without
-    /// autodiff, whose parameters track nothing yet, is not taken for a frozen one.
-    #[test]
-    fn frozen_parameters_are_refused_by_name() {
-        use burn::nn::LinearConfig;
-        let flags = args(&[]);
-        let device = Device::flex().autodiff();
-        // Initialised, as loaded weights are (a lazy parameter's setting cannot be read).
-        let weight = |device: &Device| Param::from_tensor(Tensor::<2>::zeros([4, 3], device));
-        let mut linear = LinearConfig::new(4, 3).init(&device);
-        linear.weight = weight(&device);
-        check_trains(&linear, &flags).unwrap();
-        // Mapped after initialisation: tracked through the map, not frozen.
-        linear.weight = linear.weight.map(|w| w * 2.0);
-        check_trains(&linear, &flags).unwrap();
-        linear.weight = weight(&device).set_require_grad(false);
-        let err = check_trains(&linear, &flags).unwrap_err().to_string();
-        assert!(
-            err.contains("1 parameter(s) of the model are frozen (require_grad false: weight)"),
-            "{err}"
-        );
-        linear.weight = weight(&Device::flex());
-        check_trains(&linear, &flags).unwrap();
     }
 
     /// Two AdamW steps of a linear layer (a decayed weight, an undecayed bias) with gradients

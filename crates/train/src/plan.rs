@@ -24,6 +24,7 @@ use burnscale_shard::layout::{self, Slot};
 use burnscale_shard::{BUCKET_ELEMS, StepGrads, params};
 use serde::Serialize;
 
+use crate::freeze;
 use crate::memory::{self, human_bytes};
 use crate::optim::{self, ParamOptimizer};
 use crate::report::aligned;
@@ -45,6 +46,10 @@ pub struct Probe {
     pub block: usize,
     /// One block's output: what a checkpointed block keeps of its forward.
     pub block_output: usize,
+    /// What a frozen block (every parameter untracked) keeps for backward when its input is
+    /// tracked, as a block between units that train keeps it: the gradient of its input
+    /// only, none of its weights'.
+    pub frozen_block: usize,
     /// What a block keeps beyond `block` when its input is held as well, as the engine holds
     /// it going block by block (to read its gradient): an op that would work in place on an
     /// input the block alone owns copies it instead, and keeps the copy.
@@ -97,7 +102,7 @@ impl Probe {
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.largest_batch(device, BatchPart::WHOLE);
         runner::check_rows(model.extent(&input)[0], Some(args.batch_size))?;
-        let (baseline, embed, block_bytes, block_output, head, parts, unreached) = {
+        let (baseline, embed, block_bytes, block_output, head, parts, unreached, frozen_block) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
             // The forward through the embeddings, the block and the head, with `mark` called
@@ -147,19 +152,30 @@ impl Probe {
             let (grads, head_backward) = memory::peak_added_by(|| loss.backward());
             let mut reached = with_grads(&root, &grads);
             drop(grads);
-            let (block_backward, regathered_backward, held_input) = match &block {
+            // What a block's forward from a tracked input leaf keeps, and then its backward.
+            let from_leaf = |block: &_| {
+                let input = leaf();
+                let live = memory::live_bytes();
+                let y = root.block_forward(block, input.clone(), &mask);
+                let kept = memory::live_bytes().saturating_sub(live);
+                drop(y.sum().backward());
+                kept
+            };
+            let (block_backward, regathered_backward, held_input, frozen_block) = match &block {
                 Some(block) => {
                     let y = root.block_forward(block, leaf(), &mask);
                     let backward = memory::peak_added_by(|| y.sum().backward()).1;
-                    let input = leaf();
-                    let live = memory::live_bytes();
-                    let y = root.block_forward(block, input.clone(), &mask);
-                    let held = memory::live_bytes().saturating_sub(live);
-                    let held = held.saturating_sub(blocked.saturating_sub(embedded));
-                    drop(y.sum().backward());
-                    (backward, regathered(block, leaf(), &mask), held)
+                    let held = from_leaf(block);
+                    let held_input = held.saturating_sub(blocked.saturating_sub(embedded));
+                    let frozen = from_leaf(&block.clone().no_grad()).saturating_sub(held_input);
+                    (
+                        backward,
+                        regathered(block, leaf(), &mask),
+                        held_input,
+                        frozen,
+                    )
                 }
-                None => (0, 0, 0),
+                None => (0, 0, 0, 0),
             };
             let (x, _) = root.embed(input);
             let embed_backward = match x.is_tracked() {
@@ -189,6 +205,7 @@ impl Probe {
                     held_input,
                 ],
                 unreached,
+                frozen_block,
             )
         };
         let [
@@ -228,6 +245,7 @@ impl Probe {
             embed,
             block: block_bytes,
             block_output,
+            frozen_block,
             held_input,
             head,
             head_backward,
@@ -426,12 +444,18 @@ struct Units {
 }
 
 impl Units {
-    fn of<M: BlockModel>(model: &M, world: usize) -> Self {
-        let slots = layout::slots(model, world);
+    /// `model`'s units over `world` ranks, leaving out the parameters in `frozen`.
+    fn of<M: BlockModel>(model: &M, world: usize, frozen: &HashSet<ParamId>) -> Self {
+        let slots_of = |module: &M| -> Vec<Slot> {
+            let mut slots = layout::slots(module, world);
+            slots.retain(|s| !frozen.contains(&s.id));
+            slots
+        };
+        let slots = slots_of(model);
         let mut root = model.clone();
         let blocks = root.take_blocks();
         let embedding: HashSet<ParamId> = root.embedding_params().into_iter().collect();
-        let root_slots = layout::slots(&root, world);
+        let root_slots = slots_of(&root);
         let embedding_slots: Vec<Slot> = root_slots
             .iter()
             .filter(|s| embedding.contains(&s.id))
@@ -439,7 +463,14 @@ impl Units {
             .collect();
         let head = elems(&root_slots) - elems(&embedding_slots);
         let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
-        let blocks = blocks.iter().map(|b| layout::slots(b, world)).collect();
+        let blocks = blocks
+            .iter()
+            .map(|b| {
+                let mut slots = layout::slots(b, world);
+                slots.retain(|s| !frozen.contains(&s.id));
+                slots
+            })
+            .collect();
         Self {
             slots,
             embedding_slots,
@@ -541,7 +572,9 @@ impl MemoryPlan {
         ranks_in_process: usize,
         probe: Probe,
     ) -> Result<Self, TrainError> {
-        let units = Units::of(model, world);
+        let units = Units::of(model, world, &HashSet::new());
+        // The trained parameters alone, unit by unit: what has gradients and optimizer state.
+        let trained = Units::of(model, world, &freeze::known_frozen(model, &args.freeze));
         let sharding = args.acting_sharding(world)?;
         let w = DType::from(args.precision.param_dtype()).size();
         let c = DType::from(args.precision.compute_dtype()).size();
@@ -556,7 +589,7 @@ impl MemoryPlan {
         let optimizer = optimizer_bytes(
             model,
             args,
-            &units,
+            &trained,
             sharding.optimizer_state,
             &probe.unreached,
         );
@@ -566,8 +599,8 @@ impl MemoryPlan {
             true => optimizer,
             false => 0,
         };
-        let full_grads = w * n;
-        let sharded_grads = w * units.shard_numel();
+        let full_grads = w * trained.numel();
+        let sharded_grads = w * trained.shard_numel();
         // Gradients summed over earlier micro-steps of an accumulation: whole where the
         // engine reduces only on the last (DDP, ZeRO-1), else the shards every micro-step
         // reduced (ZeRO-2/3).
@@ -591,8 +624,8 @@ impl MemoryPlan {
         // The engine reduces unit by unit where it shards gradients along the blockwise
         // path, else bucket by bucket.
         let group = match sharding.gradients && blockwise {
-            true => units.largest_unit(),
-            false => units.largest_bucket(),
+            true => trained.largest_unit(),
+            false => trained.largest_bucket(),
         };
         // One bucket's reduction beside the gradients: its packed copy, beside the gradients
         // it copies until they drop. What the collective receives then takes their place: a
@@ -602,14 +635,33 @@ impl MemoryPlan {
             true => w * group,
             false => 0,
         };
+        // Below the lowest unit that trains nothing is kept for backward: the engine runs those
+        // blocks outside autodiff (as autodiff's own graph starts at the first tracked
+        // parameter), and backward stops above them.
+        let embeddings_train = !trained.embedding_slots.is_empty();
+        let frozen_below = match embeddings_train {
+            true => 0,
+            false => trained.blocks.iter().take_while(|b| b.is_empty()).count(),
+        };
+        let tracked_depth = depth - frozen_below;
+        // Frozen blocks above it keep only what their input's gradient needs.
+        let frozen_above = trained.blocks[frozen_below..]
+            .iter()
+            .zip(&units.blocks[frozen_below..])
+            .filter(|(trained, all)| trained.is_empty() && !all.is_empty())
+            .count();
         // With sharded parameters resharded after forward the embeddings run outside
-        // autodiff (they are recomputed in backward), so forward keeps only their output.
-        let embed_kept = match sharding.reshards() {
+        // autodiff (they are recomputed in backward), so forward keeps only their output; so
+        // too when they are frozen (the first block that trains keeps its input).
+        let embed_kept = match sharding.reshards() || !embeddings_train {
             true => probe.block_output,
             false => probe.embed,
         };
-        let activations = embed_kept + depth * probe.block + probe.head;
-        let activations_checkpointed = embed_kept + depth * probe.block_output + probe.head;
+        let activations = embed_kept
+            + (tracked_depth - frozen_above) * probe.block
+            + frozen_above * probe.frozen_block
+            + probe.head;
+        let activations_checkpointed = embed_kept + tracked_depth * probe.block_output + probe.head;
         // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
         // 16-bit cast. A rank alone that still acts sharded without a cast has its shards
         // offloaded, and on the CPU, the one device planned, the host is the device: moving
@@ -641,28 +693,32 @@ impl MemoryPlan {
                 phases.push(PhaseBytes::new(Phase::Forward, held + activations, 0));
                 phases.push(backward_top(
                     held + activations + probe.head_backward,
-                    held + activations - probe.head + c * units.head_unit() + probe.block_backward,
+                    held + activations - probe.head
+                        + c * trained.head_unit()
+                        + probe.block_backward,
                     &probe,
                     probe.block_backward,
                 ));
                 // A plain backward: the embeddings last, beside its gradients of everything else
                 // (a tied head's of the token table among them, until the embeddings' own add to
                 // it); then all of them moved into the sums.
-                let tied_table_grads = c * units.tied_to_head();
+                let tied_table_grads = c * trained.tied_to_head();
                 let embeddings = |held| {
                     held + probe.embed
-                        + c * (n - units.embeddings())
+                        + c * (trained.numel() - trained.embeddings())
                         + tied_table_grads
                         + probe.embed_backward
                 };
-                phases.push(PhaseBytes::new(
-                    Phase::Embeddings,
-                    embeddings(held),
-                    probe.embed_backward,
-                ));
+                if embeddings_train {
+                    phases.push(PhaseBytes::new(
+                        Phase::Embeddings,
+                        embeddings(held),
+                        probe.embed_backward,
+                    ));
+                }
                 phases.push(PhaseBytes::new(
                     Phase::BackwardBottom,
-                    held + grads_moved_in(&units.slots, c, w),
+                    held + grads_moved_in(&trained.slots, c, w),
                     0,
                 ));
                 // This micro-step's whole gradients, sharded beside the shards earlier micro-steps
@@ -699,7 +755,7 @@ impl MemoryPlan {
                 // Each block's graph kept from forward holds its input beside it (`held_input`).
                 let kept = match checkpoint {
                     true => activations_checkpointed,
-                    false => activations + depth * probe.held_input,
+                    false => activations + tracked_depth * probe.held_input,
                 };
                 // Graphs kept from forward keep their blocks' weights to each block's backward:
                 // a mixed replica's 16-bit copies of them (gathered units count in
@@ -725,7 +781,7 @@ impl MemoryPlan {
                 // embeddings' own backward adds theirs and reduce-scatters the sum, the last.
                 let per_unit = sharding.gradients;
                 let tied_table_grads = match per_unit {
-                    true => w * units.tied_to_head(),
+                    true => w * trained.tied_to_head(),
                     false => 0,
                 };
                 // Backward through the head and loss; then the top block recomputed beside the
@@ -733,8 +789,8 @@ impl MemoryPlan {
                 // activations freed. Reduced per unit, the head's are its shard by then (added
                 // into the shards earlier micro-steps reduced, when there are some).
                 let head_grads = match (per_unit, args.accumulate > 1) {
-                    (false, _) => w * head_unit,
-                    (true, false) => w * units.head_shard() + tied_table_grads,
+                    (false, _) => w * trained.head_unit(),
+                    (true, false) => w * trained.head_shard() + tied_table_grads,
                     (true, true) => tied_table_grads,
                 };
                 // A unit with `slots` recomputed: its `copy` with what its forward `kept` and its
@@ -774,7 +830,7 @@ impl MemoryPlan {
                     true => probe.regathered_backward,
                     false => probe.block_backward,
                 };
-                let block_slots = units.largest_block_slots();
+                let block_slots = trained.largest_block_slots();
                 let top_block =
                     unit_backward(block_slots, top_copy, top_activations, block_backward);
                 phases.push(backward_top(
@@ -804,11 +860,14 @@ impl MemoryPlan {
                 // of its packed copy, which its whole sums no longer beside it outweigh.
                 let grads_above = |unit: &[Slot]| match per_unit {
                     true => {
-                        w * (units.shard_numel()
-                            - shard_elems(&units.embedding_slots)
+                        w * (trained.shard_numel()
+                            - shard_elems(&trained.embedding_slots)
                             - shard_elems(unit))
                     }
-                    false => w * (n - units.embeddings() + units.tied_to_head() - elems(unit)),
+                    false => {
+                        w * (trained.numel() - trained.embeddings() + trained.tied_to_head()
+                            - elems(unit))
+                    }
                 };
                 phases.push(PhaseBytes::new(
                     Phase::BackwardBottom,
@@ -830,22 +889,24 @@ impl MemoryPlan {
                     false => 0,
                 };
                 let embeddings = unit_backward(
-                    &units.embedding_slots,
+                    &trained.embedding_slots,
                     embed_copy,
                     probe.embed,
                     probe.embed_backward,
                 );
-                phases.push(PhaseBytes::new(
-                    Phase::Embeddings,
-                    params
-                        + state
-                        + compute_copy
-                        + grads_above(&[]).max(accumulated)
-                        + tied_table_grads
-                        + head_input
-                        + embeddings,
-                    probe.embed_backward,
-                ));
+                if embeddings_train {
+                    phases.push(PhaseBytes::new(
+                        Phase::Embeddings,
+                        params
+                            + state
+                            + compute_copy
+                            + grads_above(&[]).max(accumulated)
+                            + tied_table_grads
+                            + head_input
+                            + embeddings,
+                        probe.embed_backward,
+                    ));
+                }
                 // The last reduction: per unit the embeddings', beside every other unit's shards;
                 // else every bucket of the whole sums.
                 let grads_reduced = match per_unit {
@@ -888,8 +949,13 @@ impl MemoryPlan {
         };
         // The step's temporaries scale with the largest tensor stepped (a shard's rows).
         let largest_stepped = match sharding.optimizer_state {
-            true => units.slots.iter().map(Slot::shard_numel).max().unwrap_or(0),
-            false => units.largest_param(),
+            true => trained
+                .slots
+                .iter()
+                .map(Slot::shard_numel)
+                .max()
+                .unwrap_or(0),
+            false => trained.largest_param(),
         };
         let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
         phases.push(PhaseBytes::new(

@@ -42,9 +42,11 @@ impl ModelStateBytes {
     /// matrices; Adafactor its first moment's 4 bytes if it keeps one, not counting its
     /// factored moments; none under `--offload-dir`, which keeps it on disk), of which each strategy shards a
     /// part over `world` ranks: DDP none, ZeRO-1 the optimizer state, ZeRO-2 also the
-    /// gradients, ZeRO-3 everything.
+    /// gradients, ZeRO-3 everything. Of `num_params`, only the `trainable` ones (not frozen)
+    /// have gradients and state.
     pub fn predicted(
         num_params: usize,
+        trainable: usize,
         args: &TrainArgs,
         sharding: Sharding,
         world: usize,
@@ -61,16 +63,16 @@ impl ModelStateBytes {
         };
         let (mut replicated, mut sharded) = (0, 0);
         for (bytes, is_sharded) in [
-            (weight, sharding.parameters),
-            (weight, sharding.gradients),
-            (state, sharding.optimizer_state),
+            (num_params * weight, sharding.parameters),
+            (trainable * weight, sharding.gradients),
+            (trainable * state, sharding.optimizer_state),
         ] {
             match is_sharded {
                 true => sharded += bytes,
                 false => replicated += bytes,
             }
         }
-        num_params * replicated + (num_params * sharded).div_ceil(world)
+        replicated + sharded.div_ceil(world)
     }
 }
 
@@ -145,6 +147,8 @@ pub struct RunSummary {
     /// a program without one ([`crate::memory::is_counting`]).
     pub peak_mem_bytes: Option<usize>,
     pub num_params: usize,
+    /// The parameters that train: `num_params` less the frozen ones.
+    pub trainable_params: usize,
     pub model_state_bytes_per_rank: usize,
     pub model_state: ModelStateBytes,
     /// Which formula `model_state_predicted_bytes` uses.
@@ -299,6 +303,7 @@ impl RunSummary {
             warmup_s: f64::NAN,
             peak_mem_bytes,
             num_params,
+            trainable_params: num_params,
             model_state_bytes_per_rank: model_state.total(),
             model_state,
             model_state_convention: "ZeRO paper: weight-dtype params + weight-dtype grads + optimizer state in the weight dtype (none under --offload-dir) per parameter, the strategy's part divided by the world size",
@@ -438,7 +443,13 @@ impl RunSummary {
                     human_bytes(self.model_state_predicted_bytes),
                 ),
             ),
-            ("parameters", format!("{}", self.num_params)),
+            (
+                "parameters",
+                match self.num_params - self.trainable_params {
+                    0 => format!("{}", self.num_params),
+                    frozen => format!("{} ({frozen} frozen)", self.num_params),
+                },
+            ),
             (
                 "ranks",
                 format!(

@@ -195,6 +195,7 @@ pub fn train<T: TrainTask>(
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
+    let model = crate::freeze::freeze(model, &args.freeze)?;
     optim::check_trains(&model, args)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
@@ -274,6 +275,7 @@ pub fn train_on<T: TrainTask>(
     }
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
+    let model = crate::freeze::freeze(model, &args.freeze)?;
     optim::check_trains(&model, args)?;
     train_rank(comm, model, task, args, device, Planned::default())
 }
@@ -657,8 +659,14 @@ fn run_rank<T: TrainTask>(
     summary.set_plan(plan);
     summary.set_device_plan(device_plan);
     summary.auto = choice;
-    summary.model_state_predicted_bytes =
-        ModelStateBytes::predicted(num_params, args, engine.sharding(), world);
+    summary.trainable_params = engine.trainable_params();
+    summary.model_state_predicted_bytes = ModelStateBytes::predicted(
+        num_params,
+        summary.trainable_params,
+        args,
+        engine.sharding(),
+        world,
+    );
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
     summary.warmup_s = warmup_s;
     summary.timed_steps = timed_steps;

@@ -1,0 +1,95 @@
+//! `--freeze`: parameters left out of training, named by path. The engine trains every
+//! parameter the model does not itself freeze; this only marks them, as
+//! `requires_grad_(False)` does in PyTorch.
+
+use std::collections::{BTreeSet, HashSet};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::prelude::*;
+use burnscale_shard::{layout, params};
+
+use crate::TrainError;
+
+/// Whether the parameter at `path` is one of `prefixes`' (each a path or a prefix of whole
+/// components).
+pub fn frozen_by(prefixes: &[String], path: &str) -> bool {
+    prefixes.iter().any(|prefix| {
+        path.strip_prefix(prefix.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+    })
+}
+
+/// `model` with the parameters `prefixes` name frozen (`require_grad` false; a lazy one stays
+/// lazy). A prefix that names no parameter is an error naming it and the model's top-level
+/// modules, as is one that leaves nothing to train.
+pub fn freeze<M: Module>(model: M, prefixes: &[String]) -> Result<M, TrainError> {
+    if prefixes.is_empty() {
+        return Ok(model);
+    }
+    let paths: Vec<String> = layout::slots(&model, 1)
+        .into_iter()
+        .map(|s| s.path)
+        .collect();
+    let names = |prefix: &String| {
+        paths
+            .iter()
+            .any(|path| frozen_by(std::slice::from_ref(prefix), path))
+    };
+    if let Some(unknown) = prefixes.iter().find(|p| !names(p)) {
+        let tops: BTreeSet<&str> = paths.iter().filter_map(|p| p.split('.').next()).collect();
+        return Err(TrainError::InvalidArgs(format!(
+            "--freeze {unknown}: no parameter of the model has that path or path prefix (its top-level modules: {})",
+            tops.into_iter().collect::<Vec<_>>().join(", ")
+        )));
+    }
+    if paths.iter().all(|path| frozen_by(prefixes, path)) {
+        return Err(TrainError::InvalidArgs(format!(
+            "--freeze {} freezes every parameter of the model: there is nothing to train",
+            prefixes.join(",")
+        )));
+    }
+    struct Freeze<'a> {
+        path: Vec<String>,
+        prefixes: &'a [String],
+    }
+    impl ModuleMapper for Freeze<'_> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            match frozen_by(self.prefixes, &self.path.join(".")) {
+                true => param.set_require_grad(false),
+                false => param,
+            }
+        }
+    }
+    Ok(model.map(&mut Freeze {
+        path: Vec::new(),
+        prefixes,
+    }))
+}
+
+/// The parameters of `model` known to be frozen before it runs: those `prefixes` name, and
+/// the initialised ones the model froze itself (a lazy parameter's setting shows only once it
+/// is initialised, which a plan does not do).
+pub fn known_frozen<M: Module>(model: &M, prefixes: &[String]) -> HashSet<ParamId> {
+    struct Initialised(HashSet<ParamId>);
+    impl ModuleVisitor for Initialised {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.is_initialized() && params::is_frozen(&param.val()) {
+                self.0.insert(param.id);
+            }
+        }
+    }
+    let mut frozen = Initialised(HashSet::new());
+    model.visit(&mut frozen);
+    let named = layout::slots(model, 1)
+        .into_iter()
+        .filter(|s| frozen_by(prefixes, &s.path))
+        .map(|s| s.id);
+    frozen.0.extend(named);
+    frozen.0
+}
