@@ -408,9 +408,9 @@ fn frozen_parameters_hold_no_gradients_or_state() {
         };
         assert!(e.to_string().contains(expected), "{e}");
     }
-    // A model frozen by its own code: the engine finds nothing to train.
     let _rng = hold_rng();
     let device = Device::default().autodiff();
+    // A model frozen by its own code: the engine finds nothing to train.
     let model = Gpt::new(&GptConfig::tiny(), &device).unwrap().no_grad();
     let args = args(&["--strategy", "zero3", "--devices", "2"]);
     let Err(e) = train(model, &mut task(args.batch_size), &args, &device) else {
@@ -421,6 +421,13 @@ fn frozen_parameters_hold_no_gradients_or_state() {
             .contains("every parameter of the model is frozen"),
         "{e}"
     );
+    // A parameter mapped after initialisation is tracked through its map, and trains, under
+    // a strategy that copies the model to each rank's device too.
+    let mut model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
+    model.lm_head.weight = model.lm_head.weight.map(|w| w * 2.0);
+    let ddp = self::args(&["--max-steps", "2", "--strategy", "ddp", "--devices", "2"]);
+    let (_, mapped) = train(model, &mut task(ddp.batch_size), &ddp, &device).unwrap();
+    assert_eq!(mapped.trainable_params, p, "a mapped parameter frozen");
 }
 
 #[test]

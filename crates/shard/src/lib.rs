@@ -129,6 +129,7 @@ pub enum ShardError {
     /// An option for sharded parameters (zero3) on a strategy that keeps them whole.
     #[error("{0}, but this strategy keeps whole parameters")]
     NotSharded(&'static str),
+    /// A model whose every parameter is frozen (`require_grad` false).
     #[error(
         "every parameter of the model is frozen (require_grad false): there is nothing to train"
     )]

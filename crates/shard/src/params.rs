@@ -218,6 +218,27 @@ pub fn frozen<M: Module>(module: &M, ids: Option<&[ParamId]>) -> HashSet<ParamId
     visit.1
 }
 
+/// `module` on `device` (an autodiff device), each parameter a leaf there that is tracked
+/// where it was tracked ([`is_frozen`]'s reading): a parameter mapped after initialisation,
+/// tracked through its map, trains as a leaf of its own. Burn's `Module::fork` keeps only the
+/// `require_grad` leaves tracked, which would freeze a mapped parameter. Initialises a lazy
+/// parameter.
+pub fn fork<M: Module>(module: M, device: &Device) -> M {
+    struct Fork<'a>(&'a Device);
+    impl ModuleMapper for Fork<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let tracked = tensor.is_tracked();
+            let mut tensor = tensor.to_device(self.0).detach();
+            if tracked {
+                tensor = tensor.require_grad();
+            }
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Fork(device))
+}
+
 /// `module` with every parameter without autodiff: a forward through it records no graph
 /// and keeps no activations (shares the values, copies nothing).
 pub fn detached<M: Module>(module: &M) -> M {

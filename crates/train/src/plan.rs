@@ -446,16 +446,15 @@ struct Units {
 impl Units {
     /// `model`'s units over `world` ranks, leaving out the parameters in `frozen`.
     fn of<M: BlockModel>(model: &M, world: usize, frozen: &HashSet<ParamId>) -> Self {
-        let slots_of = |module: &M| -> Vec<Slot> {
-            let mut slots = layout::slots(module, world);
+        let unfrozen = |mut slots: Vec<Slot>| {
             slots.retain(|s| !frozen.contains(&s.id));
             slots
         };
-        let slots = slots_of(model);
+        let slots = unfrozen(layout::slots(model, world));
         let mut root = model.clone();
         let blocks = root.take_blocks();
         let embedding: HashSet<ParamId> = root.embedding_params().into_iter().collect();
-        let root_slots = slots_of(&root);
+        let root_slots = unfrozen(layout::slots(&root, world));
         let embedding_slots: Vec<Slot> = root_slots
             .iter()
             .filter(|s| embedding.contains(&s.id))
@@ -465,11 +464,7 @@ impl Units {
         let head_reads_embeddings = root.head_params().iter().any(|id| embedding.contains(id));
         let blocks = blocks
             .iter()
-            .map(|b| {
-                let mut slots = layout::slots(b, world);
-                slots.retain(|s| !frozen.contains(&s.id));
-                slots
-            })
+            .map(|b| unfrozen(layout::slots(b, world)))
             .collect();
         Self {
             slots,
@@ -550,10 +545,18 @@ impl Units {
             .unwrap_or(0)
     }
 
-    /// Elements of the engine's largest gradient bucket.
-    fn largest_bucket(&self) -> usize {
-        let bucket =
-            |range: std::ops::Range<usize>| self.slots[range].iter().map(Slot::numel).sum();
+    /// Elements of the engine's largest gradient bucket: its buckets of these units, each
+    /// counting the elements of the `trained` units' slots alone (the reduction leaves the
+    /// frozen ones out).
+    fn largest_bucket(&self, trained: &Units) -> usize {
+        let trained: HashSet<ParamId> = trained.slots.iter().map(|s| s.id).collect();
+        let bucket = |range: std::ops::Range<usize>| {
+            self.slots[range]
+                .iter()
+                .filter(|s| trained.contains(&s.id))
+                .map(Slot::numel)
+                .sum()
+        };
         layout::buckets(&self.slots, BUCKET_ELEMS)
             .into_iter()
             .map(bucket)
@@ -625,7 +628,7 @@ impl MemoryPlan {
         // path, else bucket by bucket.
         let group = match sharding.gradients && blockwise {
             true => trained.largest_unit(),
-            false => trained.largest_bucket(),
+            false => units.largest_bucket(&trained),
         };
         // One bucket's reduction beside the gradients: its packed copy, beside the gradients
         // it copies until they drop. What the collective receives then takes their place: a
@@ -644,6 +647,8 @@ impl MemoryPlan {
             false => trained.blocks.iter().take_while(|b| b.is_empty()).count(),
         };
         let tracked_depth = depth - frozen_below;
+        // Their copies (gathered, or cast) are dropped after their forward.
+        let frozen_below_elems: usize = units.blocks[..frozen_below].iter().map(|b| elems(b)).sum();
         // Frozen blocks above it keep only what their input's gradient needs.
         let frozen_above = trained.blocks[frozen_below..]
             .iter()
@@ -672,7 +677,7 @@ impl MemoryPlan {
         // forward, each held until its backward ends.
         let kept_copies = keep_gathered && gathers;
         let gathered_kept = match kept_copies {
-            true => c * (n - units.head),
+            true => c * (n - units.head - frozen_below_elems),
             false => 0,
         };
         // One micro-step's phases, its compute copy and largest gathered unit: a plain one
@@ -761,7 +766,7 @@ impl MemoryPlan {
                 // a mixed replica's 16-bit copies of them (gathered units count in
                 // `gathered_kept`).
                 let copies_kept = match !checkpoint && mixed && !gathers {
-                    true => c * (n - root),
+                    true => c * (n - root - frozen_below_elems),
                     false => gathered_kept,
                 };
                 // Kept gathered, a tied head reads the token table the embeddings keep (counted in

@@ -16,7 +16,7 @@ use burn::prelude::*;
 use burn::tensor::FloatDType;
 use burnscale_collective::Communicator;
 use burnscale_precision::{cast_initialized, init_in, init_in_later};
-use burnscale_shard::params::materialize;
+use burnscale_shard::params::{fork, materialize};
 
 use crate::cli::Strategy;
 use crate::{TrainArgs, TrainError};
@@ -99,7 +99,7 @@ impl Prepare {
         if args.strategy == Strategy::Zero3 {
             return Ok(model);
         }
-        let model = model.fork(device);
+        let model = fork(model, device);
         // Parameters given initialised take `--init-on-device`'s dtype once it is chosen
         // (lazy ones were created in it), on the rank's own device.
         Ok(match self {
