@@ -6,7 +6,8 @@ use std::collections::{BTreeSet, HashSet};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
-use burnscale_shard::{layout, params};
+use burnscale_shard::layout::{self, Slot};
+use burnscale_shard::params;
 
 use crate::TrainError;
 
@@ -26,50 +27,39 @@ pub fn freeze<M: Module>(model: M, prefixes: &[String]) -> Result<M, TrainError>
     if prefixes.is_empty() {
         return Ok(model);
     }
-    let paths: Vec<String> = layout::slots(&model, 1)
-        .into_iter()
-        .map(|s| s.path)
-        .collect();
+    let slots = layout::slots(&model, 1);
     let names = |prefix: &String| {
-        paths
+        slots
             .iter()
-            .any(|path| frozen_by(std::slice::from_ref(prefix), path))
+            .any(|s| frozen_by(std::slice::from_ref(prefix), &s.path))
     };
     if let Some(unknown) = prefixes.iter().find(|p| !names(p)) {
-        let tops: BTreeSet<&str> = paths.iter().filter_map(|p| p.split('.').next()).collect();
+        let tops: BTreeSet<&str> = slots
+            .iter()
+            .filter_map(|s| s.path.split('.').next())
+            .collect();
         return Err(TrainError::InvalidArgs(format!(
             "--freeze {unknown}: no parameter of the model has that path or path prefix (its top-level modules: {})",
             tops.into_iter().collect::<Vec<_>>().join(", ")
         )));
     }
-    if paths.iter().all(|path| frozen_by(prefixes, path)) {
+    let frozen = named(&slots, prefixes);
+    if slots.iter().all(|s| frozen.contains(&s.id)) {
         return Err(TrainError::InvalidArgs(format!(
             "--freeze {} freezes every parameter of the model: there is nothing to train",
             prefixes.join(",")
         )));
     }
-    struct Freeze<'a> {
-        path: Vec<String>,
-        prefixes: &'a [String],
-    }
-    impl ModuleMapper for Freeze<'_> {
-        fn enter_module(&mut self, name: &str, _container_type: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _name: &str, _container_type: &str) {
-            self.path.pop();
-        }
+    struct Freeze(HashSet<ParamId>);
+    impl ModuleMapper for Freeze {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            match frozen_by(self.prefixes, &self.path.join(".")) {
+            match self.0.contains(&param.id) {
                 true => param.set_require_grad(false),
                 false => param,
             }
         }
     }
-    Ok(model.map(&mut Freeze {
-        path: Vec::new(),
-        prefixes,
-    }))
+    Ok(model.map(&mut Freeze(frozen)))
 }
 
 /// The parameters of `model` known to be frozen before it runs: those `prefixes` name, and
@@ -86,10 +76,15 @@ pub fn known_frozen<M: Module>(model: &M, prefixes: &[String]) -> HashSet<ParamI
     }
     let mut frozen = Initialised(HashSet::new());
     model.visit(&mut frozen);
-    let named = layout::slots(model, 1)
-        .into_iter()
-        .filter(|s| frozen_by(prefixes, &s.path))
-        .map(|s| s.id);
-    frozen.0.extend(named);
+    frozen.0.extend(named(&layout::slots(model, 1), prefixes));
     frozen.0
+}
+
+/// The ids of the `slots` that `prefixes` name.
+fn named(slots: &[Slot], prefixes: &[String]) -> HashSet<ParamId> {
+    slots
+        .iter()
+        .filter(|s| frozen_by(prefixes, &s.path))
+        .map(|s| s.id)
+        .collect()
 }
