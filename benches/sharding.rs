@@ -148,6 +148,7 @@ fn run(cli: &Cli, label: &str, world: usize) -> Result<Measured> {
         predicted: num(&summary["model_state_predicted_bytes"]),
         peak: max_over_ranks("peak_mem_bytes"),
         step_s: num(&summary["step_s_median"]),
+        volume: num(&summary["collective_bytes_per_step"]["volume"]),
     })
 }
 
@@ -158,6 +159,8 @@ struct Measured {
     predicted: f64,
     peak: f64,
     step_s: f64,
+    /// Rank 0's collective volume a step, as the ZeRO paper counts it.
+    volume: f64,
 }
 
 fn main() -> Result<()> {
@@ -171,7 +174,8 @@ fn main() -> Result<()> {
     let config = cli.config();
     println!(
         "minGPT {} layers, width {}, {} parameters; micro-batch {} x {} tokens per rank; AdamW, f32; {} steps\n\
-         model states: ZeRO paper, pure f32 (4 B params + 4 B grads + 8 B AdamW per parameter, the strategy's part / N; +disk: AdamW's 8 B in --offload-dir files)\n",
+         model states: ZeRO paper, pure f32 (4 B params + 4 B grads + 8 B AdamW per parameter, the strategy's part / N; +disk: AdamW's 8 B in --offload-dir files)\n\
+         collectives: rank 0's volume a step as the ZeRO paper counts it (an all-reduce twice), in Ψ = 4 B x parameters\n",
         config.n_layer,
         config.n_embd,
         config.num_params(),
@@ -180,16 +184,26 @@ fn main() -> Result<()> {
         cli.steps
     );
     println!(
-        "{:>2} {:<10} {:>14} {:>14} {:>7} {:>14} {:>9} {:>10} {:>9}",
-        "N", "", "states/rank", "formula", "meas/f", "peak/rank", "vs ddp", "step s", "vs ddp"
+        "{:>2} {:<10} {:>14} {:>14} {:>7} {:>14} {:>9} {:>10} {:>9} {:>12}",
+        "N",
+        "",
+        "states/rank",
+        "formula",
+        "meas/f",
+        "peak/rank",
+        "vs ddp",
+        "step s",
+        "vs ddp",
+        "collectives"
     );
+    let psi = 4.0 * config.num_params() as f64;
     for &world in &cli.worlds {
         let mut measured: Vec<(&str, Measured)> = Vec::new();
         for (label, _, _) in RUNS {
             let m = run(&cli, label, world)?;
             let ddp = measured.first().map_or(m, |&(_, ddp)| ddp);
             println!(
-                "{world:>2} {label:<10} {:>14} {:>14} {:>7.3} {:>14} {:>8.2}x {:>10.3} {:>8.2}x",
+                "{world:>2} {label:<10} {:>14} {:>14} {:>7.3} {:>14} {:>8.2}x {:>10.3} {:>8.2}x {:>11.2}Ψ",
                 human_bytes(m.states as usize),
                 human_bytes(m.predicted as usize),
                 m.states / m.predicted,
@@ -197,6 +211,7 @@ fn main() -> Result<()> {
                 m.peak / ddp.peak,
                 m.step_s,
                 m.step_s / ddp.step_s,
+                m.volume / psi,
             );
             measured.push((label, m));
         }

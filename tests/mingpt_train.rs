@@ -430,6 +430,75 @@ fn frozen_parameters_hold_no_gradients_or_state() {
     assert_eq!(mapped.trainable_params, p, "a mapped parameter frozen");
 }
 
+/// Each rank's collectives per step move the ZeRO paper's volumes (Ψ: the f32 bytes of the
+/// parameters, each one's rows padded to a multiple of the world where it is sharded): DDP
+/// all-reduces Ψ (a volume of 2Ψ); ZeRO-1 and ZeRO-2 reduce-scatter Ψ and all-gather Ψ, and
+/// of the trained parameters alone when some are frozen; ZeRO-3 reduce-scatters Ψ and
+/// all-gathers each unit once kept gathered, at most twice (forward, backward) resharded.
+/// The loss's and the norm's scalars ride along.
+#[test]
+fn collectives_move_the_zero_papers_volumes() {
+    let slots = {
+        let _rng = hold_rng();
+        let model = Gpt::new(&GptConfig::tiny(), &Device::default()).unwrap();
+        burnscale::shard::layout::slots(&model, 2)
+    };
+    let padded = |frozen: &[&str]| -> u64 {
+        slots
+            .iter()
+            .filter(|s| !frozen.iter().any(|f| s.path.starts_with(&format!("{f}."))))
+            .map(|s| 4 * 2 * s.shard_numel() as u64)
+            .sum()
+    };
+    let (psi, unpadded) = (padded(&[]), 4 * GptConfig::tiny().num_params() as u64);
+    let scalars = 64;
+    let bytes = |flags: &[&str]| {
+        let steps = ["--max-steps", "2", "--devices", "2"];
+        run(&[&steps[..], flags].concat())
+            .1
+            .collective_bytes_per_step
+    };
+    let ddp = bytes(&["--strategy", "ddp"]);
+    assert!(
+        (unpadded..unpadded + scalars).contains(&ddp.all_reduce),
+        "ddp all-reduced {ddp:?} for {unpadded} bytes of parameters"
+    );
+    assert_eq!(ddp.all_gather + ddp.reduce_scatter + ddp.broadcast, 0);
+    for (strategy, freeze) in [
+        ("zero1", ""),
+        ("zero2", ""),
+        ("zero1", "wte,h.0"),
+        ("zero2", "wte,h.0"),
+    ] {
+        let frozen: Vec<&str> = freeze.split(',').filter(|f| !f.is_empty()).collect();
+        let flags = match freeze.is_empty() {
+            true => vec!["--strategy", strategy],
+            false => vec!["--strategy", strategy, "--freeze", freeze],
+        };
+        let found = bytes(&flags);
+        let trained = padded(&frozen);
+        assert_eq!(
+            (found.reduce_scatter, found.all_gather),
+            (trained, trained),
+            "{flags:?}: {found:?}"
+        );
+        assert!(found.all_reduce < scalars, "{flags:?}: {found:?}");
+    }
+    let kept = bytes(&["--strategy", "zero3", "--reshard-after-forward", "false"]);
+    assert_eq!(
+        (kept.reduce_scatter, kept.all_gather),
+        (psi, psi),
+        "{kept:?}"
+    );
+    let resharded = bytes(&["--strategy", "zero3"]);
+    assert_eq!(resharded.reduce_scatter, psi, "{resharded:?}");
+    assert!(
+        resharded.all_gather > psi && resharded.all_gather <= 2 * psi,
+        "{resharded:?}"
+    );
+    assert!(resharded.volume() <= 3 * psi + 2 * scalars);
+}
+
 #[test]
 fn true_16_bit_policies_hold_gradients_in_16_bits() {
     let p = GptConfig::tiny().num_params();

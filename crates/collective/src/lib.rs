@@ -8,9 +8,11 @@
 //!   process or as MPI processes.
 //!
 //! Sizes need not divide by the world size: any padding stays inside the engine.
+//! [`Counted`] wraps any of them and counts the bytes its collectives move.
 
 mod buffer;
 pub mod conformance;
+mod counted;
 mod error;
 #[cfg(any(feature = "mpi", feature = "nccl"))]
 mod guard;
@@ -22,6 +24,7 @@ mod tensor;
 pub mod threads;
 
 pub use buffer::{Buffer, DType};
+pub use counted::{CollectiveBytes, Counted};
 pub use error::CollectiveError;
 pub use tensor::{dtype_of, tensor_dtype};
 
@@ -40,7 +43,7 @@ pub enum ReduceOp {
 
 /// A process group, seen from one rank. Every rank must make the same calls in the same
 /// order; engines report mismatches they can detect.
-pub trait Communicator: Send {
+pub trait Communicator {
     fn rank(&self) -> usize;
     fn world_size(&self) -> usize;
     /// Replaces `buf` by the reduction of every rank's `buf` (equal lengths and dtypes).

@@ -36,7 +36,9 @@ impl Flops {
     /// more per weight, and attention's backward, 8·d per query per key). `blocks` gives each
     /// block's weights, frozen weights, and whether backward stops above it. Frozen weights
     /// outside the blocks are not counted out (a frozen head or patch projection: how often
-    /// they run is the model's to say).
+    /// they run is the model's to say), nor is the input gradient that the lowest block that
+    /// trains leaves out above frozen embeddings (its first products' alone: which those are
+    /// is the block's to say).
     pub fn frozen_in_blocks(
         &self,
         batch: usize,

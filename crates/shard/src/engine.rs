@@ -326,18 +326,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         max_norm: f64,
         optimize: impl FnOnce(M, StepGrads) -> M,
     ) -> Result<StepOutcome, ShardError> {
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let world = self.comm.world_size();
         let mut grads = std::mem::take(&mut self.reduced);
         let reached = std::mem::take(&mut self.reached);
         self.grad_bytes = std::mem::take(&mut self.grad_peak);
-        if self.sharding.optimizer_state && !self.sharding.gradients {
-            // Copied out, so that each bucket's full gradients go as its last shard is cut.
-            for slot in &self.slots {
-                if let Some(grad) = grads.get_mut(&slot.id) {
-                    *grad = layout::owned(slot.shard_of(grad, rank));
-                }
-            }
-        }
         let unscale = self.scaler.as_ref().map(|s| 1.0 / s.scale());
         // The squared norm stays on the device (summed over the ranks when sharded; when
         // replicated, the ranks' mean of their equal norms, so that they skip or clip alike:
@@ -400,7 +392,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             Some(replica) => {
                 let shards = params::values(&updated, None);
                 drop(updated);
-                self.gather(replica, shards, self.all_buckets(), true)?
+                // The frozen parameters are as the replica holds them: only what the step
+                // changed comes back.
+                let trained = self.all_buckets().map(|b| self.trained(b));
+                self.gather(replica, shards, trained, true)?
             }
         });
         // Read when the whole step is queued: the device never waits for the host.
@@ -499,7 +494,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             return Ok(model);
         }
         let shards = self.shards_on_device(&model, None);
-        self.gather(model, shards, self.all_buckets(), true)
+        self.gather(
+            model,
+            shards,
+            self.all_buckets().map(|b| self.group(b)),
+            true,
+        )
     }
 
     /// The ranks this engine keeps in step.
@@ -543,7 +543,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let full = match self.sharding.parameters {
                 true => {
                     let mut shards = self.shards_on_device(model, Some(&ids));
-                    self.gathered(&mut shards, Group::Unit(unit))?
+                    self.gathered(&mut shards, self.group(Group::Unit(unit)))?
                 }
                 false => {
                     let mut values = params::values(model, Some(&ids));
@@ -823,19 +823,26 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         indices.iter().map(|&i| &self.slots[i]).collect()
     }
 
+    /// The parameters of `group` that train (not frozen).
+    fn trained(&self, group: Group) -> Vec<&Slot> {
+        let mut slots = self.group(group);
+        slots.retain(|s| !self.frozen.contains(&s.id));
+        slots
+    }
+
     /// `module` with the full values of the parameters in `groups`, all-gathered from
     /// every rank's `shards` (consumed as they are sent, in their dtype), one collective per
     /// group; on the autodiff device and tracked if `require_grad`.
-    fn gather<U: Module>(
-        &self,
+    fn gather<'s, U: Module>(
+        &'s self,
         mut module: U,
         mut shards: Flat,
-        groups: impl IntoIterator<Item = Group>,
+        groups: impl IntoIterator<Item = Vec<&'s Slot>>,
         require_grad: bool,
     ) -> Result<U, ShardError> {
-        for group in groups {
+        for slots in groups {
             let full = self
-                .gathered(&mut shards, group)?
+                .gathered(&mut shards, slots)?
                 .into_iter()
                 .map(|(s, v)| (s.id, (v, s.dims.clone())))
                 .collect();
@@ -844,15 +851,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(module)
     }
 
-    /// The full values (flat) of `group`'s parameters, all-gathered from every rank's
+    /// The full values (flat) of the parameters in `slots`, all-gathered from every rank's
     /// `shards` (taken out of it, in their dtype) in one collective.
-    fn gathered(
+    fn gathered<'s>(
         &self,
         shards: &mut Flat,
-        group: Group,
-    ) -> Result<Vec<(&Slot, Tensor<1>)>, ShardError> {
+        slots: Vec<&'s Slot>,
+    ) -> Result<Vec<(&'s Slot, Tensor<1>)>, ShardError> {
         let world = self.comm.world_size();
-        let slots = self.group(group);
         if slots.is_empty() {
             return Ok(Vec::new());
         }
@@ -881,17 +887,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(slots.into_iter().zip(full).collect())
     }
 
-    /// Averages the local gradients of one group over the ranks: all-reduce, or
-    /// reduce-scatter to this rank's shards when gradients are sharded, added to the shards
-    /// earlier micro-steps of the step reduced. Frozen parameters have none, and take no part.
+    /// Averages the local gradients of one group over the ranks: all-reduce where every rank
+    /// steps the whole model (DDP), else reduce-scatter to the shards this rank steps (ZeRO-1
+    /// on the last micro-step, as DeepSpeed's stage 1: an all-reduce would move twice the
+    /// bytes for gradients the rank then cuts), added to the shards earlier micro-steps of
+    /// the step reduced. Frozen parameters have none, and take no part.
     fn reduce(&mut self, group: Group) -> Result<(), ShardError> {
         let world = self.comm.world_size();
-        let slots: Vec<Slot> = self
-            .group(group)
-            .into_iter()
-            .filter(|s| !self.frozen.contains(&s.id))
-            .cloned()
-            .collect();
+        let slots: Vec<Slot> = self.trained(group).into_iter().cloned().collect();
         if slots.is_empty() {
             return Ok(());
         }
@@ -911,7 +914,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let reduced = if world == 1 {
             // Alone, the mean is the local sum and a shard the whole gradient.
             local
-        } else if !self.sharding.gradients {
+        } else if !self.sharding.optimizer_state {
             let flat = self
                 .comm
                 .all_reduce_tensor(Tensor::cat(local, 0).cast(dtype), ReduceOp::Mean)?
@@ -996,6 +999,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // autodiff and keep nothing, and backward stops above them (as autodiff's own graph
         // starts at the first tracked parameter).
         let frozen_below = self.frozen_below();
+        // Nor does the lowest block that trains need its input's gradient when the
+        // embeddings below it train not.
+        let embeddings_train = self.trains(EMBEDDINGS);
+        let input_grad = |i: usize| i > frozen_below || embeddings_train;
         let mut saved = Vec::with_capacity(blocks.len() - frozen_below);
         {
             let _training = dropout::training_scope();
@@ -1022,7 +1029,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     }
                     Keep::Graphs => {
                         let block = self.unit(block, &unit, true)?;
-                        let input = autodiff_on(x, &self.device).require_grad();
+                        let input = autodiff_on(x, &self.device).set_require_grad(input_grad(i));
                         let forward = || root.block_forward(&block, input.clone(), &mask);
                         let (output, regathered) = match acting.reshards() {
                             true => regather::forward(forward),
@@ -1053,9 +1060,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         let resume = dropout::position();
 
         let grads = loss.backward();
-        let mut grad_x = x
-            .grad(&grads)
-            .expect("the head reads the last block's output");
+        let mut grad_x = Some(
+            x.grad(&grads)
+                .expect("the head reads the last block's output"),
+        );
         self.add_grads(head_root, grads);
         drop(head);
         let per_unit = self.sharding.gradients;
@@ -1071,7 +1079,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                         None => self.unit(block, &[FIRST_BLOCK + i], true)?,
                     };
                     dropout::rewind(at);
-                    let input = autodiff_on(x, &self.device).require_grad();
+                    let input = autodiff_on(x, &self.device).set_require_grad(input_grad(i));
                     let y = root.block_forward(&block, input.clone(), &mask);
                     (block, input, y, Vec::new())
                 }
@@ -1091,7 +1099,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     (kept, input, output, weights)
                 }
             };
-            let grad_y = autodiff_on(grad_x, &self.device);
+            let grad_y = grad_x
+                .take()
+                .expect("the gradient of the output of a block that trains");
+            let grad_y = autodiff_on(grad_y, &self.device);
             let (grads, weight_grads) =
                 regather::backward(weights, || (y * grad_y).sum().backward());
             let dtype = self.grad_dtype();
@@ -1102,9 +1113,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     params::add_grad(&mut self.local, id, grad, dtype);
                 }
             }
-            grad_x = input
-                .grad(&grads)
-                .expect("a block's output depends on its input");
+            grad_x = input.grad(&grads);
             // Gradients are found through the tensors the graph used: this block's.
             self.add_grads(&block, grads);
             drop(block);
@@ -1114,7 +1123,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         let embedded = match embedded {
             Some(embedded) => Some(embedded),
-            None if !self.trains(EMBEDDINGS) => None,
+            None if !embeddings_train => None,
             None => {
                 dropout::rewind(start);
                 let gathered = self.unit(&root, &[EMBEDDINGS], true)?;
@@ -1123,6 +1132,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         dropout::rewind(resume);
         if let Some((embedded, gathered)) = embedded.filter(|(e, _)| e.is_tracked()) {
+            let grad_x = grad_x.expect("the gradient of the first block's input");
             let grads = (embedded * autodiff_on(grad_x, &self.device))
                 .sum()
                 .backward();
@@ -1187,7 +1197,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                 .flat_map(|&u| self.units[u].iter().map(|&i| self.slots[i].id))
                 .collect();
             let values = self.shards_on_device(&shards, Some(&ids));
-            let groups = units.iter().map(|&u| Group::Unit(u));
+            let groups = units.iter().map(|&u| self.group(Group::Unit(u)));
             return self.gather(shards, values, groups, train);
         }
         Ok(self.compute(if train {

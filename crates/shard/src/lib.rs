@@ -4,9 +4,14 @@
 //! | strategy | parameters | gradients | optimizer state | collectives per step |
 //! |---|---|---|---|---|
 //! | `ddp` | full | full, all-reduced | full | all-reduce |
-//! | `zero1` | full | full, all-reduced | this rank's shard | all-reduce, all-gather |
+//! | `zero1` | full | full, reduce-scattered on the last micro-step | this rank's shard | reduce-scatter, all-gather |
 //! | `zero2` | full | this rank's shard (after the reduce-scatter) | this rank's shard | reduce-scatter every micro-step (per unit, as its backward ends, when checkpointing), all-gather |
 //! | `zero3` (FSDP) | this rank's shard | this rank's shard | this rank's shard | all-gather per unit (forward and backward), reduce-scatter per unit every micro-step |
+//!
+//! DDP, ZeRO-1 and ZeRO-2 move 2Ψ bytes a step (an all-reduce counts twice, ZeRO-1/2's
+//! all-gather of the updated parameters leaves out frozen ones), ZeRO-3 up to 3Ψ (each unit
+//! gathered for forward and again for backward), the ZeRO paper's volumes; the runner
+//! reports them (`burnscale_collective::Counted`).
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
 //! plus two root units (the embeddings', and the head's): a unit's full parameters exist only

@@ -4,6 +4,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
+use burnscale_collective::CollectiveBytes;
 use burnscale_precision::Precision;
 use burnscale_shard::Sharding;
 
@@ -174,6 +175,11 @@ pub struct RunSummary {
     /// put them on the host. Counted the same on every backend, so a CPU run shows what a
     /// GPU run moves.
     pub host_transfer_bytes_per_step: u64,
+    /// The bytes of this rank's collectives per optimizer step, by kind (the mean over the
+    /// steps, evaluations left out; `burnscale_collective::Counted`): an all-reduce's
+    /// buffer, an all-gather's whole output, a reduce-scatter's whole input, in the dtype
+    /// they travel in; `volume` counts them as the ZeRO paper does (an all-reduce twice).
+    pub collective_bytes_per_step: CollectiveBytes,
     /// Measured GEMM rate of the device in the precision's compute dtype, FLOP/s; `None`
     /// where the probe could not time its work (`speed::peak_gemm_flops`).
     pub peak_flops: Option<f64>,
@@ -314,6 +320,7 @@ impl RunSummary {
             loss_scale: None,
             skipped_steps: 0,
             host_transfer_bytes_per_step: 0,
+            collective_bytes_per_step: CollectiveBytes::default(),
             peak_flops,
             model_flops_per_s,
             mfu,
@@ -497,6 +504,20 @@ impl RunSummary {
             rows.push((
                 "optimizer state on disk",
                 human_bytes(self.model_state.offloaded),
+            ));
+        }
+        let c = self.collective_bytes_per_step;
+        if c.volume() > 0 {
+            rows.push((
+                "collectives per step",
+                format!(
+                    "{} volume (all-reduce {}, reduce-scatter {}, all-gather {}, broadcast {})",
+                    human_bytes(c.volume() as usize),
+                    human_bytes(c.all_reduce as usize),
+                    human_bytes(c.reduce_scatter as usize),
+                    human_bytes(c.all_gather as usize),
+                    human_bytes(c.broadcast as usize)
+                ),
             ));
         }
         rows.push((

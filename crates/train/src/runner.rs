@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::prelude::*;
-use burnscale_collective::{Buffer, Communicator, ReduceOp};
+use burnscale_collective::{Buffer, CollectiveBytes, Communicator, Counted, ReduceOp};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
@@ -311,15 +311,16 @@ fn train_rank<T: TrainTask>(
     device: &Device,
     planned: Planned,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
-    let outcome = run_rank(comm, model, task, args, device, planned);
+    let outcome = run_rank(&Counted::new(comm), model, task, args, device, planned);
     burnscale_nn::device_cache::clear();
     release_free_pages(device);
     outcome
 }
 
-/// [`train_rank`]'s run, its engine and optimizer dropped on return.
+/// [`train_rank`]'s run, its engine and optimizer dropped on return; `comm` counts the bytes
+/// of the training steps' collectives.
 fn run_rank<T: TrainTask>(
-    comm: &dyn Communicator,
+    comm: &Counted,
     model: T::Model,
     task: &mut T,
     args: &TrainArgs,
@@ -456,8 +457,9 @@ fn run_rank<T: TrainTask>(
     let mut train_s = 0.0;
     let mut step_times = Vec::new();
     let mut history = Vec::new();
-    // Host transfers in training steps, without evaluations.
+    // Host transfers and collectives in training steps, without evaluations.
     let mut transferred = 0;
+    let mut collective = CollectiveBytes::default();
     // The process peak of training so far, before a checkpoint reset it.
     let mut training_peak = 0;
     // The last step's evaluation, which the training time leaves out.
@@ -465,6 +467,7 @@ fn run_rank<T: TrainTask>(
     for step in first_step..=args.max_steps {
         let step_start = Instant::now();
         let transferred_before = burnscale_shard::host::transferred_bytes();
+        let collective_before = comm.bytes();
         let (step_items, step_flops) =
             micro_steps(&mut engine, task, T::next_batch, args, device, part)?;
         fault::kill_if_asked(fault::Point::Step, step, rank);
@@ -493,6 +496,7 @@ fn run_rank<T: TrainTask>(
             });
         }
         transferred += burnscale_shard::host::transferred_bytes() - transferred_before;
+        collective += comm.bytes() - collective_before;
         device_peak.read();
         let step_s = step_start.elapsed().as_secs_f64();
         // Throughput counts steady-state steps: the first compiles and tunes kernels on a
@@ -668,6 +672,7 @@ fn run_rank<T: TrainTask>(
         world,
     );
     summary.host_transfer_bytes_per_step = transferred / step_times.len().max(1) as u64;
+    summary.collective_bytes_per_step = collective.per(step_times.len() as u64);
     summary.warmup_s = warmup_s;
     summary.timed_steps = timed_steps;
     if let Some((scale, skipped)) = engine.loss_scale() {
