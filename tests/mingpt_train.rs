@@ -434,8 +434,8 @@ fn frozen_parameters_hold_no_gradients_or_state() {
 /// parameters, each one's rows padded to a multiple of the world where it is sharded): DDP
 /// all-reduces Ψ (a volume of 2Ψ); ZeRO-1 and ZeRO-2 reduce-scatter Ψ and all-gather Ψ, and
 /// of the trained parameters alone when some are frozen; ZeRO-3 reduce-scatters Ψ and
-/// all-gathers each unit once kept gathered, at most twice (forward, backward) resharded.
-/// The loss's and the norm's scalars ride along.
+/// all-gathers each unit once kept gathered, at most twice (forward, backward) resharded;
+/// 16-bit values move 2 bytes each. The loss's and the norm's scalars ride along.
 #[test]
 fn collectives_move_the_zero_papers_volumes() {
     let slots = {
@@ -497,6 +497,38 @@ fn collectives_move_the_zero_papers_volumes() {
         "{resharded:?}"
     );
     assert!(resharded.volume() <= 3 * psi + 2 * scalars);
+    // 16-bit values travel as 16-bit bytes: gradients reduced in bf16, a mixed policy's
+    // gathers, a true policy's parameters.
+    let reduced_bf16 = bytes(&["--strategy", "zero2", "--grad-reduce-dtype", "bf16"]);
+    assert_eq!(
+        (reduced_bf16.reduce_scatter, reduced_bf16.all_gather),
+        (psi / 2, psi),
+        "{reduced_bf16:?}"
+    );
+    let kept = ["--strategy", "zero3", "--reshard-after-forward", "false"];
+    let mixed = bytes(&[&kept[..], &["--precision", "bf16-mixed"]].concat());
+    assert_eq!(
+        (mixed.reduce_scatter, mixed.all_gather),
+        (psi, psi / 2),
+        "{mixed:?}"
+    );
+    // A true policy's bf16 gradients travel in f32 unless `--grad-reduce-dtype` says
+    // otherwise (the default, f32, sums them without 16-bit rounding on the way).
+    let true16 = bytes(&[&kept[..], &["--precision", "bf16-true"]].concat());
+    assert_eq!(
+        (true16.reduce_scatter, true16.all_gather),
+        (psi, psi / 2),
+        "{true16:?}"
+    );
+    // Accumulating, DDP and ZeRO-1 reduce once a step (the sums are whole until then),
+    // ZeRO-2 every micro-step.
+    let twice = ["--accumulate", "2"];
+    let ddp = bytes(&[&twice[..], &["--strategy", "ddp"]].concat());
+    assert!(ddp.all_reduce < unpadded + scalars, "{ddp:?}");
+    let zero1 = bytes(&[&twice[..], &["--strategy", "zero1"]].concat());
+    assert_eq!(zero1.reduce_scatter, psi, "{zero1:?}");
+    let zero2 = bytes(&[&twice[..], &["--strategy", "zero2"]].concat());
+    assert_eq!(zero2.reduce_scatter, 2 * psi, "{zero2:?}");
 }
 
 #[test]
