@@ -6,7 +6,7 @@
 //! ([`crate::device_plan`]), once they have started.
 //!
 //! The order is the techniques' usual cost on GPUs: DDP, then ZeRO-1 and ZeRO-2 (the same
-//! bytes on the wire as DDP's all-reduce), then ZeRO-3 keeping each unit gathered from its
+//! bytes on the wire as DDP's all-reduce: `collective_bytes_per_step`), then ZeRO-3 keeping each unit gathered from its
 //! forward to its backward (`--reshard-after-forward false`: ZeRO-2's bytes at
 //! `--accumulate 1`, its all-gather every micro-step where ZeRO-2's is once a step), then
 //! ZeRO-3 resharded after forward (each block gathered again for its backward), then the five

@@ -939,8 +939,8 @@ impl MemoryPlan {
                 }
             }
         }
-        // The step keeps the gradients of what this rank steps (ZeRO-1 cuts its reduced ones
-        // to its shards first).
+        // The step keeps the gradients of what this rank steps (its shards where the optimizer
+        // state is sharded: ZeRO-1 reduce-scatters too).
         let step_grads = match sharding.optimizer_state {
             true => sharded_grads,
             false => full_grads,
