@@ -574,7 +574,7 @@ fn true_16_bit_policies_hold_gradients_in_16_bits() {
 fn measured_model_states_are_the_engines_tensors_not_the_formula() {
     let p = GptConfig::tiny().num_params();
     let two = ["--max-steps", "2", "--devices", "2", "--strategy"];
-    // ZeRO-1 all-reduces the full gradients, as its formula says. ZeRO-2's formula counts a
+    // ZeRO-1 holds the full gradients until its reduction, as its formula says. ZeRO-2's formula counts a
     // gradient shard (4 B/param over 2 ranks), but a plain backward computes every gradient
     // at once, and the rank holds them all until the reduce-scatter: measured from the
     // engine's own buffers, a full copy.

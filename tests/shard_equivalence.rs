@@ -37,11 +37,14 @@ fn every_strategy_takes_the_plain_adamw_steps() {
 /// stopping above them), take no step under any strategy, as Burn's autodiff and burn-optim
 /// leave them in the plain loop, and the rest its steps: whole units and part of one frozen,
 /// on uneven shards, with checkpointed blocks, with zero3's units kept gathered, and with
-/// dropout on one rank (whose masks are the plain loop's).
+/// dropout on one rank (whose masks are the plain loop's). With the lowest block that trains
+/// frozen up to its first linear, that linear reads an input that needs no gradient (as
+/// BERT's query reads its layer's input).
 #[test]
 fn frozen_parameters_take_no_step_under_every_strategy() {
     let (top, bottom) = (["--freeze", "wte,h.1"], ["--freeze", "wte,wpe,h.0"]);
-    for freeze in [top, bottom] {
+    let to_first_linear = ["--freeze", "wte,wpe,h.0,h.1.ln_1"];
+    for freeze in [top, bottom, to_first_linear] {
         for optimizer in [SGD, ADAMW] {
             every_strategy(optimizer, &freeze);
         }

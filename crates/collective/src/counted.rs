@@ -93,7 +93,8 @@ impl<'a> Counted<'a> {
         }
     }
 
-    /// What this rank's collectives moved so far (those that failed included).
+    /// What this rank's collectives moved so far (an all-gather once it returns, its output's
+    /// length known; the others as they start).
     pub fn bytes(&self) -> CollectiveBytes {
         self.bytes.get()
     }

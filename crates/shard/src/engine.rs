@@ -390,10 +390,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         self.model = Some(match replica {
             None => updated,
             Some(replica) => {
-                let shards = params::values(&updated, None);
+                let mut shards = params::values(&updated, None);
                 drop(updated);
                 // The frozen parameters are as the replica holds them: only what the step
                 // changed comes back.
+                shards.retain(|id, _| !self.frozen.contains(id));
                 let trained = self.all_buckets().map(|b| self.trained(b));
                 self.gather(replica, shards, trained, true)?
             }
@@ -1000,9 +1001,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // starts at the first tracked parameter).
         let frozen_below = self.frozen_below();
         // Nor does the lowest block that trains need its input's gradient when the
-        // embeddings below it train not.
+        // embeddings below it train not; but resharded, its graph runs through regathered
+        // linears, whose op hangs off its input, which so stays tracked.
         let embeddings_train = self.trains(EMBEDDINGS);
         let input_grad = |i: usize| i > frozen_below || embeddings_train;
+        let graph_input_grad = |i: usize| input_grad(i) || acting.reshards();
         let mut saved = Vec::with_capacity(blocks.len() - frozen_below);
         {
             let _training = dropout::training_scope();
@@ -1029,7 +1032,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     }
                     Keep::Graphs => {
                         let block = self.unit(block, &unit, true)?;
-                        let input = autodiff_on(x, &self.device).set_require_grad(input_grad(i));
+                        let input =
+                            autodiff_on(x, &self.device).set_require_grad(graph_input_grad(i));
                         let forward = || root.block_forward(&block, input.clone(), &mask);
                         let (output, regathered) = match acting.reshards() {
                             true => regather::forward(forward),

@@ -10,7 +10,8 @@
 //!
 //! DDP, ZeRO-1 and ZeRO-2 move 2Ψ bytes a step (an all-reduce counts twice, ZeRO-1/2's
 //! all-gather of the updated parameters leaves out frozen ones), ZeRO-3 up to 3Ψ (each unit
-//! gathered for forward and again for backward), the ZeRO paper's volumes; the runner
+//! gathered for forward and again for backward), the ZeRO paper's volumes; accumulating,
+//! ZeRO-2 and ZeRO-3 reduce-scatter (and ZeRO-3 gathers) on every micro-step. The runner
 //! reports them (`burnscale_collective::Counted`).
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
