@@ -8,6 +8,7 @@ use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::Checkpoint;
+use burnscale::train::freeze::frozen_by;
 use burnscale::train::{
     OnStep, RunSummary, Score, StopFlag, TrainArgs, TrainError, TrainTask, train,
 };
@@ -443,10 +444,10 @@ fn collectives_move_the_zero_papers_volumes() {
         let model = Gpt::new(&GptConfig::tiny(), &Device::default()).unwrap();
         burnscale::shard::layout::slots(&model, 2)
     };
-    let padded = |frozen: &[&str]| -> u64 {
+    let padded = |frozen: &[String]| -> u64 {
         slots
             .iter()
-            .filter(|s| !frozen.iter().any(|f| s.path.starts_with(&format!("{f}."))))
+            .filter(|s| !frozen_by(frozen, &s.path))
             .map(|s| 4 * 2 * s.shard_numel() as u64)
             .sum()
     };
@@ -470,7 +471,11 @@ fn collectives_move_the_zero_papers_volumes() {
         ("zero1", "wte,h.0"),
         ("zero2", "wte,h.0"),
     ] {
-        let frozen: Vec<&str> = freeze.split(',').filter(|f| !f.is_empty()).collect();
+        let frozen: Vec<String> = freeze
+            .split(',')
+            .filter(|f| !f.is_empty())
+            .map(String::from)
+            .collect();
         let flags = match freeze.is_empty() {
             true => vec!["--strategy", strategy],
             false => vec!["--strategy", strategy, "--freeze", freeze],
