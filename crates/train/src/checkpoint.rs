@@ -150,22 +150,26 @@ pub struct SavedFile {
 /// there and removed, so that a directory the run cannot write stops it before its first step,
 /// not at its first save with the steps before it lost.
 pub fn check_writable(root: &Path) -> Result<(), CheckpointError> {
-    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let not_writable = |source| CheckpointError::NotWritable {
         path: root.to_path_buf(),
         source,
     };
     fs::create_dir_all(root).map_err(not_writable)?;
+    probe_writable(root).map_err(not_writable)
+}
+
+/// Writes a file into `dir` and removes it: whether the run can create files there (a
+/// directory's permissions or a read-only file system say so only when written).
+pub(crate) fn probe_writable(dir: &Path) -> std::io::Result<()> {
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     // Named apart for every rank that checks (threads of one process, processes on one
     // file system).
-    let probe = root.join(format!(
+    let probe = dir.join(format!(
         ".writable-{}-{}",
         std::process::id(),
         PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
-    fs::write(&probe, b"")
-        .and_then(|()| fs::remove_file(&probe))
-        .map_err(not_writable)
+    fs::write(&probe, b"").and_then(|()| fs::remove_file(&probe))
 }
 
 pub(crate) fn step_dir(root: &Path, step: usize) -> PathBuf {

@@ -911,6 +911,13 @@ impl TrainArgs {
                     dir.display()
                 ));
             }
+            if let Err(e) = crate::checkpoint::probe_writable(dir) {
+                return invalid(format!(
+                    "{flag} {}: {} cannot be written ({e})",
+                    path.display(),
+                    dir.display()
+                ));
+            }
             // One file for two outputs: the later would overwrite the earlier (the weights).
             let file = dir
                 .canonicalize()
@@ -1350,6 +1357,9 @@ mod tests {
             assert!(err.contains("/no/such/dir is not a directory"), "{err}");
             let err = refused(&[flag, "/tmp"]);
             assert!(err.contains("a directory, where a file"), "{err}");
+            // A directory no one can create files in, root included.
+            let err = refused(&[flag, "/proc/out.json"]);
+            assert!(err.contains("/proc cannot be written"), "{err}");
             parse(&[flag, "out.json"]).unwrap().validate().unwrap();
         }
         let err = refused(&["--save", "w.safetensors", "--summary-json", "w.config.json"]);
