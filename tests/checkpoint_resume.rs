@@ -387,17 +387,21 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     // A shape far larger than the files: an error before any of it is held (consolidating
     // it asked the allocator for 1.4 TB, which aborted the process).
     edited["params"][0]["dims"] = serde_json::json!([76, 4_800_000_000u64]);
-    // The files' recorded sizes edited alike: the files on disk bound it.
+    let consolidated = |edited: &serde_json::Value| {
+        fs::write(&meta_path, edited.to_string()).unwrap();
+        let mut ckpt = Checkpoint::open(&dir.join("step-00000003")).unwrap();
+        ckpt.consolidate(&dir.join("whole.safetensors"), false)
+            .unwrap_err()
+            .to_string()
+    };
+    let err = consolidated(&edited);
+    assert!(err.contains("larger than the checkpoint's files"), "{err}");
+    // The files' recorded sizes edited alike: the files on disk are not those sizes.
     for file in edited["files"].as_array_mut().unwrap() {
         file["bytes"] = serde_json::json!(1u64 << 50);
     }
-    fs::write(&meta_path, edited.to_string()).unwrap();
-    let mut ckpt = Checkpoint::open(&dir.join("step-00000003")).unwrap();
-    let err = ckpt
-        .consolidate(&dir.join("whole.safetensors"), false)
-        .unwrap_err()
-        .to_string();
-    assert!(err.contains("larger than the checkpoint's files"), "{err}");
+    let err = consolidated(&edited);
+    assert!(err.contains("meta.json says 1125899906842624"), "{err}");
     fs::write(&meta_path, meta).unwrap();
 
     // Another model: wider, so every matrix differs.
@@ -503,18 +507,26 @@ fn old_checkpoints_go_only_once_a_new_one_is_complete() {
     left.sort();
     assert_eq!(left, ["step-00000008", "step-00000009"]);
 
-    // The newest damaged: the error names the complete one before it.
-    let file = dir.join("step-00000009/rank-00000.safetensors");
-    let pristine = fs::read(&file).unwrap();
-    fs::write(&file, &pristine[..pristine.len() / 2]).unwrap();
-    let err = run(&dir, "zero1", 2, 0.0, &["--resume", "--max-steps", "10"])
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("truncated") && err.contains("step-00000008, is complete"),
-        "{err}"
-    );
-    fs::write(&file, &pristine).unwrap();
+    // The newest damaged: the error names the complete one before it. Its files cut to less
+    // than a tensor of the model, too: damage, not a checkpoint of another model.
+    let files = ["rank-00000", "rank-00001"]
+        .map(|rank| dir.join(format!("step-00000009/{rank}.safetensors")));
+    let pristine = files.clone().map(|file| fs::read(file).unwrap());
+    for (cut, len) in [(1, pristine[0].len() / 2), (2, 16)] {
+        for (file, bytes) in files.iter().zip(&pristine).take(cut) {
+            fs::write(file, &bytes[..len]).unwrap();
+        }
+        let err = run(&dir, "zero1", 2, 0.0, &["--resume", "--max-steps", "10"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("truncated") && err.contains("step-00000008, is complete"),
+            "{err}"
+        );
+        for (file, bytes) in files.iter().zip(&pristine) {
+            fs::write(file, bytes).unwrap();
+        }
+    }
 
     // A save that fails as it completes (a file where its directory goes): every rank
     // stops with the error, and the checkpoint before it stays whole.

@@ -858,22 +858,31 @@ impl Checkpoint {
         }
     }
 
+    /// The size of rank `r`'s file, which meta.json records: a file of another size is damaged.
+    fn size_checked(&self, r: usize) -> Result<u64, CheckpointError> {
+        let saved = &self.meta.files[r];
+        let path = self.dir.join(&saved.name);
+        let bytes = fs::metadata(&path).map_err(io_error(&path))?.len();
+        match bytes == saved.bytes {
+            true => Ok(bytes),
+            false => Err(CheckpointError::Corrupt {
+                path,
+                reason: format!("{bytes} bytes, {META} says {} (truncated?)", saved.bytes),
+            }),
+        }
+    }
+
     /// Rank `r`'s file, read and checked the first time it is needed.
     fn file(&mut self, r: usize) -> Result<&RankFile, CheckpointError> {
         if self.files[r].is_none() {
+            self.size_checked(r)?;
             let saved = &self.meta.files[r];
             let path = self.dir.join(&saved.name);
             let corrupt = |reason: String| CheckpointError::Corrupt {
                 path: path.clone(),
                 reason,
             };
-            let (bytes, crc) = checksum(&path)?;
-            if bytes != saved.bytes {
-                return Err(corrupt(format!(
-                    "{bytes} bytes, {META} says {} (truncated?)",
-                    saved.bytes
-                )));
-            }
+            let (_, crc) = checksum(&path)?;
             if crc != saved.crc32 {
                 return Err(corrupt(format!(
                     "CRC-32 {crc:08x}, {META} says {:08x}",
@@ -932,11 +941,12 @@ impl Checkpoint {
             return Ok(padded(bytes, row, count, pad_to, dims, dtype));
         }
         // Held in memory before its pieces are read: no more than the files hold (a meta.json
-        // edited by hand could ask for any size; a file that cannot be read is named when it
-        // is opened).
-        let stored: u64 = (self.meta.files.iter())
-            .map(|f| fs::metadata(self.dir.join(&f.name)).map_or(f.bytes, |m| m.len()))
-            .sum();
+        // edited by hand could ask for any size). A file of another size than meta.json's is
+        // damaged, and named as such here, not taken for a checkpoint of another model.
+        let mut stored = 0;
+        for r in 0..self.meta.files.len() {
+            stored += self.size_checked(r)?;
+        }
         let row = dims[1..]
             .iter()
             .try_fold(dtype.size(), |a, &d| a.checked_mul(d));
