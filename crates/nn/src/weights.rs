@@ -58,9 +58,9 @@ pub enum WeightError {
         key: String,
         dtype: String,
     },
-    #[error("{path} is missing {} weight(s): {}", keys.len(), keys.join(", "))]
+    #[error("{path} is missing {} weight(s): {}", keys.len(), listed(keys))]
     MissingKeys { path: PathBuf, keys: Vec<String> },
-    #[error("{path} has {} weight(s) this model does not use: {} (weights for another architecture?)", keys.len(), keys.join(", "))]
+    #[error("{path} has {} weight(s) this model does not use: {} (weights for another architecture?)", keys.len(), listed(keys))]
     UnexpectedKeys { path: PathBuf, keys: Vec<String> },
     #[error("cannot write {path}: {reason}")]
     Save { path: PathBuf, reason: String },
@@ -73,6 +73,20 @@ pub enum WeightError {
         first: String,
         second: String,
     },
+}
+
+/// The first of `keys` and how many more: a file of another model differs in every one of
+/// its hundreds of tensors, which a message naming them all would bury.
+fn listed(keys: &[String]) -> String {
+    const SHOWN: usize = 8;
+    match keys.len() > SHOWN {
+        true => format!(
+            "{}, and {} more",
+            keys[..SHOWN].join(", "),
+            keys.len() - SHOWN
+        ),
+        false => keys.join(", "),
+    }
 }
 
 /// One checkpoint tensor as f32, under the key it has in its file.
@@ -867,6 +881,35 @@ mod tests {
             err.contains("`file.w` has shape [2, 4], the config expects [3, 2]"),
             "{err}"
         );
+    }
+
+    /// Another model's file: its unknown weights named, the first of them and how many more.
+    #[test]
+    fn another_models_weights_are_named_a_few_and_counted() {
+        let device = Device::default();
+        let model = || OneMatrix {
+            w: Param::from_tensor(Tensor::zeros([2, 3], &device)),
+        };
+        let foreign = |i: usize| Weight {
+            key: format!("other.{i:02}"),
+            shape: vec![1],
+            values: vec![0.0],
+        };
+        let file = Path::new("m.safetensors");
+        let weights = (0..20).map(|i| (format!("other.{i:02}"), foreign(i)));
+        let err = apply(model(), weights.collect(), &Transposing, file, &device)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("has 20 weight(s) this model does not use: other.00, other.01, ")
+                && err.contains("other.07, and 12 more (weights for another architecture?)")
+                && !err.contains("other.08"),
+            "{err}"
+        );
+        let err = apply(model(), HashMap::new(), &Transposing, file, &device)
+            .unwrap_err()
+            .to_string();
+        assert!(err.ends_with("is missing 1 weight(s): file.w"), "{err}");
     }
 
     /// Integer and bool buffers (GPT-2's causal mask, saved as uint8 or bool by older
