@@ -694,10 +694,14 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     ),
                 });
             }
+            // Each value in storage of its own: a slice of the bucket would keep the whole
+            // bucket alive for as long as any of its parameters is unchanged (a frozen one, or
+            // one no backward reaches, the whole run: a second copy of the bucket's parameters
+            // from the first step on).
             let bucket_values = slots
                 .iter()
                 .zip(layout::split(root, slots.iter().map(|s| s.numel())))
-                .map(|(s, v)| (s.id, (v, s.dims.clone())))
+                .map(|(s, v)| (s.id, (layout::owned(v), s.dims.clone())))
                 .collect();
             model = params::set_values(model, bucket_values, &self.device, self.track(true));
         }
