@@ -1,6 +1,7 @@
 //! Per-block activation checkpointing on minGPT: activation memory (process peak minus model
 //! states, counting allocator) and median step time without checkpointing, with
-//! `--checkpoint-activations` (ours, per block), and with Burn's own device-level gradient
+//! `--checkpoint-activations` (ours, per block), with `--checkpoint-blocks` half the depth (the
+//! lower half recomputed, the upper keeping its graphs), and with Burn's own device-level gradient
 //! checkpointing (`Device::gradient_checkpointing`, which recomputes memory-bound operations
 //! and keeps compute-bound ones), side by side in one run, for several depths.
 //!
@@ -37,7 +38,8 @@ struct Cli {
     batch_size: usize,
     #[arg(long, default_value_t = 4)]
     steps: usize,
-    /// Worker mode (set by the driver): one run, `layers[0]` blocks, plain / per-block / burn.
+    /// Worker mode (set by the driver): one run, `layers[0]` blocks, plain / per-block / half /
+    /// burn.
     #[arg(long, hide = true)]
     worker: Option<String>,
     // `cargo bench` passes `--bench` to every bench target.
@@ -66,8 +68,11 @@ fn worker(cli: &Cli, mode: &str) -> Result<()> {
         "--accelerator",
         "cpu",
     ];
-    if mode == "per-block" {
-        flags.push("--checkpoint-activations");
+    let half = (n_layer / 2).to_string();
+    match mode {
+        "per-block" => flags.push("--checkpoint-activations"),
+        "half" => flags.extend(["--checkpoint-blocks", &half]),
+        _ => {}
     }
     let args = TrainArgs::from_flags(&flags)?;
     let mut task = NextToken::new(tokens, cli.block_size, cli.batch_size, 1)?;
@@ -118,37 +123,44 @@ fn run() -> Result<()> {
         cli.n_embd, cli.n_head, cli.batch_size, cli.block_size, cli.steps
     );
     println!(
-        "  {:>6} {:>11} {:>12} {:>12} {:>6} {:>12} {:>6} {:>6} {:>8} {:>6} {:>6}",
+        "  {:>6} {:>11} {:>12} {:>12} {:>6} {:>12} {:>6} {:>12} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6}",
         "blocks",
         "params",
         "activations",
         "per-block",
+        "ratio",
+        "half",
         "ratio",
         "burn",
         "ratio",
         "1.5/L",
         "step s",
         "ratio",
+        "half",
         "burn"
     );
     for &layers in &cli.layers {
         let plain = run_child(&cli, layers, "plain")?;
         let ckpt = run_child(&cli, layers, "per-block")?;
+        let half = run_child(&cli, layers, "half")?;
         let burn = run_child(&cli, layers, "burn")?;
         let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
         let act = |v: &Value| f(v, "activation_bytes");
-        let (a, b, c) = (act(&plain), act(&ckpt), act(&burn));
+        let (a, b, h, c) = (act(&plain), act(&ckpt), act(&half), act(&burn));
         let s = f(&plain, "step_s");
         println!(
-            "  {layers:>6} {:>11} {:>12} {:>12} {:>6.2} {:>12} {:>6.2} {:>6.2} {s:>8.3} {:>6.2} {:>6.2}",
+            "  {layers:>6} {:>11} {:>12} {:>12} {:>6.2} {:>12} {:>6.2} {:>12} {:>6.2} {:>6.2} {s:>8.3} {:>6.2} {:>6.2} {:>6.2}",
             f(&plain, "params"),
             human_bytes(a as usize),
             human_bytes(b as usize),
             b / a,
+            human_bytes(h as usize),
+            h / a,
             human_bytes(c as usize),
             c / a,
             1.5 / layers as f64,
             f(&ckpt, "step_s") / s,
+            f(&half, "step_s") / s,
             f(&burn, "step_s") / s,
         );
     }

@@ -71,6 +71,9 @@ pub const PLANNED_ON_CPU: [&str; 3] = ["--plan", "--accelerator", "cpu"];
 pub const ONE_RANK: &[&[&str]] = &[
     &[],
     &["--checkpoint-activations"],
+    // The lowest two blocks checkpointed, the two above keeping their graphs.
+    &["--checkpoint-blocks", "2"],
+    &["--checkpoint-blocks", "2", "--precision", "bf16-mixed"],
     // One step: its forward and backward run before the optimizer has made its state.
     &["--max-steps", "1"],
     &["--precision", "bf16-mixed"],
@@ -142,6 +145,18 @@ pub const SHARDED: &[&[&str]] = &[
         "2",
     ],
     &["--strategy", "zero2", "--checkpoint-activations"],
+    &["--strategy", "zero2", "--checkpoint-blocks", "2"],
+    &["--strategy", "zero3", "--checkpoint-blocks", "2"],
+    &[
+        "--strategy",
+        "ddp",
+        "--checkpoint-blocks",
+        "3",
+        "--precision",
+        "bf16-mixed",
+        "--accumulate",
+        "2",
+    ],
     // Frozen parameters stay as broadcast the whole run, each in storage of its own (a slice
     // of its bucket kept the bucket's first values alive: -8.9% and -8.9%).
     &["--strategy", "ddp", "--freeze", "wpe"],

@@ -82,7 +82,7 @@ fn plain<T: TrainTask>(model: T::Model, mut task: T) -> Parameters {
 
 /// Checkpointed gradients equal plain ones: one step of the plain Burn loop
 /// (`burnscale::reference`) against the runner's with and without `--checkpoint-activations`
-/// on one rank (alone and as ddp), and on two ranks (zero2, each rank drawing its own dropout
+/// (or `--checkpoint-blocks 1`) on one rank (alone and as ddp), and on two ranks (zero2, each rank drawing its own dropout
 /// masks) the checkpointed run against the same strategy without checkpointing. `model` builds
 /// the model with a dropout rate, `task` the task at a per-rank batch size. Where `sharded`,
 /// also ZeRO-2 and ZeRO-3 on two ranks, each reading half the batch, against the plain step
@@ -100,7 +100,7 @@ fn check<T: TrainTask>(
     let two_ranks = ["--strategy", "zero2", "--devices", "2"];
     let mut cases = Vec::new();
     for extra in [&[][..], &["--strategy", "ddp"]] {
-        for checkpoint in [&[][..], &["--checkpoint-activations"]] {
+        for checkpoint in CHECKPOINTING {
             let flags = [extra, checkpoint].concat();
             cases.push((
                 format!("{flags:?} vs plain"),
@@ -121,7 +121,7 @@ fn check<T: TrainTask>(
     if sharded {
         let (start, without_dropout) = (weights::collect(&model(0.0)), plain(0.0));
         for strategy in ["zero2", "zero3"] {
-            for checkpoint in [&[][..], &["--checkpoint-activations"]] {
+            for checkpoint in CHECKPOINTING {
                 let flags = [&["--strategy", strategy, "--devices", "2"], checkpoint].concat();
                 cases.push((
                     format!("{flags:?} vs plain, no dropout"),
@@ -138,6 +138,14 @@ fn check<T: TrainTask>(
         );
     }
 }
+
+/// No block checkpointed, every one, and the lowest alone (the blocks above it keeping their
+/// graphs: both kinds in one backward).
+const CHECKPOINTING: [&[&str]; 3] = [
+    &[],
+    &["--checkpoint-activations"],
+    &["--checkpoint-blocks", "1"],
+];
 
 /// How far two gradients of the same batch may differ, as a fraction of the largest element:
 /// `2^6 u` (3.8e-6, `u` = 2^-24, f32's unit roundoff). Runs on one rank compute the same sums

@@ -114,6 +114,18 @@ fn bad_flags_are_named() {
         ],
         "under --precision 16-true",
     );
+    fails_with(
+        &["--checkpoint-blocks", "99"],
+        "99 blocks to checkpoint, but the model has 4",
+    );
+    fails_with(
+        &["--checkpoint-blocks", "2", "--checkpoint-activations"],
+        "cannot be used with",
+    );
+    fails_with(
+        &["--checkpoint-blocks", "0"],
+        "--checkpoint-blocks 0 checkpoints nothing",
+    );
     fails_with(&["--strategy", "zero9"], "invalid value 'zero9'");
     fails_with(&["--accelerator", "tpu"], "invalid value 'tpu'");
     // An accelerator the build lacks (a cuda build on a machine without a GPU says so instead).

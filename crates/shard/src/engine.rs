@@ -10,7 +10,7 @@ use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
 use crate::params::{self, Flat, Track};
-use crate::{ShardError, Sharding, Share, StepGrads, Strategy, host};
+use crate::{Checkpointing, ShardError, Sharding, Share, StepGrads, Strategy, host};
 
 /// The root's units: the embeddings', then the rest (the head's); blocks follow them.
 const EMBEDDINGS: usize = 0;
@@ -74,8 +74,8 @@ pub struct Sharded<'c, M: BlockModel> {
     /// This step's micro-step losses (each its share of the step's), on the device:
     /// read once, when the step ends, so that nothing waits for the device mid-step.
     losses: Vec<Tensor<1>>,
-    /// Per-block activation checkpointing, as asked.
-    checkpoint: bool,
+    /// How many blocks, from the lowest, are checkpointed (keep only their input).
+    checkpointed: usize,
     precision: Precision,
     /// Where the parameter shards live between uses when offloaded (else the device).
     home: Option<Device>,
@@ -158,7 +158,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             grad_peak: 0,
             grad_bytes: 0,
             losses: Vec::new(),
-            checkpoint: false,
+            checkpointed: 0,
             precision: Precision::F32True,
             home: None,
             reduce_dtype: DType::F32,
@@ -183,12 +183,22 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(this)
     }
 
-    /// Per-block activation checkpointing: each block keeps only its input in forward and is
-    /// recomputed in backward (sharded, from its parameters gathered again, or kept gathered
-    /// when not resharded after forward).
-    pub fn checkpoint_activations(mut self, on: bool) -> Self {
-        self.checkpoint = on;
-        self
+    /// Per-block activation checkpointing of the blocks `checkpointing` names: each keeps
+    /// only its input in forward and is recomputed in backward (sharded, from its parameters
+    /// gathered again, or kept gathered when not resharded after forward); the others keep
+    /// their graphs.
+    pub fn checkpoint_activations(
+        mut self,
+        checkpointing: Checkpointing,
+    ) -> Result<Self, ShardError> {
+        self.checkpointed = checkpointing.blocks(self.units.len() - FIRST_BLOCK)?;
+        Ok(self)
+    }
+
+    /// How many blocks, from the lowest, keep only their input in forward and are recomputed
+    /// in backward ([`Sharded::checkpoint_activations`]).
+    pub fn checkpointed_blocks(&self) -> usize {
+        self.checkpointed
     }
 
     /// Whether sharded parameters are dropped after each unit's forward and gathered again
@@ -289,14 +299,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         share: &Share,
         last: bool,
     ) -> Result<(), ShardError> {
-        if self.checkpoint {
-            return self.blockwise_micro_step(input, target, share, last, Keep::Inputs);
-        }
-        // Gathered units are dropped as backward leaves each (or, resharded, their weights
-        // after forward); and in later micro-steps of an accumulation into whole sums a plain
-        // backward would hand back every gradient at once, a second whole copy beside the sums.
-        if self.acting().parameters || !self.local.is_empty() {
-            return self.blockwise_micro_step(input, target, share, last, Keep::Graphs);
+        // Checkpointed blocks are recomputed block by block; gathered units are dropped as
+        // backward leaves each (or, resharded, their weights after forward); and in later
+        // micro-steps of an accumulation into whole sums a plain backward would hand back
+        // every gradient at once, a second whole copy beside the sums.
+        if self.checkpointed > 0 || self.acting().parameters || !self.local.is_empty() {
+            return self.blockwise_micro_step(input, target, share, last);
         }
         // The whole model in one graph: a replica's own, or the shards of a rank acting as one
         // (alone, they are its whole parameters: taken as they are, tracked).
@@ -945,7 +953,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(())
     }
 
-    /// Backward block by block. With [`Keep::Inputs`] (per-block checkpointing) blocks run
+    /// Backward block by block. With [`Keep::Inputs`] (the checkpointed blocks) blocks run
     /// forward outside autodiff, keeping only their input; backward takes each block again,
     /// recomputes it under autodiff (with the same dropout masks) and back-propagates the
     /// incoming gradient through it. With sharded gradients a unit's are reduce-scattered as
@@ -970,7 +978,6 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         target: M::Target,
         share: &Share,
         last: bool,
-        keep: Keep,
     ) -> Result<(), ShardError> {
         let sharded_params = self.sharding.parameters;
         let acting = self.acting();
@@ -1019,6 +1026,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     x = root.block_forward(&self.unit(block, &unit, false)?, x, &inner_mask);
                     continue;
                 }
+                let keep = match i < self.checkpointed {
+                    true => Keep::Inputs,
+                    false => Keep::Graphs,
+                };
                 saved.push(match keep {
                     Keep::Inputs => {
                         let at = dropout::position();

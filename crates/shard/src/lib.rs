@@ -70,6 +70,32 @@ impl Strategy {
     }
 }
 
+/// Which blocks keep only their input in forward and are recomputed in backward (per-block
+/// activation checkpointing); the others keep their graphs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Checkpointing {
+    #[default]
+    None,
+    /// Every block.
+    All,
+    /// The lowest `n` blocks (Megatron's `--recompute-method block --recompute-num-layers
+    /// n`): a memory between none and all, each block above recomputing nothing.
+    Lowest(usize),
+}
+
+impl Checkpointing {
+    /// How many blocks, from the lowest, of a model of `depth` blocks are checkpointed; `n`
+    /// above `depth` is an error.
+    pub fn blocks(self, depth: usize) -> Result<usize, ShardError> {
+        match self {
+            Checkpointing::None => Ok(0),
+            Checkpointing::All => Ok(depth),
+            Checkpointing::Lowest(n) if n <= depth => Ok(n),
+            Checkpointing::Lowest(n) => Err(ShardError::CheckpointedBlocks { n, depth }),
+        }
+    }
+}
+
 /// Which model states each rank keeps only its shard of. Optimizer state is sharded whenever
 /// gradients are, and gradients whenever parameters are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,6 +166,8 @@ pub enum ShardError {
         "every parameter of the model is frozen (require_grad false): there is nothing to train"
     )]
     AllFrozen,
+    #[error("{n} blocks to checkpoint, but the model has {depth}")]
+    CheckpointedBlocks { n: usize, depth: usize },
     #[error(transparent)]
     Precision(#[from] burnscale_precision::PrecisionError),
     #[error(

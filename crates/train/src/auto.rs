@@ -18,6 +18,7 @@
 
 use burn::prelude::*;
 use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
+use burnscale_shard::Checkpointing;
 use clap::ValueEnum;
 use serde::Serialize;
 
@@ -290,6 +291,10 @@ fn unused_by(chosen: &TrainArgs, given: &TrainArgs) -> Vec<String> {
             given.reshard_after_forward.is_some() && chosen.strategy != Strategy::Zero3,
         ),
         (
+            "--checkpoint-blocks (the plan fits only with every block checkpointed)",
+            given.checkpoint_blocks.is_some() && chosen.checkpoint_blocks.is_none(),
+        ),
+        (
             "--init-on-device (the weights stay f32, as built)",
             given.init_on_device && !chosen.init_on_device,
         ),
@@ -363,6 +368,8 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                             // Weights that stay f32 are built so: nothing to create in place.
                             init_on_device: args.init_on_device && precision.has_16bit_weights(),
                             checkpoint_activations: checkpoint,
+                            // Every block checkpointed, or as given.
+                            checkpoint_blocks: args.checkpoint_blocks.filter(|_| !checkpoint),
                             reshard_after_forward,
                             offload_dir: offload_dir.clone(),
                             // A precision without a loss scaler is weighed without its flags
@@ -417,7 +424,11 @@ fn choice_code(args: &TrainArgs) -> u64 {
     [
         args.strategy as u64,
         args.precision as u64,
-        u64::from(args.checkpoint_activations),
+        match args.checkpointing() {
+            Checkpointing::None => 0,
+            Checkpointing::All => 1,
+            Checkpointing::Lowest(_) => 2,
+        },
         u64::from(args.offload_dir.is_some()),
         args.reshard_after_forward.map_or(0, |on| 1 + u64::from(on)),
     ]
@@ -472,8 +483,10 @@ fn flags_of(args: &TrainArgs) -> String {
         format!("--strategy {}", value_name(args.strategy)),
         format!("--precision {}", args.precision),
     ];
-    if args.checkpoint_activations {
-        flags.push("--checkpoint-activations".into());
+    match args.checkpointing() {
+        Checkpointing::None => {}
+        Checkpointing::All => flags.push("--checkpoint-activations".into()),
+        Checkpointing::Lowest(n) => flags.push(format!("--checkpoint-blocks {n}")),
     }
     if let Some(on) = args.reshard_after_forward {
         flags.push(format!("--reshard-after-forward {on}"));

@@ -175,6 +175,12 @@ pub struct TrainArgs {
     /// recomputed in backward.
     #[arg(long)]
     pub checkpoint_activations: bool,
+    /// Per-block activation checkpointing of the lowest N blocks only (Megatron's
+    /// --recompute-method block --recompute-num-layers N; torchtitan's selective layer
+    /// checkpointing): the blocks above keep their graphs, so a run holds activations between
+    /// none checkpointed and all, and recomputes only N blocks' forward
+    #[arg(long, value_name = "N", conflicts_with = "checkpoint_activations")]
+    pub checkpoint_blocks: Option<usize>,
     /// zero3: whether each unit's gathered parameters are dropped after its forward and
     /// gathered again for its backward (true, FSDP2's default: a block's graph keeps its
     /// activations, not its weights), or kept gathered with their graph until the unit's
@@ -551,6 +557,16 @@ impl TrainArgs {
         Ok(sharding)
     }
 
+    /// The blocks `--checkpoint-activations` or `--checkpoint-blocks` checkpoint.
+    pub fn checkpointing(&self) -> burnscale_shard::Checkpointing {
+        use burnscale_shard::Checkpointing;
+        match (self.checkpoint_activations, self.checkpoint_blocks) {
+            (true, _) => Checkpointing::All,
+            (false, Some(n)) => Checkpointing::Lowest(n),
+            (false, None) => Checkpointing::None,
+        }
+    }
+
     /// [`TrainArgs::sharding`] as it acts on each of `world` ranks
     /// ([`burnscale_shard::Sharding::acting_on`]).
     pub fn acting_sharding(&self, world: usize) -> Result<burnscale_shard::Sharding, TrainError> {
@@ -582,6 +598,10 @@ impl TrainArgs {
             (
                 "--checkpoint-activations",
                 self.checkpoint_activations.to_string(),
+            ),
+            (
+                "--checkpoint-blocks",
+                format!("{:?}", self.checkpoint_blocks),
             ),
             (
                 "--reshard-after-forward",
@@ -701,6 +721,12 @@ impl TrainArgs {
         if self.matmul == Matmul::Cublas && !burnscale_nn::gemm::cublas_library_found() {
             return invalid(
                 "--matmul cublas: cuBLAS's library (libcublas.so) was not found: install CUDA's cuBLAS (or PyPI's nvidia-cublas wheel) and put its directory on LD_LIBRARY_PATH".into(),
+            );
+        }
+        if self.checkpoint_blocks == Some(0) {
+            return invalid(
+                "--checkpoint-blocks 0 checkpoints nothing: leave it out, or give at least 1"
+                    .into(),
             );
         }
         if self.adafactor_relative_step && self.optimizer != OptimizerKind::Adafactor {

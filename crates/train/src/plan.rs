@@ -619,11 +619,12 @@ impl MemoryPlan {
             true => w * elems,
             false => 0,
         };
-        let checkpoint = args.checkpoint_activations;
+        // The lowest `checkpointed` blocks keep only their input; those above, their graphs.
+        let checkpointed = args.checkpointing().blocks(depth)?;
         let keep_gathered = sharding.keeps_gathered();
         // Backward goes block by block with checkpointing, and wherever gathered units are
         // dropped as backward leaves each (or, resharded, their weights after forward).
-        let blockwise = checkpoint || sharding.parameters;
+        let blockwise = checkpointed > 0 || sharding.parameters;
         // The engine reduces unit by unit where it shards gradients along the blockwise
         // path, else bucket by bucket.
         let group = match sharding.gradients && blockwise {
@@ -646,15 +647,22 @@ impl MemoryPlan {
             true => 0,
             false => trained.blocks.iter().take_while(|b| b.is_empty()).count(),
         };
-        let tracked_depth = depth - frozen_below;
         // Their copies (gathered, or cast) are dropped after their forward.
         let frozen_below_elems: usize = units.blocks[..frozen_below].iter().map(|b| elems(b)).sum();
-        // Frozen blocks above it keep only what their input's gradient needs.
-        let frozen_above = trained.blocks[frozen_below..]
-            .iter()
-            .zip(&units.blocks[frozen_below..])
-            .filter(|(trained, all)| trained.is_empty() && !all.is_empty())
-            .count();
+        // Frozen blocks above it keep only what their input's gradient needs (those that
+        // keep their graphs; a checkpointed one keeps its input alone).
+        let frozen_above = |from: usize| {
+            let from = from.max(frozen_below);
+            trained.blocks[from..]
+                .iter()
+                .zip(&units.blocks[from..])
+                .filter(|(trained, all)| trained.is_empty() && !all.is_empty())
+                .count()
+        };
+        // The blocks that train or pass a gradient on and keep their graphs: above the
+        // checkpointed ones.
+        let graphs_from = checkpointed.max(frozen_below);
+        let graph_depth = depth - graphs_from;
         // With sharded parameters resharded after forward the embeddings run outside
         // autodiff (they are recomputed in backward), so forward keeps only their output; so
         // too when they are frozen (the first block that trains keeps its input).
@@ -662,11 +670,18 @@ impl MemoryPlan {
             true => probe.block_output,
             false => probe.embed,
         };
-        let activations = embed_kept
-            + (tracked_depth - frozen_above) * probe.block
-            + frozen_above * probe.frozen_block
-            + probe.head;
-        let activations_checkpointed = embed_kept + tracked_depth * probe.block_output + probe.head;
+        // What forward keeps when the blocks from `from` up keep their graphs, and those below
+        // (down to the lowest that trains) their inputs.
+        let kept_above = |from: usize| {
+            let (graphs, frozen) = (depth - from, frozen_above(from));
+            embed_kept
+                + (from - frozen_below) * probe.block_output
+                + (graphs - frozen) * probe.block
+                + frozen * probe.frozen_block
+                + probe.head
+        };
+        let activations = kept_above(frozen_below);
+        let activations_checkpointed = kept_above(depth);
         // A gathered unit is a copy of the shards: all-gathered from the ranks, or, alone, their
         // 16-bit cast. A rank alone that still acts sharded without a cast has its shards
         // offloaded, and on the CPU, the one device planned, the host is the device: moving
@@ -758,15 +773,13 @@ impl MemoryPlan {
                 };
                 let held = params + state + accumulated + compute_copy;
                 // Each block's graph kept from forward holds its input beside it (`held_input`).
-                let kept = match checkpoint {
-                    true => activations_checkpointed,
-                    false => activations + tracked_depth * probe.held_input,
-                };
+                let kept = kept_above(graphs_from) + graph_depth * probe.held_input;
                 // Graphs kept from forward keep their blocks' weights to each block's backward:
                 // a mixed replica's 16-bit copies of them (gathered units count in
                 // `gathered_kept`).
-                let copies_kept = match !checkpoint && mixed && !gathers {
-                    true => c * (n - root - frozen_below_elems),
+                let graph_elems: usize = units.blocks[graphs_from..].iter().map(|b| elems(b)).sum();
+                let copies_kept = match graph_depth > 0 && mixed && !gathers {
+                    true => c * graph_elems,
                     false => gathered_kept,
                 };
                 // Kept gathered, a tied head reads the token table the embeddings keep (counted in
@@ -826,33 +839,34 @@ impl MemoryPlan {
                     true => 0,
                     false => unit_copy(block),
                 };
-                let top_activations = match checkpoint {
-                    true => probe.block + probe.held_input,
-                    false => 0,
+                let top_activations = match graph_depth {
+                    0 => probe.block + probe.held_input,
+                    _ => 0,
                 };
                 // Resharded, the blocks' graphs run through regathered linears.
-                let block_backward = match sharding.reshards() && !checkpoint {
+                let block_backward = |graph: bool| match sharding.reshards() && graph {
                     true => probe.regathered_backward,
                     false => probe.block_backward,
                 };
+                let top_backward = block_backward(graph_depth > 0);
                 let block_slots = trained.largest_block_slots();
-                let top_block =
-                    unit_backward(block_slots, top_copy, top_activations, block_backward);
+                let top_block = unit_backward(block_slots, top_copy, top_activations, top_backward);
                 phases.push(backward_top(
                     held + kept + copies_kept + head_copy + probe.head_backward,
                     held + kept.saturating_sub(probe.head) + copies_kept + top_block + head_grads,
                     &probe,
-                    block_backward,
+                    top_backward,
                 ));
                 // The bottom block's backward, its activations (recomputed, or kept) and its copy
                 // beside the embeddings' (kept gathered with them, or gathered again after) and the
                 // head's input, held to the end of the micro-step.
                 let head_input = probe.block_output;
+                let bottom_backward = block_backward(graphs_from == frozen_below);
                 let bottom_block = unit_backward(
                     block_slots,
                     unit_copy(block),
                     probe.block + probe.held_input,
-                    block_backward,
+                    bottom_backward,
                 );
                 let embed_gathered = match kept_copies {
                     true => c * units.embeddings(),
@@ -885,7 +899,7 @@ impl MemoryPlan {
                         + bottom_block
                         + grads_above(block_slots).max(accumulated)
                         + tied_table_grads,
-                    block_backward,
+                    bottom_backward,
                 ));
                 // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
                 // root's compute copy serves), recomputed unless kept, backward through them.

@@ -112,8 +112,9 @@ pub struct RunSummary {
     /// Where the ranks ran.
     pub accelerator: Accelerator,
     pub strategy: Strategy,
-    /// Whether each block's forward was recomputed in backward (per-block checkpointing).
-    pub recomputed_blocks: bool,
+    /// How many blocks, from the lowest, recomputed their forward in backward (per-block
+    /// checkpointing).
+    pub recomputed_blocks: usize,
     /// zero3: whether gathered units were dropped after forward (FSDP2's
     /// `reshard_after_forward`); absent where nothing is gathered (a rank alone computing
     /// with its shards as they are: [`burnscale_shard::Sharding::acting_on`]).
@@ -289,7 +290,7 @@ impl RunSummary {
         Self {
             accelerator: args.runs_on(),
             strategy: args.strategy,
-            recomputed_blocks: sharding.is_some() && args.checkpoint_activations,
+            recomputed_blocks: 0,
             reshard_after_forward: sharding
                 .filter(|s| s.parameters)
                 .map(|s| s.reshard_after_forward),
@@ -470,8 +471,8 @@ impl RunSummary {
                         _ => "",
                     },
                     match self.recomputed_blocks {
-                        true => ", blocks recomputed",
-                        false => "",
+                        0 => String::new(),
+                        n => format!(", {n} blocks recomputed"),
                     }
                 ),
             ),

@@ -664,6 +664,7 @@ fn run_rank<T: TrainTask>(
     summary.set_device_plan(device_plan);
     summary.auto = choice;
     summary.trainable_params = engine.trainable_params();
+    summary.recomputed_blocks = engine.checkpointed_blocks();
     summary.model_state_predicted_bytes = ModelStateBytes::predicted(
         num_params,
         summary.trainable_params,
@@ -709,7 +710,7 @@ pub(crate) fn build_engine<'c, M: BlockModel>(
             .map_or_else(ScalerConfig::default, ScalerConfig::starting_at)
     };
     let mut engine = Sharded::new(args.strategy.engine()?, model, comm, device)?
-        .checkpoint_activations(args.checkpoint_activations)
+        .checkpoint_activations(args.checkpointing())?
         .precision(args.precision, scaler)
         .reduce_dtype(args.grad_reduce_dtype.dtype());
     if args.offload == Offload::Params {
