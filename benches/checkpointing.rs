@@ -68,7 +68,7 @@ fn worker(cli: &Cli, mode: &str) -> Result<()> {
         "--accelerator",
         "cpu",
     ];
-    let half = (n_layer / 2).to_string();
+    let half = (n_layer / 2).max(1).to_string();
     match mode {
         "per-block" => flags.push("--checkpoint-activations"),
         "half" => flags.extend(["--checkpoint-blocks", &half]),

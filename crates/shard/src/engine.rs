@@ -195,10 +195,11 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         Ok(self)
     }
 
-    /// How many blocks, from the lowest, keep only their input in forward and are recomputed
-    /// in backward ([`Sharded::checkpoint_activations`]).
-    pub fn checkpointed_blocks(&self) -> usize {
-        self.checkpointed
+    /// How many blocks backward recomputes ([`Sharded::checkpoint_activations`]): those
+    /// checkpointed but the frozen ones below the lowest that trains, which run once, outside
+    /// autodiff.
+    pub fn recomputed_blocks(&self) -> usize {
+        self.checkpointed.saturating_sub(self.frozen_below())
     }
 
     /// Whether sharded parameters are dropped after each unit's forward and gathered again

@@ -195,20 +195,28 @@ pub fn resolve<T: TrainTask>(
     // step's reading it in and writing it back: the candidates' other flags are planned
     // from its terms.
     let mut probes: Vec<((Precision, bool), Probe)> = Vec::new();
-    let (args, probe, choice) = search(args, world, device, Budget::given(budget), |candidate| {
-        let measures = (candidate.precision, candidate.offload_dir.is_some());
-        let probe = match probes.iter().find(|(m, _)| *m == measures) {
-            Some((_, probe)) => probe.clone(),
-            None => {
-                let probe = Probe::measure(model, task, candidate, device)?;
-                probes.push((measures, probe.clone()));
-                probe
-            }
-        };
-        let planned =
-            MemoryPlan::new(model, candidate, world, threads, probe.clone())?.rank_share();
-        Ok((planned, probe))
-    })?;
+    let depth = burnscale_nn::BlockModel::blocks(model).len();
+    let (args, probe, choice) = search(
+        args,
+        world,
+        device,
+        Budget::given(budget),
+        depth,
+        |candidate| {
+            let measures = (candidate.precision, candidate.offload_dir.is_some());
+            let probe = match probes.iter().find(|(m, _)| *m == measures) {
+                Some((_, probe)) => probe.clone(),
+                None => {
+                    let probe = Probe::measure(model, task, candidate, device)?;
+                    probes.push((measures, probe.clone()));
+                    probe
+                }
+            };
+            let planned =
+                MemoryPlan::new(model, candidate, world, threads, probe.clone())?.rank_share();
+            Ok((planned, probe))
+        },
+    )?;
     Ok(Resolved {
         args,
         probe: Some(probe),
@@ -218,12 +226,15 @@ pub fn resolve<T: TrainTask>(
 
 /// The first of `args`' candidates on `world` ranks that `plan` (a candidate's planned bytes
 /// per rank, and what its plan was made of) puts within `budget`, with what `plan` gave for
-/// it and, under `auto`, the choice; an error naming every plan when none fits.
+/// it and, under `auto`, the choice; an error naming every plan when none fits. Where `auto`
+/// chooses to checkpoint every block of the model's `depth`, the fewest of its lowest blocks
+/// that fit are checkpointed instead ([`fewest_checkpointed`]).
 pub(crate) fn search<P>(
     args: &TrainArgs,
     world: usize,
     device: &Device,
     budget: Budget,
+    depth: usize,
     mut plan: impl FnMut(&TrainArgs) -> Result<(usize, P), TrainError>,
 ) -> Result<(TrainArgs, P, Option<AutoChoice>), TrainError> {
     if args.strategy == Strategy::Auto && world == 1 {
@@ -243,11 +254,24 @@ pub(crate) fn search<P>(
     let mut over_budget = Vec::new();
     for candidate in candidates(args, world, device) {
         let (planned, made_of) = plan(&candidate)?;
-        let weighed = Candidate {
-            flags: flags_of(&candidate),
-            planned_bytes: planned,
-        };
         if planned <= budget.bytes {
+            let refine = args.strategy == Strategy::Auto
+                && args.checkpointing() == Checkpointing::None
+                && candidate.checkpoint_activations;
+            let (candidate, planned, made_of) = match refine {
+                true => fewest_checkpointed(
+                    (candidate, planned, made_of),
+                    depth,
+                    budget.bytes,
+                    &mut plan,
+                    &mut over_budget,
+                )?,
+                false => (candidate, planned, made_of),
+            };
+            let weighed = Candidate {
+                flags: flags_of(&candidate),
+                planned_bytes: planned,
+            };
             let choice = (args.strategy == Strategy::Auto).then(|| AutoChoice {
                 budget,
                 chosen: weighed,
@@ -256,7 +280,10 @@ pub(crate) fn search<P>(
             });
             return Ok((candidate, made_of, choice));
         }
-        over_budget.push(weighed);
+        over_budget.push(Candidate {
+            flags: flags_of(&candidate),
+            planned_bytes: planned,
+        });
     }
     Err(TrainError::OverBudget {
         budget: budget.describe(),
@@ -277,6 +304,42 @@ pub(crate) fn search<P>(
             }
         },
     })
+}
+
+/// `chosen`, a candidate within `budget` with every one of the model's `depth` blocks
+/// checkpointed (the same without checkpointing came before it, over the budget), with the
+/// fewest of its lowest blocks checkpointed that `plan` still puts within the budget: fewer
+/// recompute less. Bisected, as a plan's activations fall block by block; the tries over the
+/// budget join `over_budget`.
+fn fewest_checkpointed<P>(
+    chosen: (TrainArgs, usize, P),
+    depth: usize,
+    budget: usize,
+    plan: &mut impl FnMut(&TrainArgs) -> Result<(usize, P), TrainError>,
+    over_budget: &mut Vec<Candidate>,
+) -> Result<(TrainArgs, usize, P), TrainError> {
+    let (mut over, mut best) = (0, chosen);
+    let mut within = depth;
+    while within - over > 1 {
+        let n = over + (within - over) / 2;
+        let trial = TrainArgs {
+            checkpoint_activations: false,
+            checkpoint_blocks: Some(n),
+            ..best.0.clone()
+        };
+        let (planned, made_of) = plan(&trial)?;
+        match planned <= budget {
+            true => (within, best) = (n, (trial, planned, made_of)),
+            false => {
+                over = n;
+                over_budget.push(Candidate {
+                    flags: flags_of(&trial),
+                    planned_bytes: planned,
+                });
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// The flags in `given` that `chosen` (one of its candidates) does not use, each with why.
@@ -646,7 +709,7 @@ mod tests {
             let auto = ["--strategy", "auto", "--memory-budget", "1G"];
             let args = TrainArgs::from_flags(&[&auto[..], &flags[..]].concat()).unwrap();
             let budget = Budget::given(1 << 30);
-            let err = search(&args, 1, &Device::flex(), budget, |_| {
+            let err = search(&args, 1, &Device::flex(), budget, 4, |_| {
                 Ok::<_, TrainError>((0, ()))
             })
             .unwrap_err()
@@ -726,7 +789,8 @@ mod tests {
         ];
         let args = on_cpu(&flags);
         let plan = |c: &TrainArgs| Ok::<_, TrainError>((0, c.clone()));
-        let (first, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
+        let (first, _, choice) =
+            search(&args, 2, &Device::flex(), Budget::given(1), 4, plan).unwrap();
         assert_eq!(first.strategy, Strategy::Ddp);
         let said = choice.unwrap().explain();
         for flag in [
@@ -744,9 +808,43 @@ mod tests {
             let fits = c.strategy == Strategy::Zero3 && c.offload_dir.is_some() && c.init_on_device;
             Ok::<_, TrainError>((if fits { 0 } else { 2 }, ()))
         };
-        let (_, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
+        let (_, _, choice) = search(&args, 2, &Device::flex(), Budget::given(1), 4, plan).unwrap();
         let said = choice.unwrap().explain();
         assert!(!said.contains("not used"), "{said}");
+    }
+
+    /// Where only checkpointing fits, auto checkpoints the fewest of the lowest blocks that
+    /// fit (bisected); every block where the user asked for that.
+    #[test]
+    fn auto_checkpoints_the_fewest_blocks_that_fit() {
+        // 8 blocks, each checkpointed one saving 10 of 100.
+        let plan = |c: &TrainArgs| {
+            let planned = 100 - 10 * c.checkpointing().blocks(8).unwrap();
+            Ok::<_, TrainError>((planned, ()))
+        };
+        let budget = Budget::given(55);
+        let args = on_cpu(&["--strategy", "auto", "--memory-budget", "1G"]);
+        let (chosen, _, choice) = search(&args, 2, &Device::flex(), budget, 8, plan).unwrap();
+        assert_eq!(chosen.strategy, Strategy::Ddp);
+        assert_eq!(chosen.checkpointing(), Checkpointing::Lowest(5));
+        let said = choice.unwrap().explain();
+        assert!(
+            said.contains("--checkpoint-blocks 5 (planned 50 B"),
+            "{said}"
+        );
+        assert!(
+            said.contains("faster, but over the budget: --strategy ddp --precision 32-true --checkpoint-blocks 4 (planned 60 B)"),
+            "{said}"
+        );
+        let given = on_cpu(&[
+            "--strategy",
+            "auto",
+            "--memory-budget",
+            "1G",
+            "--checkpoint-activations",
+        ]);
+        let (chosen, _, _) = search(&given, 2, &Device::flex(), budget, 8, plan).unwrap();
+        assert_eq!(chosen.checkpointing(), Checkpointing::All);
     }
 
     /// The loss scaler's flags go with 16-mixed's candidates only: the bf16 ones, which
@@ -783,7 +881,7 @@ mod tests {
             Ok::<_, TrainError>((if fits { 0 } else { 2 }, ()))
         };
         let (chosen, _, choice) =
-            search(&args, 2, &Device::flex(), Budget::given(1), plan).unwrap();
+            search(&args, 2, &Device::flex(), Budget::given(1), 4, plan).unwrap();
         assert_eq!(chosen.precision, Precision::Bf16True);
         let said = choice.unwrap().explain();
         for flag in ["--initial-loss-scale", "--max-consecutive-skips"] {

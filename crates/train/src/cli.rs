@@ -937,11 +937,23 @@ impl TrainArgs {
                     dir.display()
                 ));
             }
-            if let Err(e) = crate::checkpoint::probe_writable(dir) {
+            // The summary is written in place (an existing file, `/dev/stdout`, is opened);
+            // the others are written beside their place and renamed into it.
+            let (probed, writable) = match flag == "--summary-json" && path.exists() {
+                true => (
+                    path.as_path(),
+                    std::fs::OpenOptions::new()
+                        .append(true)
+                        .open(path)
+                        .map(drop),
+                ),
+                false => (dir, crate::checkpoint::probe_writable(dir)),
+            };
+            if let Err(e) = writable {
                 return invalid(format!(
                     "{flag} {}: {} cannot be written ({e})",
                     path.display(),
-                    dir.display()
+                    probed.display()
                 ));
             }
             // One file for two outputs: the later would overwrite the earlier (the weights).
@@ -1388,6 +1400,13 @@ mod tests {
             assert!(err.contains("/proc cannot be written"), "{err}");
             parse(&[flag, "out.json"]).unwrap().validate().unwrap();
         }
+        // The summary is written in place: an existing file that can be written will do
+        // where no file can be made (`/dev/stdout` for a user; here a file of /proc's that
+        // a process may write, its name).
+        parse(&["--summary-json", "/proc/self/comm"])
+            .unwrap()
+            .validate()
+            .unwrap();
         let err = refused(&["--save", "w.safetensors", "--summary-json", "w.config.json"]);
         assert!(
             err.contains("--save's configuration and --summary-json"),

@@ -165,7 +165,8 @@ mod dry {
         }
         auto::agree_on_candidates(comm, args, device)?;
         let world = comm.world_size();
-        let (args, plan, choice) = auto::search(args, world, device, budget, |candidate| {
+        let depth = burnscale_nn::BlockModel::blocks(model).len();
+        let (args, plan, choice) = auto::search(args, world, device, budget, depth, |candidate| {
             let plan = dry_run(model, task, candidate, comm, device, part)?;
             // Every rank weighs the largest plan of any, so that all choose alike.
             let peaks = gather_u64s(comm, &[plan.peak as u64])?;

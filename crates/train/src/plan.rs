@@ -359,6 +359,9 @@ pub enum Phase {
     Forward,
     /// Backward through the last block (first in backward order).
     BackwardTop,
+    /// Backward through the highest block that `--checkpoint-blocks` recomputes, the graphs
+    /// above it gone, their gradients there.
+    BackwardRecomputed,
     /// Backward through the first block: the gradients nearly all there.
     BackwardBottom,
     /// Backward through the embeddings: every other gradient there.
@@ -392,8 +395,8 @@ pub struct MemoryPlan {
     /// ZeRO-3 not resharded after forward: the units gathered and kept by the end of forward
     /// (compute dtype).
     pub gathered_kept: usize,
-    /// Activations kept for backward at the end of forward, without and with per-block
-    /// checkpointing (the run's own is the one its flags choose).
+    /// Activations kept for backward at the end of forward, without and with every block
+    /// checkpointed (the run's own is between them under `--checkpoint-blocks`).
     pub activations: usize,
     pub activations_checkpointed: usize,
     /// Collective buffers at once (a bucket packed for its reduction, the reduced values
@@ -839,16 +842,19 @@ impl MemoryPlan {
                     true => 0,
                     false => unit_copy(block),
                 };
-                let top_activations = match graph_depth {
-                    0 => probe.block + probe.held_input,
-                    _ => 0,
+                // The top block is recomputed when every block is checkpointed (and one trains,
+                // or passes a gradient on).
+                let top_recomputed = checkpointed == depth && frozen_below < depth;
+                let top_activations = match top_recomputed {
+                    true => probe.block + probe.held_input,
+                    false => 0,
                 };
                 // Resharded, the blocks' graphs run through regathered linears.
                 let block_backward = |graph: bool| match sharding.reshards() && graph {
                     true => probe.regathered_backward,
                     false => probe.block_backward,
                 };
-                let top_backward = block_backward(graph_depth > 0);
+                let top_backward = block_backward(!top_recomputed);
                 let block_slots = trained.largest_block_slots();
                 let top_block = unit_backward(block_slots, top_copy, top_activations, top_backward);
                 phases.push(backward_top(
@@ -888,6 +894,33 @@ impl MemoryPlan {
                             - elems(unit))
                     }
                 };
+                // Where graphs are kept above recomputed blocks: the highest of these recomputed,
+                // the graphs above it gone and their gradients come in, the inputs of the
+                // recomputed blocks below it still kept.
+                if graph_depth > 0 && graphs_from > frozen_below + 1 {
+                    let below: Vec<Slot> = trained.blocks[..graphs_from].concat();
+                    let inputs_below = (graphs_from - frozen_below - 1) * probe.block_output;
+                    let recomputed = unit_backward(
+                        block_slots,
+                        unit_copy(block),
+                        probe.block + probe.held_input,
+                        probe.block_backward,
+                    );
+                    phases.push(PhaseBytes::new(
+                        Phase::BackwardRecomputed,
+                        params
+                            + state
+                            + compute_copy
+                            + embed_kept
+                            + embed_gathered
+                            + head_input
+                            + inputs_below
+                            + recomputed
+                            + grads_above(&below).max(accumulated)
+                            + tied_table_grads,
+                        probe.block_backward,
+                    ));
+                }
                 phases.push(PhaseBytes::new(
                     Phase::BackwardBottom,
                     params

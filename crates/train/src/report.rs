@@ -472,6 +472,7 @@ impl RunSummary {
                     },
                     match self.recomputed_blocks {
                         0 => String::new(),
+                        1 => ", 1 block recomputed".into(),
                         n => format!(", {n} blocks recomputed"),
                     }
                 ),

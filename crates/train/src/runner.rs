@@ -664,7 +664,7 @@ fn run_rank<T: TrainTask>(
     summary.set_device_plan(device_plan);
     summary.auto = choice;
     summary.trainable_params = engine.trainable_params();
-    summary.recomputed_blocks = engine.checkpointed_blocks();
+    summary.recomputed_blocks = engine.recomputed_blocks();
     summary.model_state_predicted_bytes = ModelStateBytes::predicted(
         num_params,
         summary.trainable_params,
