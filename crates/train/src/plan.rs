@@ -894,6 +894,27 @@ impl MemoryPlan {
                             - elems(unit))
                     }
                 };
+                // A block's backward: `block` its own bytes (`unit_backward`), `kept_below` what
+                // the blocks below it keep, beside the embeddings' (kept gathered with them, or
+                // gathered again after), the head's input, and the gradients of the units above
+                // `grads_below`.
+                let block_phase =
+                    |phase, kept_below: usize, block: usize, grads_below: &[Slot], backward| {
+                        PhaseBytes::new(
+                            phase,
+                            params
+                                + state
+                                + compute_copy
+                                + embed_kept
+                                + embed_gathered
+                                + head_input
+                                + kept_below
+                                + block
+                                + grads_above(grads_below).max(accumulated)
+                                + tied_table_grads,
+                            backward,
+                        )
+                    };
                 // Where graphs are kept above recomputed blocks: the highest of these recomputed,
                 // the graphs above it gone and their gradients come in, the inputs of the
                 // recomputed blocks below it still kept.
@@ -906,32 +927,19 @@ impl MemoryPlan {
                         probe.block + probe.held_input,
                         probe.block_backward,
                     );
-                    phases.push(PhaseBytes::new(
+                    phases.push(block_phase(
                         Phase::BackwardRecomputed,
-                        params
-                            + state
-                            + compute_copy
-                            + embed_kept
-                            + embed_gathered
-                            + head_input
-                            + inputs_below
-                            + recomputed
-                            + grads_above(&below).max(accumulated)
-                            + tied_table_grads,
+                        inputs_below,
+                        recomputed,
+                        &below,
                         probe.block_backward,
                     ));
                 }
-                phases.push(PhaseBytes::new(
+                phases.push(block_phase(
                     Phase::BackwardBottom,
-                    params
-                        + state
-                        + compute_copy
-                        + embed_kept
-                        + embed_gathered
-                        + head_input
-                        + bottom_block
-                        + grads_above(block_slots).max(accumulated)
-                        + tied_table_grads,
+                    0,
+                    bottom_block,
+                    block_slots,
                     bottom_backward,
                 ));
                 // The embeddings, as a block: gathered again (or kept gathered) under zero3 (else the
