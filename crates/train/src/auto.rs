@@ -40,6 +40,16 @@ pub struct Candidate {
     pub planned_bytes: usize,
 }
 
+impl Candidate {
+    /// `args`, one of auto's candidates, as it is named, planned at `planned_bytes` a rank.
+    fn weighed(args: &TrainArgs, planned_bytes: usize) -> Self {
+        Candidate {
+            flags: flags_of(args),
+            planned_bytes,
+        }
+    }
+}
+
 /// The share of a device's memory `auto` leaves unplanned when it chooses without
 /// `--memory-budget`: the CUDA context, cuBLAS's and NCCL's workspaces and other processes
 /// take device memory outside cubecl's pools, which the plan reads.
@@ -268,10 +278,7 @@ pub(crate) fn search<P>(
                 )?,
                 false => (candidate, planned, made_of),
             };
-            let weighed = Candidate {
-                flags: flags_of(&candidate),
-                planned_bytes: planned,
-            };
+            let weighed = Candidate::weighed(&candidate, planned);
             let choice = (args.strategy == Strategy::Auto).then(|| AutoChoice {
                 budget,
                 chosen: weighed,
@@ -280,10 +287,7 @@ pub(crate) fn search<P>(
             });
             return Ok((candidate, made_of, choice));
         }
-        over_budget.push(Candidate {
-            flags: flags_of(&candidate),
-            planned_bytes: planned,
-        });
+        over_budget.push(Candidate::weighed(&candidate, planned));
     }
     Err(TrainError::OverBudget {
         budget: budget.describe(),
@@ -332,10 +336,7 @@ fn fewest_checkpointed<P>(
             true => (within, best) = (n, (trial, planned, made_of)),
             false => {
                 over = n;
-                over_budget.push(Candidate {
-                    flags: flags_of(&trial),
-                    planned_bytes: planned,
-                });
+                over_budget.push(Candidate::weighed(&trial, planned));
             }
         }
     }

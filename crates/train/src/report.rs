@@ -112,8 +112,8 @@ pub struct RunSummary {
     /// Where the ranks ran.
     pub accelerator: Accelerator,
     pub strategy: Strategy,
-    /// How many blocks, from the lowest, recomputed their forward in backward (per-block
-    /// checkpointing).
+    /// How many blocks recomputed their forward in backward (per-block checkpointing; frozen
+    /// blocks below the lowest that trains run once, and are not counted).
     pub recomputed_blocks: usize,
     /// zero3: whether gathered units were dropped after forward (FSDP2's
     /// `reshard_after_forward`); absent where nothing is gathered (a rank alone computing
