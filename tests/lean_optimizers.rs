@@ -323,6 +323,33 @@ fn three(salt: usize, scale: f32) -> Three {
     }
 }
 
+/// Each of `module`'s parameters' shards for `rank` of `world`, with the shard's dims.
+fn shards_of(module: &Three, world: usize, rank: usize) -> [(Tensor<1>, Vec<usize>); 3] {
+    let slots = layout::slots(module, world);
+    let by_id: HashMap<ParamId, &layout::Slot> = slots.iter().map(|s| (s.id, s)).collect();
+    let mut shards = params::shards(module, &by_id, rank);
+    [module.matrix.id, module.vector.id, module.cube.id]
+        .map(|id| (shards.remove(&id).unwrap(), by_id[&id].shard_dims()))
+}
+
+/// `full` holding only `rank`'s shards (of `world`), tracked, as a sharded engine steps it.
+fn sharded(full: &Three, world: usize, rank: usize) -> Three {
+    let ids = [full.matrix.id, full.vector.id, full.cube.id];
+    let initial = ids.into_iter().zip(shards_of(full, world, rank)).collect();
+    let track = params::Track::AllBut(&Default::default());
+    params::set_values(full.clone(), initial, &Device::default().autodiff(), track)
+}
+
+/// `rank`'s shards of the gradients `g` (of `world`), under `full`'s parameter ids.
+fn shard_grads(g: &Three, full: &Three, world: usize, rank: usize) -> GradientsParams {
+    let [(m, md), (v, _), (c, cd)] = shards_of(g, world, rank);
+    let mut grads = GradientsParams::new();
+    grads.register::<2>(full.matrix.id, m.reshape([md[0], md[1]]));
+    grads.register::<1>(full.vector.id, v);
+    grads.register::<3>(full.cube.id, c.reshape([cd[0], cd[1], cd[2]]));
+    grads
+}
+
 /// Every parameter's values, flat, by id.
 fn flat(module: &Three) -> HashMap<ParamId, Vec<f32>> {
     params::values(module, None)
@@ -381,26 +408,10 @@ fn sharded_adafactor_steps_as_burn_optims_on_the_whole_tensors() {
             let ids = [full.matrix.id, full.vector.id, full.cube.id];
             let args = TrainArgs::from_flags(&flags).unwrap();
             let mut optim = ParamOptimizer::new(&args, rank, &full).unwrap();
-            // Each of a module's parameters' shard for this rank, and its dims.
-            let shard_of = |module: &Three| {
-                let slots = layout::slots(module, world);
-                let by_id: HashMap<ParamId, &layout::Slot> =
-                    slots.iter().map(|s| (s.id, s)).collect();
-                let mut shards = params::shards(module, &by_id, rank);
-                [module.matrix.id, module.vector.id, module.cube.id]
-                    .map(|id| (shards.remove(&id).unwrap(), by_id[&id].shard_dims()))
-            };
-            let device = Device::default().autodiff();
-            let initial = ids.into_iter().zip(shard_of(&full)).collect();
-            let track = params::Track::AllBut(&Default::default());
-            let mut module = params::set_values(full.clone(), initial, &device, track);
+            let mut module = sharded(&full, world, rank);
             for g in &grads {
-                let [(m, md), (v, _), (c, cd)] = shard_of(g);
-                let mut shard_grads = GradientsParams::new();
-                shard_grads.register::<2>(ids[0], m.reshape([md[0], md[1]]));
-                shard_grads.register::<1>(ids[1], v);
-                shard_grads.register::<3>(ids[2], c.reshape([cd[0], cd[1], cd[2]]));
-                let (next, result) = optim.step(lr, module, shard_grads, Some(comm));
+                let grads = shard_grads(g, &full, world, rank);
+                let (next, result) = optim.step(lr, module, grads, Some(comm));
                 result.unwrap();
                 module = next;
             }
@@ -430,4 +441,68 @@ fn sharded_adafactor_steps_as_burn_optims_on_the_whole_tensors() {
             }
         }
     }
+}
+
+/// A rank whose offloaded Adafactor state cannot be read (its files cut short on disk) still
+/// joins the step's two reductions across the ranks, and returns the error after them: the
+/// other rank steps, rather than waiting in a reduction its peer never entered.
+#[test]
+fn a_rank_that_cannot_read_its_offloaded_state_leaves_no_one_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_string_lossy().to_string();
+    let flags = [
+        "--optimizer",
+        "adafactor",
+        "--offload",
+        "optimizer",
+        "--offload-dir",
+        &root,
+    ];
+    let world = 2;
+    let outcomes = run_ranks(world, std::time::Duration::from_secs(30), |comm| {
+        let rank = comm.rank();
+        let full = three(0, 1e-3);
+        let args = TrainArgs::from_flags(&flags).unwrap();
+        let mut optim = ParamOptimizer::new(&args, rank, &full).unwrap();
+        let mut module = sharded(&full, world, rank);
+        let mut outcomes = Vec::new();
+        for step in 1..=2 {
+            if step == 2 && rank == 1 {
+                for run in std::fs::read_dir(&root).unwrap() {
+                    let run = run.unwrap().path();
+                    if !run
+                        .file_name()
+                        .unwrap()
+                        .to_string_lossy()
+                        .starts_with("rank1-")
+                    {
+                        continue;
+                    }
+                    for file in std::fs::read_dir(&run).unwrap() {
+                        let file = file.unwrap().path();
+                        if !file.file_name().unwrap().to_string_lossy().starts_with('.') {
+                            std::fs::File::options()
+                                .write(true)
+                                .open(&file)
+                                .and_then(|f| f.set_len(1))
+                                .unwrap();
+                        }
+                    }
+                }
+            }
+            let grads = shard_grads(&three(step, 1e-3), &full, world, rank);
+            let (next, result) = optim.step(1e-2, module, grads, Some(comm));
+            outcomes.push(result.map_err(|e| e.to_string()));
+            module = next;
+        }
+        outcomes
+    })
+    .unwrap()
+    .into_iter()
+    .map(Result::unwrap)
+    .collect::<Vec<_>>();
+    assert!(outcomes[0].iter().all(Result::is_ok), "{outcomes:?}");
+    assert!(outcomes[1][0].is_ok(), "{outcomes:?}");
+    let err = outcomes[1][1].as_ref().unwrap_err();
+    assert!(err.contains("truncated"), "{err}");
 }

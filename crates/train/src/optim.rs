@@ -169,7 +169,10 @@ impl ParamOptimizer {
     }
 
     /// Adafactor's first two phases over every parameter of `model`: the sums over all rows,
-    /// then the update's sum of squares, each reduced across `span` in one collective.
+    /// then the update's sum of squares, each reduced across `span` in one collective. A
+    /// state this rank cannot read is taken as fresh, so that its part of each reduction has
+    /// every rank's layout: all ranks join both reductions, and the first error is returned
+    /// after them (returned before, it would leave the others waiting in them).
     fn adafactor_spans<M: Module>(
         &self,
         model: &M,
@@ -177,7 +180,8 @@ impl ParamOptimizer {
         span: Option<&dyn Communicator>,
     ) -> Result<Spans, TrainError> {
         let (rank, world) = span.map_or((0, 1), |c| (c.rank(), c.world_size()));
-        let phase = |sums: Option<&BTreeMap<String, Tensor<1>>>| {
+        let mut error = None;
+        let mut phase = |sums: Option<&BTreeMap<String, Tensor<1>>>| {
             let mut visit = AdafactorPhase {
                 optim: self,
                 grads,
@@ -189,14 +193,17 @@ impl ParamOptimizer {
                 error: None,
             };
             model.visit(&mut visit);
-            match visit.error {
-                Some(e) => Err(e),
-                None => reduced(span, visit.out),
+            if let Some(e) = visit.error {
+                error.get_or_insert(e);
             }
+            reduced(span, visit.out)
         };
         let sums = phase(None)?;
         let update_sq = phase(Some(&sums))?;
-        Ok(Spans { sums, update_sq })
+        match error {
+            Some(e) => Err(e),
+            None => Ok(Spans { sums, update_sq }),
+        }
     }
 
     /// Where a parameter on `device` is stepped: the host when offloaded, else `device`.
@@ -509,7 +516,7 @@ impl ModuleVisitor for AdafactorPhase<'_> {
             Ok(state) => state.map(|s| s.downcast::<AdafactorState<D>>()),
             Err(e) => {
                 self.error.get_or_insert(e);
-                return;
+                None
             }
         };
         let (tensor, grad) = self.optim.to_home(tensor, grad, &home);
