@@ -17,13 +17,13 @@ use burn::prelude::Device;
 use burnscale::bert::loader::{self, Head};
 use burnscale::bert::tokenizer::BertTokenizer;
 use burnscale::bert::{Bert, BertConfig, BertHead, Layout};
-use burnscale::bigbird::{AttentionType, BigBirdConfig};
+use burnscale::bigbird::{AttentionType, BigBird, BigBirdConfig};
 use burnscale::collective::launcher_rank;
 use burnscale::pretrained;
 use burnscale::spam;
 use burnscale::tasks::{SequenceClassifier, TextClassification};
 use burnscale::train::memory::CountingAllocator;
-use burnscale::train::{RunSummary, TrainArgs};
+use burnscale::train::{RunSummary, TrainArgs, check_model};
 use clap::{Parser, ValueEnum};
 
 #[global_allocator]
@@ -67,7 +67,7 @@ fn run() -> Result<()> {
     ]);
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
-    cli.train.validate()?;
+    cli.train.validate_launch()?;
     if !(cli.test_fraction > 0.0 && cli.test_fraction < 1.0) {
         bail!("--test-fraction {} is not in (0, 1)", cli.test_fraction);
     }
@@ -83,6 +83,13 @@ fn run() -> Result<()> {
     }
     let tokenizer = BertTokenizer::from_file(&files.tokenizer_json, true)?;
     tokenizer.check_vocab(&minilm, &files.tokenizer_json)?;
+    let device = cli.train.device()?;
+    // The flags that name parts of the model, on a lazy one, before the corpus is tokenized.
+    match cli.model {
+        Model::Bert => check_model(&Bert::new(&minilm, &device)?, &cli.train)?,
+        Model::Distilbert => check_model(&Bert::new(&distilbert(minilm), &device)?, &cli.train)?,
+        Model::Bigbird => check_model(&BigBird::new(&bigbird(encoder), &device)?, &cli.train)?,
+    }
     let emails = spam::load()?;
     let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
     let rows: Vec<(Vec<i64>, i64)> = tokenizer
@@ -112,7 +119,6 @@ fn run() -> Result<()> {
             cli.max_length
         );
     }
-    let device = cli.train.device()?;
     device.seed(cli.train.seed);
     let pad = tokenizer.pad_id();
     // What a resumed run must read again: the corpus, its split and the tokens kept.
@@ -128,11 +134,7 @@ fn run() -> Result<()> {
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
         Model::Distilbert => {
-            let config = BertConfig {
-                layout: Layout::DistilBert,
-                type_vocab_size: 0,
-                ..minilm
-            };
+            let config = distilbert(minilm);
             finetune(
                 Bert::new(&config, &device)?,
                 train_rows,
@@ -143,13 +145,7 @@ fn run() -> Result<()> {
             )?
         }
         Model::Bigbird => {
-            let config = BigBirdConfig {
-                encoder,
-                attention_type: AttentionType::BlockSparse,
-                block_size: 16,
-                num_random_blocks: 2,
-                num_labels: Some(2),
-            };
+            let config = bigbird(encoder);
             // As HF's BigBird, a batch too short for the sparse pattern attends in full.
             if lead && cli.max_length < config.min_sparse_len() {
                 eprintln!(
@@ -176,6 +172,27 @@ fn run() -> Result<()> {
     print!("{}", summary.table());
     print!("{}", summary.closing_lines());
     Ok(())
+}
+
+/// MiniLM's shape in DistilBERT's layout (no token types, no pooler), trained from scratch.
+fn distilbert(minilm: BertConfig) -> BertConfig {
+    BertConfig {
+        layout: Layout::DistilBert,
+        type_vocab_size: 0,
+        ..minilm
+    }
+}
+
+/// MiniLM's encoder with BigBird's block-sparse attention (blocks of 16, 2 random) and a
+/// two-label head.
+fn bigbird(encoder: BertConfig) -> BigBirdConfig {
+    BigBirdConfig {
+        encoder,
+        attention_type: AttentionType::BlockSparse,
+        block_size: 16,
+        num_random_blocks: 2,
+        num_labels: Some(2),
+    }
 }
 
 fn finetune<M: SequenceClassifier>(

@@ -139,7 +139,7 @@ fn run() -> Result<()> {
         ("max_steps", "2500"),
         ("eval_interval", "250"),
     ]);
-    cli.train.validate()?;
+    cli.train.validate_launch()?;
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("cannot read training text {}", path.display()))?,

@@ -11,8 +11,8 @@ use burnscale::collective::launcher_rank;
 use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
 use burnscale::tasks::ImageClassification;
-use burnscale::train::TrainArgs;
 use burnscale::train::memory::CountingAllocator;
+use burnscale::train::{TrainArgs, check_model};
 use burnscale::vit::loader::{self, Head};
 use burnscale::vit::{Vit, VitConfig, dinov2};
 use clap::Parser;
@@ -67,7 +67,7 @@ fn run() -> Result<()> {
     ]);
     // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
     cli.train = cli.train.with_default_beta2(0.999);
-    cli.train.validate()?;
+    cli.train.validate_launch()?;
     let (train_set, test_set) = images::load(&cli.data, cli.test_fraction, cli.train.seed)?;
     let config = VitConfig::preset(&cli.model)?
         .with_image_size(cli.image_size)
@@ -76,6 +76,8 @@ fn run() -> Result<()> {
     config.validate()?;
 
     let device = cli.train.device()?;
+    // The flags that name parts of the model, on a lazy one, before weights are fetched.
+    check_model(&Vit::new(&config, &device)?, &cli.train)?;
     device.seed(cli.train.seed);
     let model = match cli.weights.as_str() {
         "none" => Vit::new(&config, &device)?,

@@ -181,6 +181,23 @@ fn bert_classify_names_a_max_length_past_the_position_table() {
     );
 }
 
+/// A flag that cannot apply to the model or the world is named before the weights are read
+/// (or fetched, or a corpus tokenized): here before a weights file that does not exist.
+#[test]
+fn flags_the_model_refuses_are_named_before_its_weights_are_read() {
+    let weights = ["--model", "tiny", "--weights", "/nonexistent/vit.safetensors"];
+    for (flags, needle) in [
+        (
+            &["--freeze", "encoder.typo"][..],
+            "--freeze encoder.typo: no parameter of the model has that path",
+        ),
+        (&["--checkpoint-blocks", "99"], "99 blocks to checkpoint"),
+        (&["--devices", "2"], "--strategy single trains on one rank"),
+    ] {
+        example_fails_with("vit_finetune", &[&weights[..], flags].concat(), needle);
+    }
+}
+
 #[test]
 fn vit_finetune_names_its_evaluation_and_split_flags() {
     example_fails_with(

@@ -699,6 +699,33 @@ impl TrainArgs {
         self.runs_on().first_device()
     }
 
+    /// [`TrainArgs::validate`], and the flags against the world this process was launched
+    /// into (`--devices`, or mpirun's): what [`crate::train`] checks first, for a binary to
+    /// call before its slow set-up (fetching weights, tokenizing a corpus).
+    pub fn validate_launch(&self) -> Result<(), TrainError> {
+        self.validate()?;
+        match crate::auto::launched_world(self) {
+            Some(world) => self.check_world(world),
+            None => Ok(()),
+        }
+    }
+
+    /// The flags that need more than one rank, or exactly one, against a `world` of ranks.
+    pub(crate) fn check_world(&self, world: usize) -> Result<(), TrainError> {
+        if self.strategy == Strategy::Single && world > 1 {
+            return Err(TrainError::InvalidArgs(format!(
+                "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
+            )));
+        }
+        if self.grad_reduce_dtype != ReduceDtype::F32 && world == 1 {
+            return Err(TrainError::InvalidArgs(format!(
+                "--grad-reduce-dtype {} is the dtype gradients are reduced in over the ranks, but the world has one rank: nothing is reduced (drop the flag)",
+                value_name(self.grad_reduce_dtype)
+            )));
+        }
+        Ok(())
+    }
+
     /// Rejects flag values that cannot run, and those whose technique has not landed yet,
     /// instead of silently ignoring them.
     pub fn validate(&self) -> Result<(), TrainError> {

@@ -21,13 +21,35 @@ pub fn frozen_by(prefixes: &[String], path: &str) -> bool {
 }
 
 /// `model` with the parameters `prefixes` name frozen (`require_grad` false; a lazy one stays
-/// lazy). A prefix that names no parameter is an error naming it and the model's top-level
-/// modules, as is one that leaves nothing to train.
+/// lazy), as [`frozen_ids`] checks them.
 pub fn freeze<M: Module>(model: M, prefixes: &[String]) -> Result<M, TrainError> {
     if prefixes.is_empty() {
         return Ok(model);
     }
-    let slots = layout::slots(&model, 1);
+    struct Freeze(HashSet<ParamId>);
+    impl ModuleMapper for Freeze {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            match self.0.contains(&param.id) {
+                true => param.set_require_grad(false),
+                false => param,
+            }
+        }
+    }
+    let frozen = frozen_ids(&model, prefixes)?;
+    Ok(model.map(&mut Freeze(frozen)))
+}
+
+/// The parameters of `model` that `prefixes` name. A prefix that names no parameter is an
+/// error naming it and the model's top-level modules, as is one that leaves nothing to
+/// train.
+pub fn frozen_ids<M: Module>(
+    model: &M,
+    prefixes: &[String],
+) -> Result<HashSet<ParamId>, TrainError> {
+    if prefixes.is_empty() {
+        return Ok(HashSet::new());
+    }
+    let slots = layout::slots(model, 1);
     let names = |prefix: &String| {
         slots
             .iter()
@@ -50,16 +72,7 @@ pub fn freeze<M: Module>(model: M, prefixes: &[String]) -> Result<M, TrainError>
             prefixes.join(",")
         )));
     }
-    struct Freeze(HashSet<ParamId>);
-    impl ModuleMapper for Freeze {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            match self.0.contains(&param.id) {
-                true => param.set_require_grad(false),
-                false => param,
-            }
-        }
-    }
-    Ok(model.map(&mut Freeze(frozen)))
+    Ok(frozen)
 }
 
 /// The parameters of `model` known to be frozen before it runs: those `prefixes` name, and

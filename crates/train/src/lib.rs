@@ -35,5 +35,7 @@ pub use optim::{LrSchedule, ParamOptimizer, eight_bit_paths};
 pub use report::{
     CheckpointReport, ModelStateBytes, RankMemory, RunSummary, SaveReport, Throughput,
 };
-pub use runner::{Batch, BatchPart, OnStep, Score, StepMetrics, TrainTask, train, train_on};
+pub use runner::{
+    Batch, BatchPart, OnStep, Score, StepMetrics, TrainTask, check_model, train, train_on,
+};
 pub use stop::StopFlag;

@@ -20,7 +20,7 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::accelerator::Accelerator;
 use crate::auto::{self, AutoChoice, Resolved};
 use crate::checkpoint::{self, Checkpoint};
-use crate::cli::{Offload, ReduceDtype, Strategy, value_name};
+use crate::cli::{Offload, ReduceDtype};
 use crate::fault;
 use crate::optim::{self, LrSchedule, ParamOptimizer};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
@@ -189,14 +189,14 @@ pub fn train<T: TrainTask>(
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     if let Some(world) = auto::launched_world(args) {
-        check_world(args, world)?;
+        args.check_world(world)?;
     }
     let given = args;
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
     task.check(&model)?;
+    check_model(&model, args)?;
     let model = crate::freeze::freeze(model, &args.freeze)?;
-    optim::check_trains(&model, args)?;
     // Planned on the model as given (a lazy one stays lazy), before any rank allocates.
     let Resolved {
         args,
@@ -275,9 +275,21 @@ pub fn train_on<T: TrainTask>(
     }
     // Each rank checks the examples it was given, before its first collective.
     task.check(&model)?;
+    check_model(&model, args)?;
     let model = crate::freeze::freeze(model, &args.freeze)?;
-    optim::check_trains(&model, args)?;
     train_rank(comm, model, task, args, device, Planned::default())
+}
+
+/// The flags that name parts of `model` against it: `--freeze`'s paths (and that something is
+/// left to train), `--embedding-state-32bit`'s tables, `--checkpoint-blocks`' depth. [`train`]
+/// checks them first; a binary calls this on its model (a lazily initialised one costs
+/// nothing to build) before a slow set-up, fetching weights or tokenizing a corpus, so that a
+/// mistyped flag is named at once.
+pub fn check_model<M: BlockModel>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
+    crate::freeze::frozen_ids(model, &args.freeze)?;
+    optim::check_trains(model, args)?;
+    args.checkpointing().blocks(model.blocks().len())?;
+    Ok(())
 }
 
 /// What [`train`] planned before the ranks started.
@@ -329,7 +341,7 @@ fn run_rank<T: TrainTask>(
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
     let (rank, world) = (comm.rank(), comm.world_size());
-    check_world(args, world)?;
+    args.check_world(world)?;
     if world > 1 && burnscale_collective::launched_by_mpirun() {
         check_flags_alike(comm, planned.given.unwrap_or(args))?;
     }
@@ -903,23 +915,6 @@ fn check_args(args: &TrainArgs, device: &Device) -> Result<(), TrainError> {
     args.precision.check_device(device)?;
     if let Some(dir) = &args.checkpoint_dir {
         checkpoint::check_writable(dir)?;
-    }
-    Ok(())
-}
-
-/// `Ok` if `args` can train on `world` ranks: checked by [`train`] before its memory plan's
-/// probe (when the world is known there), and by every rank.
-fn check_world(args: &TrainArgs, world: usize) -> Result<(), TrainError> {
-    if args.strategy == Strategy::Single && world > 1 {
-        return Err(TrainError::InvalidArgs(format!(
-            "--strategy single trains on one rank, but the world has {world}: choose ddp, zero1, zero2 or zero3"
-        )));
-    }
-    if args.grad_reduce_dtype != ReduceDtype::F32 && world == 1 {
-        return Err(TrainError::InvalidArgs(format!(
-            "--grad-reduce-dtype {} is the dtype gradients are reduced in over the ranks, but the world has one rank: nothing is reduced (drop the flag)",
-            value_name(args.grad_reduce_dtype)
-        )));
     }
     Ok(())
 }
