@@ -14,6 +14,7 @@ use burnscale::train::checkpoint::config_path;
 use burnscale::train::memory::CountingAllocator;
 use clap::Parser;
 use rand::SeedableRng;
+use sha2::{Digest, Sha256};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
@@ -149,7 +150,7 @@ fn run() -> Result<()> {
     let tokens = vocab.encode(&text);
     if tokens.len() < 20 * cli.block_size {
         bail!(
-            "{} characters is too little text for block size {}; give a larger --data file",
+            "{} characters is too little text for block size {} (20 windows at least): give a smaller --block-size or a larger --data file",
             tokens.len(),
             cli.block_size
         );
@@ -198,8 +199,12 @@ fn run() -> Result<()> {
     // resumed on another text of as many characters, the ids would read as other ones.
     let mut recorded = serde_json::to_value(config)?;
     recorded[CHARACTERS] = vocab.table().into();
+    // And the text, by its digest: resumed on another one (of the same characters, whose ids
+    // still read), a run would train on other windows and validate on what it trained on.
+    let digest = format!("{:x}", Sha256::digest(text.as_bytes()));
+    let data = serde_json::json!({ "characters": tokens.len(), "sha256": digest });
     // Sampling reads the whole model: under zero3 it is gathered for it.
-    let mut args = cli.train.with_model_config(&recorded)?;
+    let mut args = cli.train.with_model_and_data(&recorded, data)?;
     args.gather_model = cli.sample_len > 0;
     let (model, summary) = burnscale::train_stopping_on_signals(model, &mut task, &args, &device)?;
     if !lead {

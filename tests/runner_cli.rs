@@ -185,7 +185,12 @@ fn bert_classify_names_a_max_length_past_the_position_table() {
 /// (or fetched, or a corpus tokenized): here before a weights file that does not exist.
 #[test]
 fn flags_the_model_refuses_are_named_before_its_weights_are_read() {
-    let weights = ["--model", "tiny", "--weights", "/nonexistent/vit.safetensors"];
+    let weights = [
+        "--model",
+        "tiny",
+        "--weights",
+        "/nonexistent/vit.safetensors",
+    ];
     for (flags, needle) in [
         (
             &["--freeze", "encoder.typo"][..],
@@ -240,6 +245,45 @@ fn a_run_resumed_on_another_split_is_stopped() {
         "vit_finetune",
         &[&tiny[..], &resumed].concat(),
         "model config: data {\"data\":\"digits\",\"test_fraction\":null}, this run {\"data\":\"digits\",\"test_fraction\":0.3}",
+    );
+}
+
+/// A minGPT run resumed on another text, of the same characters (whose ids still read),
+/// would train on other windows and validate on what it trained on: it is stopped.
+#[test]
+fn a_char_model_resumed_on_another_text_is_stopped() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = |name: &str, words: [&str; 2]| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, words.repeat(300).join(" ")).unwrap();
+        path.to_str().unwrap().to_string()
+    };
+    let (first, second) = (
+        text("a.txt", ["to be", "or not"]),
+        text("b.txt", ["or not", "to be"]),
+    );
+    let ckpt = dir.path().join("ckpt");
+    let run = [
+        "--block-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--eval-batches",
+        "1",
+        "--sample-len",
+        "0",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+    ];
+    example_succeeds(
+        "mingpt_char",
+        &[&run[..], &["--max-steps", "1", "--data", &first]].concat(),
+    );
+    let resumed = ["--max-steps", "2", "--resume", "--data", &second];
+    example_fails_with(
+        "mingpt_char",
+        &[&run[..], &resumed].concat(),
+        "model config: data",
     );
 }
 
