@@ -402,7 +402,35 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     }
     let err = consolidated(&edited);
     assert!(err.contains("meta.json says 1125899906842624"), "{err}");
-    fs::write(&meta_path, meta).unwrap();
+    fs::write(&meta_path, &meta).unwrap();
+
+    // A checkpoint of a format this build does not read is named so, not as damaged: the
+    // build that wrote it reads it.
+    let mut edited: serde_json::Value = serde_json::from_str(&meta).unwrap();
+    edited["format"] = serde_json::json!(99);
+    fs::write(&meta_path, edited.to_string()).unwrap();
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("format 99, and this build reads format") && !err.contains("damaged"),
+        "{err}"
+    );
+    fs::write(&meta_path, &meta).unwrap();
+
+    // A checkpoint renamed for a later step: checkpoints are kept and pruned by their names'
+    // steps, and one named for step 9 would outlive (and be resumed from instead of) the
+    // steps after 3.
+    let renamed = dir.join("step-00000009");
+    fs::rename(dir.join("step-00000003"), &renamed).unwrap();
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("it holds step 3, but its directory is named for step 9"),
+        "{err}"
+    );
+    fs::rename(&renamed, dir.join("step-00000003")).unwrap();
 
     // Another model: wider, so every matrix differs.
     let args = TrainArgs::from_flags(&[

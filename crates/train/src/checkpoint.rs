@@ -465,9 +465,13 @@ pub(crate) fn is_checkpoint(dir: &Path) -> bool {
 
 /// The step of the complete checkpoint at `path` (`step-N` holding `meta.json`).
 fn complete_step(path: &Path) -> Option<usize> {
+    step_named(path).filter(|_| is_checkpoint(path))
+}
+
+/// The step `path`'s name gives (`step-N`), if it is named so.
+fn step_named(path: &Path) -> Option<usize> {
     let name = path.file_name()?.to_str()?;
-    let step = name.strip_prefix("step-")?.parse().ok()?;
-    is_checkpoint(path).then_some(step)
+    name.strip_prefix("step-")?.parse().ok()
 }
 
 /// This rank's file: the rows it owns of every parameter and optimizer state tensor. Returns
@@ -781,14 +785,32 @@ impl Checkpoint {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        if meta.format != FORMAT || meta.world_size == 0 || meta.files.len() != meta.world_size {
+        // Another format is not damage: the build that wrote it reads it (and --resume
+        // would otherwise point at an older checkpoint, dropping the newer one's steps).
+        if meta.format != FORMAT {
+            return Err(CheckpointError::Mismatch {
+                path: dir.to_path_buf(),
+                detail: format!(
+                    "written in checkpoint format {}, and this build reads format {FORMAT}: resume with the burnscale that wrote it",
+                    meta.format
+                ),
+            });
+        }
+        if meta.world_size == 0 || meta.files.len() != meta.world_size {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!("{} files for {} ranks", meta.files.len(), meta.world_size),
+            });
+        }
+        // Checkpoints are ordered, kept and pruned by their names' steps.
+        if let Some(named) = step_named(dir)
+            && named != meta.step
+        {
             return Err(CheckpointError::Corrupt {
                 path,
                 reason: format!(
-                    "format {} with {} files for {} ranks (this build reads format {FORMAT})",
-                    meta.format,
-                    meta.files.len(),
-                    meta.world_size
+                    "it holds step {}, but its directory is named for step {named} (renamed or copied by hand?)",
+                    meta.step
                 ),
             });
         }
