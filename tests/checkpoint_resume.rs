@@ -236,6 +236,12 @@ fn a_resumed_run_names_the_settings_it_changed() {
             "--weight-decay 0.1, this run 0.05"
         ]
     );
+    // Parameters frozen now that trained before (their state kept for later), or the reverse
+    // (stepped from a fresh state).
+    assert_eq!(
+        changed(&["--freeze", "wpe,h.0"]),
+        ["--freeze none, this run wpe,h.0"]
+    );
     fs::remove_dir_all(&dir).unwrap();
 }
 

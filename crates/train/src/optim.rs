@@ -836,12 +836,17 @@ impl LrSchedule {
 }
 
 /// The settings the optimizer steps with (`args.optimizer`'s, each with its value, defaults
-/// resolved): what a checkpoint records beside the schedule's flags, so that a resumed run
-/// whose optimizer is set otherwise says so.
+/// resolved, and which parameters it steps: `--freeze`): what a checkpoint records beside
+/// the schedule's flags, so that a resumed run whose optimizer is set otherwise says so.
 pub fn optimizer_flags(args: &TrainArgs) -> BTreeMap<String, String> {
+    let frozen = match args.freeze.is_empty() {
+        true => "none".to_string(),
+        false => args.freeze.join(","),
+    };
     let mut flags = BTreeMap::from([
         ("--weight-decay".to_string(), args.weight_decay.to_string()),
         ("--grad-clip".to_string(), args.grad_clip.to_string()),
+        ("--freeze".to_string(), frozen),
     ]);
     let mut set = |flag: &str, value: String| flags.insert(flag.to_string(), value);
     match args.optimizer {
