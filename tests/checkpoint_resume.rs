@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::prelude::*;
+use burnscale::collective::run_ranks;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
 use burnscale::train::checkpoint::Checkpoint;
 use burnscale::train::{
     Batch, BatchPart, OnStep, RunSummary, Score, StepMetrics, StopFlag, TrainArgs, TrainError,
-    TrainTask, train,
+    TrainTask, train, train_on,
 };
 use common::{assert_steps_close, seeded_model, steps};
 
@@ -519,6 +520,54 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         "resumed from step 3"
     );
     assert!(!dir.join(".step-00000006.partial").exists());
+    fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Under zero3 at the checkpoint's world size each rank reads only its own file: one whose
+/// file is damaged fails alone, and the others stop naming it rather than wait for it.
+#[test]
+fn a_rank_that_cannot_restore_its_part_is_named_by_the_others() {
+    let dir = scratch("restore-one");
+    run(&dir, "zero3", 2, 0.0, &["--max-steps", "3"]).unwrap();
+    let file = dir.join("step-00000003/rank-00001.safetensors");
+    let mut bytes = fs::read(&file).unwrap();
+    let last = bytes.len() - 3;
+    bytes[last] ^= 0x40;
+    fs::write(&file, &bytes).unwrap();
+    let args = TrainArgs::from_flags(&[
+        "--strategy",
+        "zero3",
+        "--batch-size",
+        "6",
+        "--max-steps",
+        "9",
+        "--checkpoint-dir",
+        dir.to_str().unwrap(),
+        "--resume",
+    ])
+    .unwrap()
+    .with_model_config(&GptConfig::tiny().with_dropout(0.0))
+    .unwrap();
+    let errors = run_ranks(2, Duration::from_secs(30), |comm| {
+        let model = seeded_model(5, |device| Gpt::new(&GptConfig::tiny(), device).unwrap());
+        let mut task = NextToken::new(tokens(), 8, 6, 5).unwrap();
+        train_on(comm, model, &mut task, &args, &model_device())
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    })
+    .unwrap()
+    .into_iter()
+    .map(Result::unwrap)
+    .collect::<Vec<_>>();
+    assert!(
+        errors[1].contains("rank-00001.safetensors") && errors[1].contains("CRC-32"),
+        "{errors:?}"
+    );
+    assert!(
+        errors[0].contains("rank 1 could not read the newest checkpoint"),
+        "{errors:?}"
+    );
     fs::remove_dir_all(&dir).unwrap();
 }
 

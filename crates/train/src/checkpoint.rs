@@ -377,6 +377,22 @@ fn complete_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>, Checkpoint
     Ok(complete)
 }
 
+/// This rank's `restored` once every rank has restored its part (a collective): its error
+/// if it failed, else an error naming the first rank that did. A rank reads only its own
+/// rows, so one can fail alone (its file damaged), and the others would wait for it in the
+/// training's first collective, under mpirun told only that it left.
+pub(crate) fn agree_restored<T>(
+    comm: &dyn Communicator,
+    restored: Result<T, TrainError>,
+) -> Result<T, TrainError> {
+    let all = gather_u64s(comm, &[restored.is_ok() as u64])?;
+    let value = restored?;
+    match all.iter().position(|r| r[0] == 0) {
+        Some(rank) => Err(CheckpointError::PeerRead { rank }.into()),
+        None => Ok(value),
+    }
+}
+
 /// `found`, this rank's reading of the newest checkpoint under `root` (`step` gives a
 /// checkpoint's step), once every rank has
 /// read its own: each reads the directory itself, and one whose view lags (an NFS client's

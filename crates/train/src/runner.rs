@@ -403,7 +403,7 @@ fn run_rank<T: TrainTask>(
         let latest = Checkpoint::latest(dir).map_err(|e| checkpoint::naming_older(dir, e.into()));
         match checkpoint::agree_on_newest(comm, dir, latest, |c| c.meta.step)? {
             Some(ckpt) => {
-                let resumed = checkpoint::restore(
+                let restored = checkpoint::restore(
                     ckpt,
                     comm,
                     &mut engine,
@@ -413,7 +413,8 @@ fn run_rank<T: TrainTask>(
                     args,
                     device,
                 )
-                .map_err(|e| checkpoint::naming_older(dir, e))?;
+                .map_err(|e| checkpoint::naming_older(dir, e));
+                let resumed = checkpoint::agree_restored(comm, restored)?;
                 first_step = resumed.step + 1;
                 checkpoints.resumed_from = Some(resumed.step);
                 checkpoints.changed_flags = [
@@ -422,8 +423,7 @@ fn run_rank<T: TrainTask>(
                 ]
                 .concat();
                 checkpoints.load_s = loading.elapsed().as_secs_f64();
-                // Said once every rank has restored its part.
-                comm.barrier()?;
+                // Said once every rank has restored its part (they agreed on it).
                 if lead {
                     eprintln!(
                         "resuming from {} (step {}): its parameters replace the model's as built or loaded",
