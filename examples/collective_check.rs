@@ -19,6 +19,7 @@ use std::time::Duration;
 use burn::prelude::*;
 use burnscale::check_ranks;
 use burnscale::collective::{Communicator, conformance, launched_by_mpirun};
+use burnscale::train::parse_seconds;
 use clap::Parser;
 
 #[derive(Parser)]
@@ -27,8 +28,8 @@ struct Cli {
     #[arg(long)]
     devices: Option<usize>,
     /// Seconds a rank waits for the others in one collective.
-    #[arg(long, default_value_t = 60)]
-    timeout_s: u64,
+    #[arg(long, default_value = "60", value_parser = parse_seconds)]
+    timeout_s: Duration,
     /// Fault injection: this rank panics after its first collective, to show that the
     /// others stop with an error instead of hanging.
     #[arg(long)]
@@ -131,7 +132,7 @@ fn nccl_main(cli: &Cli, timeout: Duration) -> ExitCode {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let timeout = Duration::from_secs(cli.timeout_s);
+    let timeout = cli.timeout_s;
     #[cfg(feature = "cuda")]
     if cli.nccl {
         return nccl_main(&cli, timeout);

@@ -344,8 +344,9 @@ fn seconds<S: serde::Serializer>(duration: &Duration, to: S) -> Result<S::Ok, S:
     to.serialize_f64(duration.as_secs_f64())
 }
 
-/// A finite number of seconds, at least a millisecond.
-fn parse_seconds(text: &str) -> Result<Duration, String> {
+/// A finite number of seconds, at least a millisecond and at most
+/// [`MAX_COLLECTIVE_TIMEOUT`] (a timeout's parser).
+pub fn parse_seconds(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text
         .trim()
         .parse()
@@ -452,14 +453,15 @@ impl TrainArgs {
                 serde_json::Value::Null => {}
                 serde_json::Value::Bool(true) if switch => argv.push(flag),
                 serde_json::Value::Bool(false) if switch => {}
-                serde_json::Value::Bool(b) => argv.extend([flag, b.to_string()]),
-                serde_json::Value::Number(n) => argv.extend([flag, n.to_string()]),
-                serde_json::Value::String(text) => argv.extend([flag, text.clone()]),
+                // `--flag=value`: a value that starts with '-' (-0.1) is not read as a flag.
+                serde_json::Value::Bool(b) => argv.push(format!("{flag}={b}")),
+                serde_json::Value::Number(n) => argv.push(format!("{flag}={n}")),
+                serde_json::Value::String(text) => argv.push(format!("{flag}={text}")),
                 // A list flag (`--freeze`): its values comma-separated, none when empty.
                 serde_json::Value::Array(items) if items.iter().all(|v| v.is_string()) => {
                     let items: Vec<&str> = items.iter().filter_map(|v| v.as_str()).collect();
                     if !items.is_empty() {
-                        argv.extend([flag, items.join(",")]);
+                        argv.push(format!("{flag}={}", items.join(",")));
                     }
                 }
                 other => {
@@ -1064,6 +1066,9 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(format!("{from_json:?}"), format!("{from_flags:?}"));
+        // A negative number is a value, not a flag (that validation then names).
+        let negative = TrainArgs::from_json(&serde_json::json!({"weight_decay": -0.1})).unwrap();
+        assert_eq!(negative.weight_decay, -0.1);
         for (json, says) in [
             (
                 serde_json::json!({"max_step": 7}),
