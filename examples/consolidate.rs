@@ -3,7 +3,7 @@
 //! parameter at a time; or, with `--inspect`, what a checkpoint holds.
 //!
 //!     cargo run --release --example consolidate -- runs/ckpt model.safetensors
-//!     cargo run --release --example consolidate -- runs/ckpt/step-00000300 out.safetensors --with-optimizer
+//!     cargo run --release --example consolidate -- runs/ckpt/step-00000300 out.safetensors --with-optimizer   # + out.optimizer.safetensors
 //!     cargo run --release --example consolidate -- --inspect runs/ckpt
 //!
 //! A directory of checkpoints means its newest complete one.
@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
-use burnscale::train::checkpoint::Checkpoint;
+use burnscale::train::checkpoint::{Checkpoint, optimizer_path};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -20,7 +20,8 @@ struct Cli {
     checkpoint: PathBuf,
     /// The safetensors file to write.
     out: Option<PathBuf>,
-    /// Also write every optimizer state tensor (as `optimizer.<name>`, whole, f32).
+    /// Also write every optimizer state tensor (whole, f32) to OUT's stem with
+    /// `.optimizer.safetensors`, beside the model.
     #[arg(long)]
     with_optimizer: bool,
     /// List what the checkpoint holds instead of writing anything.
@@ -53,5 +54,8 @@ fn run() -> Result<()> {
         ckpt.meta.step,
         start.elapsed().as_secs_f64()
     );
+    if cli.with_optimizer {
+        println!("optimizer state in {}", optimizer_path(&out).display());
+    }
     Ok(())
 }

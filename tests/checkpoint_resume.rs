@@ -16,7 +16,7 @@ use burnscale::collective::run_ranks;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::nn::weights;
 use burnscale::tasks::NextToken;
-use burnscale::train::checkpoint::Checkpoint;
+use burnscale::train::checkpoint::{Checkpoint, optimizer_path};
 use burnscale::train::{
     Batch, BatchPart, OnStep, RunSummary, Score, StepMetrics, StopFlag, TrainArgs, TrainError,
     TrainTask, train, train_on,
@@ -1078,10 +1078,15 @@ fn a_consolidated_checkpoint_is_the_saved_model() {
     };
     assert_eq!(logits(&loaded.unwrap()), logits(&trained));
 
+    // The optimizer state goes beside the model, which `--weights` still loads.
     let with_state = dir.join("with-optimizer.safetensors");
     let count = ckpt.consolidate(&with_state, true).unwrap();
     let params = weights::read_safetensors(&saved).unwrap().len();
     assert_eq!(count, 3 * params, "AdamW's two moments per parameter");
+    let moments = weights::read_safetensors(&optimizer_path(&with_state)).unwrap();
+    assert_eq!(moments.len(), 2 * params);
+    let loaded = burnscale::mingpt::loader::load(&with_state, &config, &model_device());
+    assert_eq!(logits(&loaded.unwrap()), logits(&trained));
     // A mistyped path is named as missing, not as an interrupted save.
     let typo = dir.join("no-such-dir");
     let err = Checkpoint::find(&typo)

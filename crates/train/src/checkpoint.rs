@@ -474,6 +474,12 @@ fn padded(
     TensorData::from_bytes_vec(bytes, shape, dtype)
 }
 
+/// Where [`Checkpoint::consolidate`] writes the optimizer state of a model consolidated to
+/// `weights`: beside it, `NAME.optimizer.safetensors`.
+pub fn optimizer_path(weights: &Path) -> PathBuf {
+    weights.with_extension("optimizer.safetensors")
+}
+
 /// Whether `dir` is a checkpoint (it holds `meta.json`), whatever its name.
 pub(crate) fn is_checkpoint(dir: &Path) -> bool {
     dir.join(META).is_file()
@@ -1121,10 +1127,11 @@ impl Checkpoint {
     }
 
     /// Writes the whole model to `out` in its own checkpoint layout (HF names and layouts,
-    /// which the loaders' `--weights` read), as f32, one parameter at a time; with
-    /// `with_optimizer`, every optimizer state tensor too (`optimizer.<name>`, also as f32:
-    /// 8-bit AdamW's codes as their map indices), and the run's recorded configuration beside
-    /// it ([`config_path`]). Returns the number of tensors written.
+    /// which the loaders' `--weights` read), as f32, one parameter at a time, and the run's
+    /// recorded configuration beside it ([`config_path`]); with `with_optimizer`, every
+    /// optimizer state tensor to a file of its own beside it ([`optimizer_path`]; as f32,
+    /// 8-bit AdamW's codes as their map indices), so that `out` stays one `--weights` loads.
+    /// Returns the number of tensors written.
     pub fn consolidate(&mut self, out: &Path, with_optimizer: bool) -> Result<usize, TrainError> {
         let meta = self.meta.clone();
         let transposed = |dims: &[usize], t: bool| {
@@ -1150,20 +1157,11 @@ impl Checkpoint {
                 shape: transposed(&p.dims, *t),
             }));
         }
-        let states: Vec<&SavedTensor> = match with_optimizer {
-            true => meta.states.iter().flat_map(|s| &s.tensors).collect(),
-            false => Vec::new(),
-        };
-        plan.extend(states.iter().map(|t| Planned {
-            key: format!("optimizer.{}", t.name),
-            dtype: Dtype::F32,
-            shape: t.dims.clone(),
-        }));
         let metadata = HashMap::from([
             ("format".to_string(), "pt".to_string()),
             ("step".to_string(), meta.step.to_string()),
         ]);
-        let mut writer = SafetensorsWriter::create_with(out, &plan, metadata)?;
+        let mut writer = SafetensorsWriter::create_with(out, &plan, metadata.clone())?;
         for p in &meta.params {
             let weight = self.whole("param", p)?;
             for (key, t) in &p.export {
@@ -1173,15 +1171,30 @@ impl Checkpoint {
                 }
             }
         }
-        for t in &states {
-            let weight = self.whole("optim", t)?;
-            writer.write(&format!("optimizer.{}", t.name), &weight.values)?;
-        }
         writer.finish()?;
         if let Some(config) = &meta.model_config {
             write_config(out, config)?;
         }
-        Ok(plan.len())
+        let mut written = plan.len();
+        if with_optimizer {
+            let states: Vec<&SavedTensor> = meta.states.iter().flat_map(|s| &s.tensors).collect();
+            let plan: Vec<Planned> = states
+                .iter()
+                .map(|t| Planned {
+                    key: t.name.clone(),
+                    dtype: Dtype::F32,
+                    shape: t.dims.clone(),
+                })
+                .collect();
+            let path = optimizer_path(out);
+            let mut writer = SafetensorsWriter::create_with(&path, &plan, metadata)?;
+            for t in &states {
+                writer.write(&t.name, &self.whole("optim", t)?.values)?;
+            }
+            writer.finish()?;
+            written += plan.len();
+        }
+        Ok(written)
     }
 
     /// The whole of `tensor` (saved under `prefix`) as f32.
