@@ -9,6 +9,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use burn::optim::{DynOptimizer, DynState, StateSink};
 use burn::prelude::*;
@@ -30,13 +31,41 @@ pub struct DiskStates {
     /// `.nfsXXXX` file, which would keep the directory from being removed.
     _lock: File,
     dir: TempDir,
-    /// Read only by its drop, which runs after `dir`'s (declared after it).
+    /// Read only by their drops, which run after `dir`'s (declared after it).
+    _live: Live,
     _made_root: MadeRoot,
     entries: HashMap<String, Entry>,
 }
 
 /// The file in each run's directory that the run holds an exclusive lock on while it lives.
 const LOCK: &str = ".burnscale.lock";
+
+/// The run directories this process has open. On NFS a lock is the whole process's (Linux
+/// emulates `flock` with POSIX locks there): one rank would find another in-process rank's
+/// directory unlocked, and closing the lock file it opened to look would even unlock it for
+/// other processes. These are never judged by their locks.
+static LIVE: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// A run directory, in [`LIVE`] while this lives.
+struct Live(PathBuf);
+
+impl Live {
+    fn new(dir: &Path) -> Self {
+        live_dirs().push(dir.to_path_buf());
+        Live(dir.to_path_buf())
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        live_dirs().retain(|dir| *dir != self.0);
+    }
+}
+
+fn live_dirs() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
+    LIVE.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// `--offload-dir`, which the rank that finds it missing makes and marks with [`MADE`]: the
 /// last rank to leave a marked root with nothing else in it removes it (whichever rank that
@@ -97,6 +126,7 @@ impl DiskStates {
             .prefix(&format!("rank{rank}-"))
             .tempdir_in(root)
             .map_err(io)?;
+        let live = Live::new(dir.path());
         let in_dir = |source| TrainError::Offload {
             path: dir.path().to_path_buf(),
             source,
@@ -118,6 +148,7 @@ impl DiskStates {
             .map_err(in_dir)?;
         Ok(Self {
             dir,
+            _live: live,
             _made_root: made_root,
             _lock: lock,
             entries: HashMap::new(),
@@ -250,6 +281,9 @@ fn remove_dead_runs(root: &Path, host: &str) {
         return;
     };
     for dir in entries.flatten().map(|entry| entry.path()) {
+        if live_dirs().contains(&dir) {
+            continue;
+        }
         // Opened for writing: NFS takes an exclusive lock only on such a file.
         let Ok(mut lock) = OpenOptions::new()
             .read(true)
@@ -265,7 +299,7 @@ fn remove_dead_runs(root: &Path, host: &str) {
         if lock.try_lock().is_err() {
             continue; // its run lives (or another rank is removing it)
         }
-        let note = match fs::remove_dir_all(&dir) {
+        let note = match remove_run(&dir, lock) {
             Ok(()) => format!("removed {}", dir.display()),
             // Removed by another rank that held the lock before this one.
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
@@ -275,6 +309,23 @@ fn remove_dead_runs(root: &Path, host: &str) {
         let line = format!("note: {note}: optimizer state files of a run that was killed\n");
         let _ = io::stderr().write_all(line.as_bytes());
     }
+}
+
+/// Removes the dead run's directory `dir`, whose [`LOCK`] file this process holds as `lock`:
+/// the lock file last, once closed (NFS keeps an open file that is removed as a `.nfsXXXX`
+/// file, which would keep the directory).
+fn remove_run(dir: &Path, lock: File) -> io::Result<()> {
+    for entry in fs::read_dir(dir)?.flatten() {
+        let path = entry.path();
+        match entry.file_name() == LOCK {
+            true => continue,
+            false if path.is_dir() => fs::remove_dir_all(&path)?,
+            false => fs::remove_file(&path)?,
+        }
+    }
+    drop(lock);
+    fs::remove_file(dir.join(LOCK))?;
+    fs::remove_dir(dir)
 }
 
 #[cfg(test)]
@@ -349,9 +400,12 @@ mod tests {
         killed
             .store(&optim, "w", &stepped_state(&optim, &device))
             .unwrap();
-        // What the kernel does to a killed process: its lock goes, its files stay.
-        let DiskStates { dir, _lock, .. } = killed;
-        drop(_lock);
+        // What the kernel does to a killed process: its lock goes, its files stay (and the
+        // next run, another process, does not know it).
+        let DiskStates {
+            dir, _lock, _live, ..
+        } = killed;
+        drop((_lock, _live));
         let killed = dir.keep();
         let other = root.join("rank1-not-a-run");
         fs::create_dir(&other).unwrap();
@@ -371,6 +425,22 @@ mod tests {
         fs::remove_dir(&other).unwrap();
         fs::remove_dir_all(&elsewhere).unwrap();
         fs::remove_file(root.join(MADE)).unwrap();
+        fs::remove_dir(&root).unwrap();
+    }
+
+    /// A directory of a run of this process is not judged by its lock: on NFS, where locks
+    /// are the process's, another in-process rank would find it free (here: unlocked).
+    #[test]
+    fn a_run_of_this_process_is_never_taken_for_a_killed_one() {
+        let root = std::env::temp_dir().join(format!("burnscale-inproc-{}", std::process::id()));
+        let DiskStates {
+            dir, _lock, _live, ..
+        } = DiskStates::create(&root, 0).unwrap();
+        drop(_lock);
+        let other = DiskStates::create(&root, 1).unwrap();
+        assert!(dir.path().exists(), "a live rank's directory stays");
+        drop((other, _live, dir));
+        let _ = fs::remove_file(root.join(MADE));
         fs::remove_dir(&root).unwrap();
     }
 
