@@ -29,6 +29,14 @@ fn main() -> ExitCode {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let summary = match run(&flags) {
         Ok(summary) => summary,
+        // `--help`: the runner's flags, which the check takes after its own.
+        Err(e)
+            if e.downcast_ref::<clap::Error>()
+                .is_some_and(|e| matches!(e.kind(), clap::error::ErrorKind::DisplayHelp)) =>
+        {
+            print!("{e}");
+            return ExitCode::SUCCESS;
+        }
         Err(e) => {
             eprintln!("error: {e:#}");
             return ExitCode::FAILURE;
