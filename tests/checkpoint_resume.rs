@@ -367,10 +367,25 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     );
     fs::write(&file, &pristine).unwrap();
 
-    // A meta.json edited by hand: a tensor without dimensions (split, or replicated), or
-    // with more elements than can be counted.
+    // A value of meta.json damaged into another that parses: here the dropout stream's
+    // position, which would resume silently (dropout is 0 here).
     let meta_path = dir.join("step-00000003/meta.json");
-    let meta = fs::read_to_string(&meta_path).unwrap();
+    let sealed: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&meta_path).unwrap()).unwrap();
+    let mut damaged = sealed.clone();
+    damaged["dropout"][1][1] = serde_json::json!(damaged["dropout"][1][1].as_u64().unwrap() + 1);
+    fs::write(&meta_path, damaged.to_string()).unwrap();
+    let err = run(&dir, "zero2", 2, 0.0, &["--resume"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("meta.json is damaged: CRC-32"), "{err}");
+
+    // A meta.json edited by hand, without its CRC-32 (as an older build wrote it): a tensor
+    // without dimensions (split, or replicated), or with more elements than can be counted.
+    let mut unsealed = sealed;
+    unsealed.as_object_mut().unwrap().remove("crc32");
+    let meta = unsealed.to_string();
+    fs::write(&meta_path, &meta).unwrap();
     let edits: [(&str, Vec<u64>, bool); 3] = [
         ("/params/0", vec![], false),
         ("/states/0/tensors/0", vec![], true),

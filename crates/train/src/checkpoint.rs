@@ -112,6 +112,30 @@ pub struct Meta {
     pub params: Vec<SavedTensor>,
     pub states: Vec<SavedState>,
     pub files: Vec<SavedFile>,
+    /// The CRC-32 of this JSON written without it ([`sealed`]): a value damaged into another
+    /// that still parses (a loss scale, a dropout count) is found. Older checkpoints have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub crc32: Option<u32>,
+}
+
+impl Meta {
+    /// The CRC-32 of this meta's JSON without its `crc32`.
+    fn computed_crc32(&self) -> serde_json::Result<u32> {
+        let unsealed = Meta {
+            crc32: None,
+            ..self.clone()
+        };
+        Ok(crc32fast::hash(&serde_json::to_vec_pretty(&unsealed)?))
+    }
+}
+
+/// `meta`'s JSON with its CRC-32 in it ([`Meta::crc32`]).
+fn sealed(meta: &Meta) -> serde_json::Result<Vec<u8>> {
+    let sealed = Meta {
+        crc32: Some(meta.computed_crc32()?),
+        ..meta.clone()
+    };
+    serde_json::to_vec_pretty(&sealed)
 }
 
 /// A tensor as the checkpoint holds it whole (its rows spread over the files).
@@ -246,6 +270,7 @@ pub fn save<M: BlockModel>(
                 optimizer_flags: crate::optim::optimizer_flags(args),
                 loss_scaler: engine.scaler().cloned(),
                 dropout: all.iter().map(|r| (r[2], r[3])).collect(),
+                crc32: None,
                 params: engine
                     .slots()
                     .iter()
@@ -316,7 +341,7 @@ fn agree<T>(
 fn complete(partial: &Path, done: &Path, meta: &Meta) -> Result<(), CheckpointError> {
     let meta_path = partial.join(META);
     let io = io_error(partial);
-    let json = serde_json::to_vec_pretty(meta).map_err(|e| io(std::io::Error::other(e)))?;
+    let json = sealed(meta).map_err(|e| io(std::io::Error::other(e)))?;
     File::create(&meta_path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, &json).and_then(|()| f.sync_all()))
         .and_then(|()| File::open(partial)?.sync_all())
@@ -817,6 +842,20 @@ impl Checkpoint {
                     meta.format
                 ),
             });
+        }
+        if let Some(saved) = meta.crc32 {
+            let computed = meta
+                .computed_crc32()
+                .map_err(|e| CheckpointError::Corrupt {
+                    path: path.clone(),
+                    reason: e.to_string(),
+                })?;
+            if computed != saved {
+                return Err(CheckpointError::Corrupt {
+                    path,
+                    reason: format!("CRC-32 {computed:08x}, its crc32 says {saved:08x}"),
+                });
+            }
         }
         if meta.world_size == 0 || meta.files.len() != meta.world_size {
             return Err(CheckpointError::Corrupt {
