@@ -55,7 +55,8 @@ fn the_dry_run_plans_the_device_peak_and_leaves_training_as_it_was() {
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     for flags in [
         &[][..],
-        &["--precision", "bf16-true", "--checkpoint-activations"],
+        // 16-bit weights as 16-true (see the auto test below for why not bf16 here).
+        &["--precision", "16-true", "--checkpoint-activations"],
         &["--strategy", "zero3", "--devices", "2"],
     ] {
         let planned = run(&[flags, &["--plan"]].concat());
@@ -144,7 +145,9 @@ fn auto_on_two_ranks_trains_as_its_choice_given() {
         ),
     ] {
         let given = [&["--devices", "2"][..], extra].concat();
-        let flags = ["--strategy", "auto", "--precision", "bf16-true"];
+        // 16-true, not bf16-true: cubecl-cpu's JIT converts to bf16 through libgcc's
+        // `__truncsfbf2`, which GCC 12's (Debian 12's) lacks ("Symbols not found").
+        let flags = ["--strategy", "auto", "--precision", "16-true"];
         let summary = run(&[&given[..], &flags].concat());
         let chosen = &summary.auto.as_ref().expect("auto chose").chosen.flags;
         assert!(chosen.starts_with(chosen_strategy), "{chosen}");

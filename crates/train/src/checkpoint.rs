@@ -112,7 +112,7 @@ pub struct Meta {
     pub params: Vec<SavedTensor>,
     pub states: Vec<SavedState>,
     pub files: Vec<SavedFile>,
-    /// The CRC-32 of this JSON written without it ([`sealed`]): a value damaged into another
+    /// The CRC-32 of this JSON written without it: a value damaged into another
     /// that still parses (a loss scale, a dropout count) is found. Older checkpoints have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32: Option<u32>,

@@ -345,7 +345,7 @@ fn seconds<S: serde::Serializer>(duration: &Duration, to: S) -> Result<S::Ok, S:
 }
 
 /// A finite number of seconds, at least a millisecond and at most
-/// [`MAX_COLLECTIVE_TIMEOUT`] (a timeout's parser).
+/// 1e9 (a timeout's parser: past ~9.2e18 s a deadline overflows).
 pub fn parse_seconds(text: &str) -> Result<Duration, String> {
     let seconds: f64 = text
         .trim()
