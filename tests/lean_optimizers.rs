@@ -443,6 +443,28 @@ fn sharded_adafactor_steps_as_burn_optims_on_the_whole_tensors() {
     }
 }
 
+/// Every state file (not the hidden lock files) of the `--offload-dir` runs under `root`
+/// whose directories start with `prefix`, cut to 1 byte.
+fn cut_short(root: &str, prefix: &str) {
+    let entries = |dir: &std::path::Path| {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap())
+            .collect::<Vec<_>>()
+    };
+    let named =
+        |e: &std::fs::DirEntry, start: &str| e.file_name().to_string_lossy().starts_with(start);
+    let runs = entries(root.as_ref())
+        .into_iter()
+        .filter(|e| named(e, prefix));
+    for file in runs.flat_map(|run| entries(&run.path())) {
+        if !named(&file, ".") {
+            let cut = std::fs::File::options().write(true).open(file.path());
+            cut.and_then(|f| f.set_len(1)).unwrap();
+        }
+    }
+}
+
 /// A rank whose offloaded Adafactor state cannot be read (its files cut short on disk) still
 /// joins the step's two reductions across the ranks, and returns the error after them: the
 /// other rank steps, rather than waiting in a reduction its peer never entered.
@@ -468,27 +490,7 @@ fn a_rank_that_cannot_read_its_offloaded_state_leaves_no_one_waiting() {
         let mut outcomes = Vec::new();
         for step in 1..=2 {
             if step == 2 && rank == 1 {
-                for run in std::fs::read_dir(&root).unwrap() {
-                    let run = run.unwrap().path();
-                    if !run
-                        .file_name()
-                        .unwrap()
-                        .to_string_lossy()
-                        .starts_with("rank1-")
-                    {
-                        continue;
-                    }
-                    for file in std::fs::read_dir(&run).unwrap() {
-                        let file = file.unwrap().path();
-                        if !file.file_name().unwrap().to_string_lossy().starts_with('.') {
-                            std::fs::File::options()
-                                .write(true)
-                                .open(&file)
-                                .and_then(|f| f.set_len(1))
-                                .unwrap();
-                        }
-                    }
-                }
+                cut_short(&root, "rank1-");
             }
             let grads = shard_grads(&three(step, 1e-3), &full, world, rank);
             let (next, result) = optim.step(1e-2, module, grads, Some(comm));

@@ -326,13 +326,27 @@ fn agree<T>(
     outcome: Result<T, TrainError>,
     mine: &[u64],
 ) -> Result<(T, Vec<Vec<u64>>), TrainError> {
+    agree_with(comm, outcome, mine, |rank| CheckpointError::PeerWrite {
+        rank,
+        step,
+    })
+}
+
+/// [`agree`]'s collective: every rank's `mine` once each has its `outcome`, this rank's error
+/// if it failed, else `peer` of the first rank that did.
+fn agree_with<T>(
+    comm: &dyn Communicator,
+    outcome: Result<T, TrainError>,
+    mine: &[u64],
+    peer: impl FnOnce(usize) -> CheckpointError,
+) -> Result<(T, Vec<Vec<u64>>), TrainError> {
     let flagged: Vec<u64> = std::iter::once(outcome.is_ok() as u64)
         .chain(mine.iter().copied())
         .collect();
     let all = gather_u64s(comm, &flagged)?;
     let value = outcome?;
     if let Some(rank) = all.iter().position(|r| r[0] == 0) {
-        return Err(CheckpointError::PeerWrite { rank, step }.into());
+        return Err(peer(rank).into());
     }
     Ok((value, all.into_iter().map(|r| r[1..].to_vec()).collect()))
 }
@@ -410,12 +424,10 @@ pub(crate) fn agree_restored<T>(
     comm: &dyn Communicator,
     restored: Result<T, TrainError>,
 ) -> Result<T, TrainError> {
-    let all = gather_u64s(comm, &[restored.is_ok() as u64])?;
-    let value = restored?;
-    match all.iter().position(|r| r[0] == 0) {
-        Some(rank) => Err(CheckpointError::PeerRead { rank }.into()),
-        None => Ok(value),
-    }
+    agree_with(comm, restored, &[], |rank| CheckpointError::PeerRead {
+        rank,
+    })
+    .map(|(v, _)| v)
 }
 
 /// `found`, this rank's reading of the newest checkpoint under `root` (`step` gives a

@@ -706,6 +706,12 @@ impl TrainArgs {
     /// call before its slow set-up (fetching weights, tokenizing a corpus).
     pub fn validate_launch(&self) -> Result<(), TrainError> {
         self.validate()?;
+        self.check_launched_world()
+    }
+
+    /// [`TrainArgs::check_world`] against the world this process was launched into, where it
+    /// is known.
+    pub(crate) fn check_launched_world(&self) -> Result<(), TrainError> {
         match crate::auto::launched_world(self) {
             Some(world) => self.check_world(world),
             None => Ok(()),

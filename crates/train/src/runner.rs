@@ -188,9 +188,7 @@ pub fn train<T: TrainTask>(
     device: &Device,
 ) -> Result<(Option<T::Model>, RunSummary), TrainError> {
     check_args(args, device)?;
-    if let Some(world) = auto::launched_world(args) {
-        args.check_world(world)?;
-    }
+    args.check_launched_world()?;
     let given = args;
     // Once for every rank of this process (each trains on a copy of `task`), and before the
     // memory plan's probe, which trains a step on the examples.
