@@ -73,9 +73,10 @@ fn tiny_models_match_transformers() {
 }
 
 /// bert-base-uncased's file is `BertForPreTraining`'s: LayerNorm parameters named `gamma` and
-/// `beta` (the TensorFlow port's names) and a next-sentence head beside the masked-LM one. It
-/// loads as transformers loads it: as a masked LM, and, with a fresh head, as a BERT or BigBird
-/// classifier; a masked-LM file (no pooler) finetunes with a fresh pooler.
+/// `beta` (the TensorFlow port's names), a pooler and a next-sentence head beside the masked-LM
+/// one. It loads as transformers loads it: as a masked LM (the pooler dropped), and, with a
+/// fresh head, as a BERT or BigBird classifier; a masked-LM file (no pooler) finetunes with a
+/// fresh pooler.
 #[test]
 fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
     let device = Device::default();
@@ -103,6 +104,9 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
     };
     pretraining.push(nsp("cls.seq_relationship.weight", vec![2, d]));
     pretraining.push(nsp("cls.seq_relationship.bias", vec![2]));
+    // `BertForPreTraining`'s encoder has a pooler, which a masked LM has not.
+    pretraining.push(nsp("bert.pooler.dense.weight", vec![d, d]));
+    pretraining.push(nsp("bert.pooler.dense.bias", vec![d]));
     let path = Path::new("pretraining.safetensors");
     let load = |config: &BertConfig, head| {
         loader::load_weights(pretraining.clone(), path, config, head, &device)

@@ -132,6 +132,9 @@ pub struct Checkpoint {
     pub head: Head,
     /// The file key of a decoder tied to the word embeddings, which saving writes out.
     pub tied_decoder: Option<&'static str>,
+    /// Parameter paths (prefixes) a file may hold that this model does not have, dropped as
+    /// transformers drops them: the pooler of a pretraining file, loaded as a masked LM.
+    pub unused: &'static [&'static str],
 }
 
 impl Checkpoint {
@@ -146,6 +149,7 @@ impl Checkpoint {
             heads: &["classifier.", "mlm."],
             head,
             tied_decoder: None,
+            unused: &[],
         }
     }
 
@@ -172,6 +176,7 @@ impl Checkpoint {
                 }
                 Some(path) if path.is_empty() => {}
                 Some(path) if self.head == Head::Fresh && self.is_head(&path) => {}
+                Some(path) if self.unused.iter().any(|u| path.starts_with(u)) => {}
                 Some(path) => {
                     let w = if is_linear(&path, &w.shape) {
                         w.transposed()
@@ -255,7 +260,12 @@ pub fn load_weights(
     device: &Device,
 ) -> Result<Bert, BertError> {
     let model = Bert::new(config, device)?;
-    Ok(Checkpoint::for_layout(config.layout, head).load_into(model, tensors, path, device)?)
+    let mut keys = Checkpoint::for_layout(config.layout, head);
+    // `BertForMaskedLM` is built without the pooler that pretraining files hold.
+    if config.layout == Layout::Bert && !config.has_pooler() {
+        keys.unused = &["pooler."];
+    }
+    Ok(keys.load_into(model, tensors, path, device)?)
 }
 
 /// Writes `model` as an HF safetensors file of its layout (`*ForSequenceClassification`,

@@ -42,6 +42,7 @@ fn checkpoint(head: Head) -> Checkpoint {
         heads: &["classifier.", "mlm."],
         head,
         tied_decoder: None,
+        unused: &[],
     }
 }
 
