@@ -325,7 +325,8 @@ impl TrainTask for LengthByRank {
     }
 }
 
-/// The summary's model FLOPs are the sum of the ranks' parts, not rank 0's times the world.
+/// The summary's model FLOPs are the sum of the ranks' parts, not rank 0's times the world;
+/// thread ranks' MFU is theirs together over the CPU's one peak.
 #[test]
 fn model_flops_sum_the_ranks_parts() {
     let batch = 4;
@@ -365,5 +366,13 @@ fn model_flops_sum_the_ranks_parts() {
     assert!(
         (measured / per_sample - 1.0).abs() < 1e-6,
         "{measured} model FLOPs a sample, of {per_sample}"
+    );
+    // The two thread ranks share the CPU and its one measured peak.
+    let peak = summary.peak_flops.expect("a CPU probe is timed");
+    let mfu = summary.mfu.expect("an MFU where the probe timed its work");
+    assert!(
+        (mfu / (2.0 * summary.model_flops_per_s / peak) - 1.0).abs() < 1e-9,
+        "MFU {mfu} of {} model FLOP/s a rank and a peak of {peak}",
+        summary.model_flops_per_s
     );
 }

@@ -104,6 +104,9 @@ pub struct Throughput {
     pub items_per_s: f64,
     pub counts_tokens: bool,
     pub model_flops_per_s: f64,
+    /// How many ranks share one device, and so its measured peak: a process's thread ranks
+    /// on a CPU (one probe, all the cores); 1 where each rank has a device of its own.
+    pub ranks_per_device: usize,
 }
 
 /// Everything a run reports; serialised as the `--summary-json` object.
@@ -190,8 +193,9 @@ pub struct RunSummary {
     /// Every optimizer step's numbers, in order (also written to `--metrics-csv`).
     #[serde(skip)]
     pub history: Vec<StepMetrics>,
-    /// `model_flops_per_s` over `peak_flops` (PaLM's and nanoGPT's count: 6 per
-    /// non-embedding weight per position plus attention's 12·L·d per query and key).
+    /// The model FLOPs a second of the ranks that share a device (`model_flops_per_s`, times
+    /// the thread ranks of a CPU process) over its `peak_flops` (PaLM's and nanoGPT's count:
+    /// 6 per non-embedding weight per position plus attention's 12·L·d per query and key).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
     /// What `--save` took.
@@ -282,10 +286,12 @@ impl RunSummary {
             true => (Some(throughput.items_per_s), None),
             false => (None, Some(throughput.items_per_s)),
         };
-        // Each rank counts as one device of the measured peak; ranks that share cores
-        // (threads, or oversubscribed processes) make this an underestimate.
         let model_flops_per_s = throughput.model_flops_per_s / world_size as f64;
-        let mfu = peak_flops.map(|peak| model_flops_per_s / peak);
+        // Against one device's peak, what the ranks on that device achieved together.
+        // Oversubscribed processes, each probing its own share of the cores, stay an
+        // underestimate.
+        let mfu =
+            peak_flops.map(|peak| model_flops_per_s * throughput.ranks_per_device as f64 / peak);
         let sharding = args.acting_sharding(world_size).ok();
         Self {
             accelerator: args.runs_on(),

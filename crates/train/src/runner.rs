@@ -653,6 +653,10 @@ fn run_rank<T: TrainTask>(
         items_per_s,
         counts_tokens: task.counts_tokens(),
         model_flops_per_s: flops / train_s,
+        ranks_per_device: match args.runs_on().on_gpu() {
+            true => 1,
+            false => ranks_in_process(world),
+        },
     };
     let mut summary = RunSummary::new(
         args,
