@@ -76,7 +76,8 @@ impl Budget {
     /// The budget of ranks whose smallest device holds `capacity` bytes (when the runtime
     /// says): the given one; with none given, or one above the device's memory (no plan
     /// above it can run), the device's memory, less [`DEVICE_HEADROOM`] where `auto`
-    /// chooses. None where nothing bounds the plan; an error where `auto` would have nothing
+    /// chooses (a budget within the headroom is lowered to it too: auto would otherwise
+    /// plan into the memory the headroom keeps). None where nothing bounds the plan; an error where `auto` would have nothing
     /// to choose within.
     pub fn on_device(
         args: &TrainArgs,
@@ -91,7 +92,7 @@ impl Budget {
             _ => capacity,
         };
         match (args.memory_budget, capacity) {
-            (Some(given), Some(capacity)) if given > capacity => {
+            (Some(given), Some(capacity)) if given > usable(capacity) => {
                 Ok(Some(device(usable(capacity))))
             }
             (Some(given), _) => Ok(Some(Budget::given(given))),
@@ -699,6 +700,17 @@ mod tests {
             Budget::on_device(&above, Some(1000)).unwrap(),
             Some(device(900)),
             "a budget above the device's memory is bounded as none is"
+        );
+        let within_headroom = args(&["--strategy", "auto", "--memory-budget", "999B"]);
+        assert_eq!(
+            Budget::on_device(&within_headroom, Some(1000)).unwrap(),
+            Some(device(900)),
+            "a budget in the headroom is lowered out of it"
+        );
+        let below = args(&["--strategy", "auto", "--memory-budget", "800B"]);
+        assert_eq!(
+            Budget::on_device(&below, Some(1000)).unwrap(),
+            Some(Budget::given(800))
         );
         let err = Budget::on_device(&auto, None).unwrap_err().to_string();
         assert!(err.contains("give --memory-budget"), "{err}");
