@@ -72,7 +72,8 @@ struct Cli {
     batch_size: usize,
     #[arg(long, default_value_t = 65)]
     vocab_size: usize,
-    /// Timed optimizer steps (after `--warmup` untimed ones).
+    /// Optimizer steps of each timed run (after `--warmup` untimed ones): the steps after
+    /// its first are timed, as the runner times them.
     #[arg(long, default_value_t = 20)]
     steps: usize,
     /// Untimed steps of a run before the timed one (at least 1: its first step is the
@@ -261,7 +262,7 @@ fn run() -> Result<()> {
         ours.num_params,
         cli.block_size,
         cli.batch_size,
-        cli.steps,
+        ours.timed_steps,
         cli.precision,
         cli.accelerator,
         cli.threads

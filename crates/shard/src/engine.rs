@@ -19,7 +19,9 @@ const FIRST_BLOCK: usize = 2;
 
 /// DDP's default gradient bucket: 25 MB of f32.
 pub const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
-const PRESENT: &str = "the model is only moved out during a step";
+/// The model is moved out only during a step; a step whose collective failed leaves none (the
+/// group is broken: the caller drops the engine, as [`Sharded::step`] says).
+const PRESENT: &str = "a Sharded engine whose step returned an error cannot be used again: drop it";
 
 /// One rank's view of a model trained under a [`Strategy`]: what the rank holds, and the
 /// collectives that keep the ranks in step. Every rank must call the same methods in the same
@@ -330,6 +332,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// its gradients to `optimize`, then redistributes the result. The gradients come with the
     /// factor that unscales them and clips them to a norm of `max_norm` (0: only measures),
     /// which the optimizer applies as it steps each one ([`StepGrads`]).
+    ///
+    /// An error here (a collective that failed, a peer gone) leaves the engine without its
+    /// model: it is to be dropped, as a broken process group is, not used again. Keeping the
+    /// old parameters to fall back on would hold them twice at the step's peak.
     pub fn step(
         &mut self,
         max_norm: f64,
