@@ -3,8 +3,9 @@
 //! divided by it before the optimizer. A step whose gradients hold an inf or NaN is skipped
 //! and the scale backs off; after `growth_interval` good steps in a row it grows. A run whose
 //! gradients overflow step after step trains nothing while its scale falls without bound, so
-//! once a skip takes the scale below 1 (or after `max_consecutive_skips` skips in a row, when
-//! given) it stops with [`PrecisionError::Overflowing`].
+//! once a skip would take the scale below 1 (or after `max_consecutive_skips` skips in a row,
+//! when given: the scale stays at 1 meanwhile, DeepSpeed's `min_loss_scale`) it stops with
+//! [`PrecisionError::Overflowing`].
 
 use crate::{Precision, PrecisionError};
 
@@ -90,16 +91,20 @@ impl LossScaler {
 
     /// Records one optimizer step: `found_inf` (agreed by every rank) means its gradients
     /// overflowed and it must be skipped. Returns whether to apply the step, or an error
-    /// once the scale is below 1 (`max_consecutive_skips` steps in a row skipped, if given).
+    /// once a skip would take the scale below 1 (`max_consecutive_skips` steps in a row
+    /// skipped, if given; the scale backs off to 1 and no lower).
     pub fn update(&mut self, found_inf: bool) -> Result<bool, PrecisionError> {
         if found_inf {
-            self.scale *= self.config.backoff_factor;
+            let backed_off = self.scale * self.config.backoff_factor;
+            // Never below 1 (DeepSpeed's `min_loss_scale`): below it the scale shrinks the
+            // f16 gradients, which underflow to zeros that step as good ones.
+            self.scale = backed_off.max(1.0);
             self.good_steps = 0;
             self.skipped += 1;
             self.consecutive_skips += 1;
             let limit_reached = match self.config.max_consecutive_skips {
                 Some(limit) => self.consecutive_skips >= limit,
-                None => self.scale < 1.0,
+                None => backed_off < 1.0,
             };
             if limit_reached {
                 return Err(PrecisionError::Overflowing {
@@ -179,9 +184,9 @@ mod tests {
         );
     }
 
-    /// Without a limit given, the run stops once a skip takes the scale below 1: 17 skips
-    /// from 2^16, 20 from a scale grown to 2^19 (not the count that takes the starting scale
-    /// there).
+    /// Without a limit given, the run stops once a skip would take the scale below 1: 17
+    /// skips from 2^16, 20 from a scale grown to 2^19 (not the count that takes the starting
+    /// scale there).
     #[test]
     fn overflows_stop_the_run_once_the_scale_is_below_one() {
         let skips_to_stop = |init_scale: f64, grown: usize| {
@@ -197,9 +202,24 @@ mod tests {
                 .map(|skips| (skips, s.scale()))
                 .unwrap()
         };
-        assert_eq!(skips_to_stop(65536.0, 0), (17, 0.5));
-        assert_eq!(skips_to_stop(65536.0, 3), (20, 0.5));
-        assert_eq!(skips_to_stop(1000.0, 0), (10, 1000.0 / 1024.0));
-        assert_eq!(skips_to_stop(1.0, 0), (1, 0.5));
+        assert_eq!(skips_to_stop(65536.0, 0), (17, 1.0));
+        assert_eq!(skips_to_stop(65536.0, 3), (20, 1.0));
+        assert_eq!(skips_to_stop(1000.0, 0), (10, 1.0));
+        assert_eq!(skips_to_stop(1.0, 0), (1, 1.0));
+    }
+
+    /// With a limit given, overflows in a row back the scale off to 1 and no lower, as
+    /// DeepSpeed's `min_loss_scale`: below 1 the f16 gradients underflow to zeros, steps that
+    /// look good, and the scale would take thousands of them to climb back.
+    #[test]
+    fn a_limit_on_skips_keeps_the_scale_at_least_one() {
+        let mut s = LossScaler::new(ScalerConfig {
+            max_consecutive_skips: Some(40),
+            ..ScalerConfig::default()
+        });
+        for _ in 0..20 {
+            assert_eq!(s.update(true).ok(), Some(false));
+        }
+        assert_eq!(s.scale(), 1.0);
     }
 }
