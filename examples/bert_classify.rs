@@ -8,11 +8,15 @@
 //!
 //! `--model bert` (default) and `--model bigbird` (MiniLM's weights in BigBird's block-sparse
 //! attention) start from MiniLM; `--model distilbert` is a DistilBERT-layout model of
-//! MiniLM's size trained from scratch (MiniLM's weights are in BERT's layout).
+//! MiniLM's size trained from scratch (MiniLM's weights are in BERT's layout). `--weights FILE`
+//! starts from a classifier `--save` wrote instead, its head included:
+//!
+//!     cargo run --release --example bert_classify -- --save spam.safetensors
+//!     cargo run --release --example bert_classify -- --weights spam.safetensors --max-steps 20
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use burn::prelude::Device;
 use burnscale::bert::loader::{self, Head};
 use burnscale::bert::tokenizer::BertTokenizer;
@@ -48,6 +52,11 @@ struct Cli {
     /// Fraction of each class held out for testing (fixed, seeded).
     #[arg(long, default_value_t = 0.2)]
     test_fraction: f64,
+    /// A classifier to start from, its head included: a file `--save` wrote for the same
+    /// `--model` (or an HF `*ForSequenceClassification` file of its shape, with two labels).
+    /// Without it: MiniLM's weights and a fresh head (`--model distilbert`: from scratch).
+    #[arg(long)]
+    weights: Option<PathBuf>,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -90,6 +99,10 @@ fn run() -> Result<()> {
         Model::Distilbert => check_model(&Bert::new(&distilbert(minilm), &device)?, &cli.train)?,
         Model::Bigbird => check_model(&BigBird::new(&bigbird(encoder), &device)?, &cli.train)?,
     }
+    if let Some(path) = &cli.weights {
+        std::fs::metadata(path)
+            .with_context(|| format!("--weights {}: cannot read it", path.display()))?;
+    }
     let emails = spam::load()?;
     let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
     let rows: Vec<(Vec<i64>, i64)> = tokenizer
@@ -129,20 +142,21 @@ fn run() -> Result<()> {
     });
     let summary = match cli.model {
         Model::Bert => {
-            let model = loader::load(&files.weights, &minilm, Head::Fresh, &device)?;
+            let model = match &cli.weights {
+                Some(path) => loader::load(path, &minilm, Head::Load, &device)?,
+                None => loader::load(&files.weights, &minilm, Head::Fresh, &device)?,
+            };
             let args = cli.train.with_model_and_data(&minilm, data.clone())?;
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
         Model::Distilbert => {
             let config = distilbert(minilm);
-            finetune(
-                Bert::new(&config, &device)?,
-                train_rows,
-                test_rows,
-                pad,
-                &cli.train.with_model_and_data(&config, data.clone())?,
-                &device,
-            )?
+            let model = match &cli.weights {
+                Some(path) => loader::load(path, &config, Head::Load, &device)?,
+                None => Bert::new(&config, &device)?,
+            };
+            let args = cli.train.with_model_and_data(&config, data.clone())?;
+            finetune(model, train_rows, test_rows, pad, &args, &device)?
         }
         Model::Bigbird => {
             let config = bigbird(encoder);
@@ -156,12 +170,15 @@ fn run() -> Result<()> {
                     cli.max_length
                 );
             }
-            let model = burnscale::bigbird::loader::load(
-                Path::new(&files.weights),
-                &config,
-                Head::Fresh,
-                &device,
-            )?;
+            let model = match &cli.weights {
+                Some(path) => burnscale::bigbird::loader::load(path, &config, Head::Load, &device)?,
+                None => burnscale::bigbird::loader::load(
+                    Path::new(&files.weights),
+                    &config,
+                    Head::Fresh,
+                    &device,
+                )?,
+            };
             let args = cli.train.with_model_and_data(&config, data)?;
             finetune(model, train_rows, test_rows, pad, &args, &device)?
         }

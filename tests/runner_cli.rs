@@ -181,6 +181,16 @@ fn bert_classify_names_a_max_length_past_the_position_table() {
     );
 }
 
+/// A classifier to start from that is not there is named before the corpus is tokenized.
+#[test]
+fn bert_classify_names_weights_it_cannot_read() {
+    example_fails_with(
+        "bert_classify",
+        &["--weights", "/nonexistent/spam.safetensors"],
+        "--weights /nonexistent/spam.safetensors: cannot read it",
+    );
+}
+
 /// A flag that cannot apply to the model or the world is named before the weights are read
 /// (or fetched, or a corpus tokenized): here before a weights file that does not exist.
 #[test]
