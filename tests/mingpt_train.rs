@@ -358,6 +358,21 @@ fn model_states_match_the_16_bytes_per_param_formula() {
     assert_eq!(sgd.model_state.optimizer, 4 * p, "momentum buffer");
 }
 
+/// A frozen head leaves its weight gradient (2 FLOPs a weight a position) out of the model
+/// FLOPs, as the blocks' frozen weights do.
+#[test]
+fn a_frozen_head_leaves_its_weight_gradient_out_of_the_model_flops() {
+    let per_token = |s: &RunSummary| s.model_flops_per_s / s.tokens_per_s.unwrap();
+    let (model, trained) = run(&["--max-steps", "2"]);
+    let (_, frozen) = run(&["--max-steps", "2", "--freeze", "lm_head"]);
+    let head = model.lm_head.num_params() as f64;
+    let saved = per_token(&trained) - per_token(&frozen);
+    assert!(
+        (saved / (2.0 * head) - 1.0).abs() < 1e-9,
+        "a frozen head of {head} weights left out {saved} model FLOPs a token"
+    );
+}
+
 /// `--freeze`d parameters hold no gradient and no optimizer state (the formula counts them
 /// as weights alone), under DDP and ZeRO-3, and the summary counts them; a prefix that names
 /// no parameter, or one freezing everything, is refused naming it.

@@ -10,7 +10,7 @@ use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::mingpt::{Gpt, GptConfig, cross_entropy};
-use burnscale::nn::{BlockModel, Flops, Mask};
+use burnscale::nn::{BlockModel, Flops, Mask, RootWeights};
 use burnscale::shard::{Sharded, Strategy};
 use burnscale::tasks::NextToken;
 use burnscale::train::{TrainArgs, train};
@@ -60,12 +60,11 @@ impl BlockModel for TiedLm {
 
     /// No attention; the head runs at every position.
     fn flops(&self) -> Flops {
-        let blocks = self.h.num_params();
-        Flops {
-            per_position: blocks + VOCAB * WIDTH,
-            per_sequence: 0,
-            attention_width: 0,
-        }
+        Flops::new(self.h.num_params(), &self.root_weights(), 0)
+    }
+
+    fn root_weights(&self) -> Vec<RootWeights> {
+        RootWeights::of(&self.head, true)
     }
 
     fn block_forward(&self, block: &Linear, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {

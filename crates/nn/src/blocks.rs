@@ -5,7 +5,7 @@
 use burn::module::{Module, ParamId, list_param_ids};
 use burn::prelude::*;
 
-use crate::flops::Flops;
+use crate::flops::{Flops, RootWeights};
 use crate::weights::{KeyMap, OwnNames};
 
 /// What blocks read besides the activations: an additive attention bias `[batch, 1, 1, seq]`
@@ -32,6 +32,9 @@ pub trait BlockModel: Module {
     /// What a forward and backward pass costs ([`crate::flops`]), from the whole model's
     /// parameters: asked before they are sharded.
     fn flops(&self) -> Flops;
+    /// The parameters outside the blocks that [`BlockModel::flops`] counts, each as it runs
+    /// (what a frozen one leaves undone): built from the same list, so the two agree.
+    fn root_weights(&self) -> Vec<RootWeights>;
     /// The keys a query scores, on average, in a sequence of `seq` positions: all of them
     /// unless attention is sparse.
     fn attended_keys(&self, seq: usize) -> f64 {

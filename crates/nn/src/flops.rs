@@ -8,6 +8,9 @@
 //! (`--checkpoint-activations` does more work for the same model FLOPs, as PaLM's MFU,
 //! unlike its HFU, says).
 
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::prelude::*;
+
 /// A model's FLOP count, from its whole parameters' shapes: taken before training, when no
 /// parameter is a shard.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,7 +24,60 @@ pub struct Flops {
     pub attention_width: usize,
 }
 
+/// One parameter outside the blocks that [`Flops`] counts (a head's, a patch projection's, a
+/// final norm's): its weights, and whether they run at every position or once a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RootWeights {
+    pub id: ParamId,
+    pub weights: usize,
+    pub per_position: bool,
+}
+
+impl RootWeights {
+    /// Every parameter of `module`, each run at every position or once a sequence.
+    pub fn of<M: Module>(module: &M, per_position: bool) -> Vec<Self> {
+        struct Collect(Vec<RootWeights>, bool);
+        impl ModuleVisitor for Collect {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.0.push(RootWeights {
+                    id: param.id,
+                    weights: param.lazy_shape().num_elements(),
+                    per_position: self.1,
+                });
+            }
+        }
+        let mut collect = Collect(Vec::new(), per_position);
+        module.visit(&mut collect);
+        collect.0
+    }
+
+    /// What these weights leave undone in [`Flops::of`] when frozen: their weight gradient, 2
+    /// FLOPs a weight each time they run, over `batch` sequences of `seq` positions. (Their
+    /// input gradient is still counted: backward goes on below them, or, at a patch
+    /// projection, the count has it as it has it for a trained one.)
+    pub fn frozen(&self, batch: usize, seq: usize) -> f64 {
+        let runs = if self.per_position { seq } else { 1 };
+        2.0 * (self.weights * runs * batch) as f64
+    }
+}
+
 impl Flops {
+    /// The count of a model whose blocks hold `block_weights` (all run at every position) and
+    /// whose `root` weights run as each says; `attention_width` is layers · d_model.
+    pub fn new(block_weights: usize, root: &[RootWeights], attention_width: usize) -> Self {
+        let outside = |per_position: bool| {
+            root.iter()
+                .filter(|r| r.per_position == per_position)
+                .map(|r| r.weights)
+                .sum::<usize>()
+        };
+        Flops {
+            per_position: block_weights + outside(true),
+            per_sequence: outside(false),
+            attention_width,
+        }
+    }
+
     /// FLOPs of a forward and backward pass over `batch` sequences of `seq` positions, each
     /// query scoring `keys` keys (on average).
     pub fn of(&self, batch: usize, seq: usize, keys: f64) -> f64 {
@@ -35,10 +91,9 @@ impl Flops {
     /// lowest unit that trains, which backward does not reach, no input gradient either (2
     /// more per weight, and attention's backward, 8·d per query per key). `blocks` gives each
     /// block's weights, frozen weights, and whether backward stops above it. Frozen weights
-    /// outside the blocks are not counted out (a frozen head or patch projection: how often
-    /// they run is the model's to say), nor is the input gradient that the lowest block that
-    /// trains leaves out above frozen embeddings (its first products' alone: which those are
-    /// is the block's to say).
+    /// outside the blocks are [`RootWeights::frozen`]'s; the input gradient that the lowest
+    /// block that trains leaves out above frozen embeddings is not counted out (its first
+    /// products' alone: which those are is the block's to say).
     pub fn frozen_in_blocks(
         &self,
         batch: usize,

@@ -26,7 +26,7 @@ pub use activation::{ActivationOps, gelu_tanh, softmax};
 pub use attention::{AttentionOps, attention};
 pub use blocks::{BlockModel, Mask};
 pub use dropout::{Dropout, DropoutConfig};
-pub use flops::Flops;
+pub use flops::{Flops, RootWeights};
 pub use gemm::{GemmOps, gemm};
 pub use layer_norm::{LayerNorm, LayerNormConfig};
 pub use loss::{cross_entropy, scored_items};

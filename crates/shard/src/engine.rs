@@ -5,7 +5,7 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType as TensorDType, Gradients};
 use burnscale_collective::{Communicator, DType, ReduceOp, tensor_dtype};
-use burnscale_nn::{BlockModel, Flops, autocast, autodiff_on, dropout, regather};
+use burnscale_nn::{BlockModel, Flops, RootWeights, autocast, autodiff_on, dropout, regather};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
@@ -57,6 +57,8 @@ pub struct Sharded<'c, M: BlockModel> {
     frozen: HashSet<ParamId>,
     /// The whole model's FLOP count, taken before it was sharded.
     flops: Flops,
+    /// The parameters outside the blocks that `flops` counts, as each runs.
+    root_weights: Vec<RootWeights>,
     /// This rank's own gradients not reduced yet (flat, in the gradient dtype): whole ones
     /// summed over the micro-steps of an optimizer step; sharded ones only until their
     /// unit's or bucket's reduce-scatter in the same micro-step.
@@ -154,6 +156,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             model: None,
             frozen: HashSet::new(),
             flops: model.flops(),
+            root_weights: model.root_weights(),
             local: HashMap::new(),
             reached: HashSet::new(),
             reduced: HashMap::new(),
@@ -470,7 +473,8 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Model FLOPs of a forward and backward pass on `input` ([`BlockModel::train_flops`]),
-    /// less what the blocks' frozen parameters leave undone ([`Flops::frozen_in_blocks`]).
+    /// less what frozen parameters leave undone: the blocks' ([`Flops::frozen_in_blocks`])
+    /// and the root's ([`RootWeights::frozen`]).
     pub fn train_flops(&self, input: &M::Input) -> f64 {
         let model = self.model.as_ref().expect(PRESENT);
         let all = model.train_flops(&self.flops, input);
@@ -494,7 +498,13 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             .collect();
         let [batch, seq] = model.extent(input);
         let keys = model.attended_keys(seq);
-        all - self.flops.frozen_in_blocks(batch, seq, keys, &blocks)
+        let root: f64 = self
+            .root_weights
+            .iter()
+            .filter(|r| self.frozen.contains(&r.id))
+            .map(|r| r.frozen(batch, seq))
+            .sum();
+        all - self.flops.frozen_in_blocks(batch, seq, keys, &blocks) - root
     }
 
     /// Where [`Sharded::eval_logits`] takes its input.

@@ -5,8 +5,8 @@ use burn::tensor::activation::relu;
 use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, attention,
-    device_cache, regather,
+    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, RootWeights,
+    attention, device_cache, regather,
 };
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
@@ -409,16 +409,21 @@ impl BlockModel for Bert {
     /// A classifier (and BERT's pooler) reads the first position; the masked-LM head every
     /// position, through the word embeddings as its decoder.
     fn flops(&self) -> Flops {
-        let blocks = self.layer.num_params();
-        let mlm = self.mlm.as_ref().map_or(0, |head| {
-            head.num_params() + self.embeddings.word_embeddings.num_params()
-        });
-        Flops {
-            per_position: blocks + mlm,
-            per_sequence: self.pooler.num_params() + self.classifier.num_params(),
-            attention_width: self.layer.len()
-                * self.embeddings.word_embeddings.weight.lazy_shape()[1],
+        let width = self.layer.len() * self.embeddings.word_embeddings.weight.lazy_shape()[1];
+        Flops::new(self.layer.num_params(), &self.root_weights(), width)
+    }
+
+    fn root_weights(&self) -> Vec<RootWeights> {
+        let mut root = [
+            RootWeights::of(&self.pooler, false),
+            RootWeights::of(&self.classifier, false),
+            RootWeights::of(&self.mlm, true),
+        ]
+        .concat();
+        if self.mlm.is_some() {
+            root.extend(RootWeights::of(&self.embeddings.word_embeddings, true));
         }
+        root
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {

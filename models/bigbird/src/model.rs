@@ -3,7 +3,7 @@ use burn::nn::Linear;
 use burn::prelude::*;
 use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Flops, Mask};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Flops, Mask, RootWeights};
 
 use crate::attention::block_sparse;
 use crate::{AttentionType, BigBirdConfig};
@@ -105,12 +105,12 @@ impl BlockModel for BigBird {
 
     /// The classification head reads the first position; the pooler is not read.
     fn flops(&self) -> Flops {
-        let blocks = self.layer.num_params();
-        Flops {
-            per_position: blocks,
-            per_sequence: self.classifier.num_params(),
-            attention_width: self.layer.len() * self.config.encoder.hidden_size,
-        }
+        let width = self.layer.len() * self.config.encoder.hidden_size;
+        Flops::new(self.layer.num_params(), &self.root_weights(), width)
+    }
+
+    fn root_weights(&self) -> Vec<RootWeights> {
+        RootWeights::of(&self.classifier, false)
     }
 
     /// Block-sparse, as [`block_sparse`] computes it over the sequence padded to whole

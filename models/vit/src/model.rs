@@ -6,8 +6,8 @@ use burn::tensor::activation::gelu;
 use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, attention,
-    regather,
+    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, RootWeights,
+    attention, regather,
 };
 
 use crate::{VitConfig, VitError};
@@ -237,12 +237,17 @@ impl BlockModel for Vit {
     /// The patch projection counts at the class token too (one position in 197 at 224 px);
     /// the head reads the class token alone.
     fn flops(&self) -> Flops {
-        let blocks = self.layer.num_params();
-        Flops {
-            per_position: blocks + self.embeddings.projection.num_params(),
-            per_sequence: self.layernorm.num_params() + self.classifier.num_params(),
-            attention_width: self.layer.len() * self.embeddings.cls_token.lazy_shape()[2],
-        }
+        let width = self.layer.len() * self.embeddings.cls_token.lazy_shape()[2];
+        Flops::new(self.layer.num_params(), &self.root_weights(), width)
+    }
+
+    fn root_weights(&self) -> Vec<RootWeights> {
+        [
+            RootWeights::of(&self.embeddings.projection, true),
+            RootWeights::of(&self.layernorm, false),
+            RootWeights::of(&self.classifier, false),
+        ]
+        .concat()
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
