@@ -198,6 +198,58 @@ fn minilm_matches_transformers_and_its_tokenizer() {
     assert!(h < TOLERANCE && p < TOLERANCE, "hidden {h}, pooled {p}");
 }
 
+/// A fresh head for another number of labels keeps what of a classification file's head
+/// fits, as transformers does (`ignore_mismatched_sizes`): DistilBERT's `pre_classifier` and
+/// BigBird's `classifier.dense` (d x d) load, the label-sized layer is initialised again.
+#[test]
+fn a_fresh_head_keeps_the_layers_the_labels_do_not_size() {
+    let device = Device::default();
+    let (tensors, _) = fixture("bert", "tiny_distilbert_cls.safetensors");
+    let distil = |num_labels| {
+        BertConfig {
+            layout: Layout::DistilBert,
+            type_vocab_size: 0,
+            ..BertConfig::tiny()
+        }
+        .with_head(BertHead::SequenceClassification { num_labels })
+    };
+    let path = Path::new("distilbert.safetensors");
+    let load = |labels, head| {
+        let model = loader::load_weights(tensors.clone(), path, &distil(labels), head, &device)
+            .unwrap_or_else(|e| panic!("{e}"));
+        model.classifier.expect("a classifier")
+    };
+    let (saved, fresh) = (load(2, Head::Load), load(3, Head::Fresh));
+    let weight = |layer: &burn::nn::Linear| layer.weight.val();
+    let (a, b) = (
+        weight(saved.pre_classifier.as_ref().unwrap()),
+        weight(fresh.pre_classifier.as_ref().unwrap()),
+    );
+    assert!(
+        a.equal(b).all().into_scalar::<bool>(),
+        "pre_classifier reloaded"
+    );
+    assert_eq!(
+        weight(&fresh.classifier).dims(),
+        [BertConfig::tiny().hidden_size, 3]
+    );
+
+    // BigBird's head, written by its own saver, read back with three labels.
+    let bigbird = |labels| burnscale::bigbird::BigBirdConfig::tiny().with_num_labels(labels);
+    let model = burnscale::bigbird::BigBird::new(&bigbird(2), &device).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bigbird.safetensors");
+    burnscale::bigbird::loader::save(&model, &file).unwrap();
+    let again = burnscale::bigbird::loader::load(&file, &bigbird(3), Head::Fresh, &device).unwrap();
+    let dense = |m: &burnscale::bigbird::BigBird| weight(&m.classifier.as_ref().unwrap().dense);
+    assert!(
+        dense(&model)
+            .equal(dense(&again))
+            .all()
+            .into_scalar::<bool>()
+    );
+}
+
 #[test]
 fn bad_input_gives_errors_that_name_the_problem() {
     let device = Device::default();

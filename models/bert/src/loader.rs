@@ -23,6 +23,10 @@
 //! | `cls.predictions.decoder.{weight,bias}`, `embeddings.position_ids` | `vocab_projector.weight` | — (tied to the word embeddings / `mlm.bias`; a buffer) |
 //! | `cls.seq_relationship.*`                          | —                                       | — (`BertForPreTraining`'s next-sentence head, which no model here has) |
 //!
+//! With [`Head::Fresh`] the parameters the labels size (`classifier.classifier.*`, and a
+//! masked-LM head) are left initialised; DistilBERT's `pre_classifier` loads where the file
+//! has it, as transformers keeps it for a new number of labels.
+//!
 //! LayerNorm parameters named `gamma` and `beta` (bert-base-uncased's file, from the
 //! TensorFlow port) are read as `weight` and `bias`, as transformers renames them.
 
@@ -129,6 +133,10 @@ pub struct Checkpoint {
     pub tables: &'static [KeyTable],
     pub prefix: &'static str,
     pub heads: &'static [&'static str],
+    /// The head's parameters (prefixes) that [`Head::Fresh`] initialises again: those the
+    /// labels size. The rest of a head (a d x d dense layer) loads where the file has it, as
+    /// transformers keeps what fits a new number of labels.
+    pub fresh: &'static [&'static str],
     pub head: Head,
     /// The file key of a decoder tied to the word embeddings, which saving writes out.
     pub tied_decoder: Option<&'static str>,
@@ -147,6 +155,7 @@ impl Checkpoint {
             tables,
             prefix,
             heads: &["classifier.", "mlm."],
+            fresh: &["classifier.classifier.", "mlm."],
             head,
             tied_decoder: None,
             unused: &[],
@@ -155,6 +164,10 @@ impl Checkpoint {
 
     fn is_head(&self, path: &str) -> bool {
         self.heads.iter().any(|h| path.starts_with(h))
+    }
+
+    fn is_fresh(&self, path: &str) -> bool {
+        self.fresh.iter().any(|h| path.starts_with(h))
     }
 
     /// Swaps `model`'s parameters for `tensors` (HF keys, read from `file`), checking names
@@ -175,7 +188,7 @@ impl Checkpoint {
                     weights.insert(format!("?{}", w.key), w);
                 }
                 Some(path) if path.is_empty() => {}
-                Some(path) if self.head == Head::Fresh && self.is_head(&path) => {}
+                Some(path) if self.head == Head::Fresh && self.is_fresh(&path) => {}
                 Some(path) if self.unused.iter().any(|u| path.starts_with(u)) => {}
                 Some(path) => {
                     let w = if is_linear(&path, &w.shape) {

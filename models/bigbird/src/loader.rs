@@ -40,6 +40,7 @@ fn checkpoint(head: Head) -> Checkpoint {
         // `mlm.`: the masked-LM head of `BigBirdForPreTraining` files (google/bigbird-roberta-base),
         // which no BigBird here has: left out with a fresh head.
         heads: &["classifier.", "mlm."],
+        fresh: &["classifier.out_proj.", "mlm."],
         head,
         tied_decoder: None,
         unused: &[],
