@@ -10,8 +10,8 @@ use burnscale::bert::{Bert, BertConfig, BertHead, BertInput};
 use burnscale::bigbird::{BigBird, BigBirdConfig};
 use burnscale::nn::BlockModel;
 use burnscale::tasks::{SequenceClassifier, TextClassification};
-use burnscale::train::{Batch, BatchPart, Score, TrainArgs, TrainTask, train};
-use common::{assert_same, seeded_model};
+use burnscale::train::{Batch, BatchPart, RunSummary, Score, TrainArgs, TrainTask, train};
+use common::{assert_same, assert_steps_close, seeded_model, steps};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -35,7 +35,7 @@ fn data_of_lengths(n: usize, lengths: std::ops::Range<usize>, seed: u64) -> Vec<
         .collect()
 }
 
-fn run(flags: &[&str]) -> (Bert, Option<f64>) {
+fn run(flags: &[&str]) -> (Bert, RunSummary) {
     let config = BertConfig::tiny()
         .with_dropout(0.0)
         .with_head(BertHead::SequenceClassification { num_labels: 2 });
@@ -48,13 +48,13 @@ fn run_task<M: SequenceClassifier>(
     train_set: Vec<(Vec<i64>, i64)>,
     test_set: Vec<(Vec<i64>, i64)>,
     flags: &[&str],
-) -> (M, Option<f64>) {
+) -> (M, RunSummary) {
     let mut args = TrainArgs::from_flags(flags).unwrap();
     args.gather_model = true;
     let mut task = TextClassification::new(train_set, test_set, 0, args.batch_size, 3).unwrap();
     let device = Device::default().autodiff();
     let (model, summary) = train(model, &mut task, &args, &device).unwrap();
-    (model.expect("asked for the whole model"), summary.accuracy)
+    (model.expect("asked for the whole model"), summary)
 }
 
 #[test]
@@ -71,7 +71,7 @@ fn zero3_on_two_ranks_equals_single_with_padding() {
         "--grad-clip",
         "0.5",
     ];
-    let (single, _) = run(&[&common[..], &["--batch-size", "8"]].concat());
+    let (single, single_run) = run(&[&common[..], &["--batch-size", "8"]].concat());
     for strategy in ["zero3", "zero2"] {
         let flags = [
             "--strategy",
@@ -81,8 +81,10 @@ fn zero3_on_two_ranks_equals_single_with_padding() {
             "--batch-size",
             "4",
         ];
-        let (sharded, _) = run(&[&common[..], &flags[..]].concat());
+        let (sharded, sharded_run) = run(&[&common[..], &flags[..]].concat());
         assert_same(&single, &sharded, strategy);
+        // The clipped updates cannot tell a gradient from twice it; the norms can.
+        assert_steps_close(&steps(&sharded_run), &steps(&single_run));
     }
 }
 
@@ -197,8 +199,8 @@ fn examples_the_model_cannot_read_are_named_before_training() {
 
 #[test]
 fn tiny_bert_learns_a_toy_task() {
-    let (_, accuracy) = run(&["--max-steps", "150", "--batch-size", "32", "--lr", "2e-3"]);
-    let accuracy = accuracy.unwrap();
+    let (_, summary) = run(&["--max-steps", "150", "--batch-size", "32", "--lr", "2e-3"]);
+    let accuracy = summary.accuracy.unwrap();
     // The majority class is about 55%.
     assert!(accuracy > 0.8, "test accuracy {accuracy}");
 }
