@@ -303,8 +303,15 @@ mod tests {
             y.into_data().try_into_vec_as::<i64>().unwrap(),
             vec![0, 1, 2]
         );
+        // Grey copied to three channels; ink 0 and 16 of 16 normalised to -1 and 1.
+        let [red, green, blue] = [0, 1, 2].map(|c| x.clone().narrow(1, c, 1));
+        assert!(red.clone().equal(green).all().into_scalar::<bool>());
+        assert!(red.equal(blue).all().into_scalar::<bool>());
         let v: Vec<f32> = x.into_data().try_into_vec_as().unwrap();
-        assert!(v.iter().all(|p| (-1.0..=1.0).contains(p)));
+        let (min, max) = v
+            .iter()
+            .fold((f32::MAX, f32::MIN), |(lo, hi), &p| (lo.min(p), hi.max(p)));
+        assert_eq!((min, max), (-1.0, 1.0));
     }
 
     #[test]
