@@ -174,7 +174,14 @@ pub(crate) fn reduce_range_into(
 
 fn combine(acc: &mut [f32], values: impl Iterator<Item = f32>, op: ReduceOp) {
     match op {
-        ReduceOp::Max => acc.iter_mut().zip(values).for_each(|(a, x)| *a = a.max(x)),
+        // A NaN stays NaN under max, as the MPI engine's keeps it (f32::max drops it).
+        ReduceOp::Max => acc.iter_mut().zip(values).for_each(|(a, x)| {
+            *a = if a.is_nan() || x.is_nan() {
+                f32::NAN
+            } else {
+                a.max(x)
+            }
+        }),
         ReduceOp::Sum | ReduceOp::Mean => acc.iter_mut().zip(values).for_each(|(a, x)| *a += x),
     }
 }
@@ -204,5 +211,18 @@ mod tests {
             reduce(&[&f32s, &f32s], 0..2, ReduceOp::Sum).to_f32(),
             vec![2.0, 4.0]
         );
+    }
+
+    /// A NaN on any rank is the max's, whichever rank holds it (a norm or an overflow flag
+    /// that is NaN must not be taken for the others' value, nor for -inf).
+    #[test]
+    fn max_keeps_a_nan() {
+        let nan = Buffer::from_f32(DType::F32, vec![f32::NAN, 1.0]);
+        let one = Buffer::from_f32(DType::F32, vec![1.0, 1.0]);
+        for inputs in [[&nan, &one], [&one, &nan]] {
+            let max = reduce(&inputs, 0..2, ReduceOp::Max).to_f32();
+            assert!(max[0].is_nan() && max[1] == 1.0, "{max:?}");
+        }
+        assert!(reduce(&[&nan], 0..1, ReduceOp::Max).to_f32()[0].is_nan());
     }
 }

@@ -125,9 +125,9 @@ impl Communicator for Counted<'_> {
     }
 
     fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
-        let gathered = self.inner.all_gather_into(input, output);
+        self.inner.all_gather_into(input, output)?;
         self.count(output.num_bytes(), |b| &mut b.all_gather);
-        gathered
+        Ok(())
     }
 
     fn reduce_scatter_into(
@@ -145,9 +145,12 @@ impl Communicator for Counted<'_> {
         self.inner.reduce_scatter(input, op)
     }
 
+    /// Counted once it is done: a rank that receives may hold a buffer of another length
+    /// before, the root's after.
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
+        self.inner.broadcast(buf, root)?;
         self.count(buf.num_bytes(), |b| &mut b.broadcast);
-        self.inner.broadcast(buf, root)
+        Ok(())
     }
 
     fn barrier(&self) -> Result<(), CollectiveError> {
@@ -183,8 +186,9 @@ impl Communicator for Counted<'_> {
         tensor: Tensor<1>,
         root: usize,
     ) -> Result<Tensor<1>, CollectiveError> {
-        self.count(tensor_bytes(&tensor), |b| &mut b.broadcast);
-        self.inner.broadcast_tensor(tensor, root)
+        let broadcast = self.inner.broadcast_tensor(tensor, root)?;
+        self.count(tensor_bytes(&broadcast), |b| &mut b.broadcast);
+        Ok(broadcast)
     }
 }
 
@@ -208,7 +212,12 @@ mod tests {
             counted.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
             counted.all_gather(&buf).unwrap();
             counted.reduce_scatter(buf.clone(), ReduceOp::Sum).unwrap();
-            counted.broadcast(&mut buf, 0).unwrap();
+            // A receiving rank's buffer may be of another length: the root's is counted.
+            let mut received = match comm.rank() {
+                0 => buf.clone(),
+                _ => Buffer::empty(crate::DType::F32),
+            };
+            counted.broadcast(&mut received, 0).unwrap();
             let t = Tensor::<1>::ones([8], (&device, burn::tensor::DType::BF16));
             counted
                 .all_reduce_tensor(t.clone(), ReduceOp::Mean)

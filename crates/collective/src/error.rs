@@ -9,9 +9,14 @@ pub enum CollectiveError {
         reason: String,
     },
     #[error(
-        "rank {me}: {op} aborted because another rank left the group (it stopped: its own error says why)"
+        "rank {me}: {op} aborted because rank {left} left the group (it stopped: its own error says why)"
     )]
-    PeerLeft { me: usize, op: &'static str },
+    PeerLeft {
+        me: usize,
+        op: &'static str,
+        /// The rank that left (the highest, when several left at one call).
+        left: usize,
+    },
     #[error(
         "rank {me}: {op} timed out after {secs:.1} s waiting for rank(s) {missing:?} (if they are only slow, raise the timeout: --collective-timeout of the training runs)"
     )]

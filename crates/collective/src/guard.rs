@@ -2,7 +2,7 @@
 //! corrupting memory: an agreement on each call before it runs, and a watchdog.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::{CollectiveError, DType};
@@ -18,12 +18,12 @@ pub(crate) const CALL_LEN: usize = 8;
 /// A rank's side of the agreement that precedes every call of the engines without shared
 /// memory (MPI, NCCL): every rank makes the same call (op, dtype, and length where it must
 /// match), and none has left the group. A call is four integers (the op's code, the dtype,
-/// the length, whether the rank is leaving) and their negations, whose element-wise max over
+/// the length, and the rank plus one when it is leaving, else 0) and their negations, whose element-wise max over
 /// the ranks [`Agreement::read`] reads: max(x) and max(-x) = -min(x) in one all-reduce.
 #[derive(Default)]
 pub(crate) struct Agreement {
-    /// Whether a rank has left the group: no later call can complete.
-    peer_left: AtomicBool,
+    /// The rank that left the group, plus one (0: none has): no later call can complete.
+    peer_left: AtomicUsize,
 }
 
 impl Agreement {
@@ -35,13 +35,13 @@ impl Agreement {
         dtype: DType,
         len: Option<usize>,
     ) -> Result<[i64; CALL_LEN], CollectiveError> {
-        if self.peer_left.load(Ordering::Relaxed) {
-            return Err(CollectiveError::PeerLeft { me, op });
+        if let Some(left) = self.left() {
+            return Err(CollectiveError::PeerLeft { me, op, left });
         }
         let code = op
             .bytes()
             .fold(0i64, |h, b| h.wrapping_mul(31).wrapping_add(b as i64));
-        let leaving = i64::from(op == LEAVE);
+        let leaving = if op == LEAVE { me as i64 + 1 } else { 0 };
         let mine = [code, dtype as i64, len.map_or(-1, |l| l as i64), leaving];
         Ok([
             mine[0], mine[1], mine[2], mine[3], -mine[0], -mine[1], -mine[2], -mine[3],
@@ -61,9 +61,10 @@ impl Agreement {
         if op == LEAVE {
             return Ok(());
         }
-        if max[3] == 1 {
-            self.peer_left.store(true, Ordering::Relaxed);
-            return Err(CollectiveError::PeerLeft { me, op });
+        if max[3] > 0 {
+            let left = (max[3] - 1) as usize;
+            self.peer_left.store(left + 1, Ordering::Relaxed);
+            return Err(CollectiveError::PeerLeft { me, op, left });
         }
         if max[0] != -max[4] || max[1] != -max[5] || max[2] != -max[6] {
             return Err(CollectiveError::Mismatch {
@@ -81,7 +82,12 @@ impl Agreement {
     /// Whether this rank, dropping its communicator, is to leave the group through one more
     /// agreement: not once it has met another rank's leave (that rank is gone).
     pub(crate) fn leaves(&self) -> bool {
-        !self.peer_left.load(Ordering::Relaxed)
+        self.left().is_none()
+    }
+
+    /// The rank whose leave this rank has met.
+    fn left(&self) -> Option<usize> {
+        self.peer_left.load(Ordering::Relaxed).checked_sub(1)
     }
 }
 
@@ -96,7 +102,7 @@ pub(crate) struct Watchdog {
 
 impl Watchdog {
     pub(crate) fn start(rank: usize, timeout: Duration) -> Arc<Self> {
-        let timeout_ms = timeout.as_millis() as u64;
+        let timeout_ms = timeout.min(crate::MAX_TIMEOUT).as_millis() as u64;
         let dog = Arc::new(Self {
             started: Instant::now(),
             timeout_ms,

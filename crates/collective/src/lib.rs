@@ -33,6 +33,11 @@ use burn::prelude::Tensor;
 use std::ops::Range;
 use std::time::Duration;
 
+/// The longest collective timeout, 31 years: a longer one is taken as this. A deadline is an
+/// `Instant` plus the timeout, which overflows past ~9.2e18 s (and the watchdogs count
+/// milliseconds in a `u64`).
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
 /// How values from different ranks combine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReduceOp {

@@ -74,7 +74,7 @@ impl ThreadComm {
     pub fn group(world: usize, timeout: Duration) -> Vec<ThreadComm> {
         let group = Arc::new(Group {
             world,
-            timeout,
+            timeout: timeout.min(crate::MAX_TIMEOUT),
             round: Mutex::new(Round {
                 posts: vec![None; world],
                 ..Round::default()
@@ -102,6 +102,7 @@ impl ThreadComm {
         timeout: Duration,
         f: impl Fn(ThreadComm) -> T + Sync,
     ) -> Vec<Result<T, String>> {
+        let timeout = timeout.min(crate::MAX_TIMEOUT);
         let comms = ThreadComm::group(world, timeout);
         let Some(group) = comms.first().map(|comm| comm.group.clone()) else {
             return Vec::new();

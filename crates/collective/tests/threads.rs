@@ -180,3 +180,18 @@ fn mismatched_calls_are_named() {
         assert!(err.contains("rank 1") && err.contains("Bf16"), "{err}");
     }
 }
+
+/// A timeout past what a deadline can hold (`Duration::MAX`, through the public API that the
+/// CLI's cap does not guard) waits as the longest one does, rather than panicking at the
+/// first collective.
+#[test]
+fn the_longest_timeout_does_not_overflow_a_deadline() {
+    let results = ThreadComm::run(2, Duration::MAX, |comm| {
+        let mut buf = Buffer::from_f32(DType::F32, vec![1.0]);
+        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        comm.barrier().map(|()| buf.to_f32())
+    });
+    for result in results {
+        assert_eq!(result.unwrap().unwrap(), vec![2.0]);
+    }
+}

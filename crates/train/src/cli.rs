@@ -351,18 +351,14 @@ pub fn parse_seconds(text: &str) -> Result<Duration, String> {
         .trim()
         .parse()
         .map_err(|e| format!("{text:?} is not a number of seconds: {e}"))?;
-    match (1e-3..=MAX_COLLECTIVE_TIMEOUT.as_secs_f64()).contains(&seconds) {
+    match (1e-3..=burnscale_collective::MAX_TIMEOUT.as_secs_f64()).contains(&seconds) {
         true => Ok(Duration::from_secs_f64(seconds)),
         false => Err(format!(
             "{text:?}: give a number of seconds, at least 0.001 and at most {}",
-            MAX_COLLECTIVE_TIMEOUT.as_secs()
+            burnscale_collective::MAX_TIMEOUT.as_secs()
         )),
     }
 }
-
-/// The longest `--collective-timeout`, 31 years: a deadline is an `Instant` plus the timeout,
-/// which overflows past ~9.2e18 s.
-pub const MAX_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
 
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.
 pub const ADAM_BETA1: f64 = 0.9;
@@ -822,10 +818,12 @@ impl TrainArgs {
             ));
         }
         // What the flag's parser refuses, for arguments built in code.
-        if !(Duration::from_millis(1)..=MAX_COLLECTIVE_TIMEOUT).contains(&self.collective_timeout) {
+        if !(Duration::from_millis(1)..=burnscale_collective::MAX_TIMEOUT)
+            .contains(&self.collective_timeout)
+        {
             return invalid(format!(
                 "--collective-timeout must be at least 0.001 s and at most {} s, got {:?}",
-                MAX_COLLECTIVE_TIMEOUT.as_secs(),
+                burnscale_collective::MAX_TIMEOUT.as_secs(),
                 self.collective_timeout
             ));
         }
