@@ -333,10 +333,10 @@ mod tests {
     #[test]
     fn cublas_equals_burns_matmul_on_the_cpu() {
         use burn::tensor::FloatDType;
-        if Device::enumerate(burn::tensor::DeviceType::Cuda).is_empty() {
-            eprintln!("no GPU: cuBLAS's products not checked");
-            return;
-        }
+        assert!(
+            !Device::enumerate(burn::tensor::DeviceType::Cuda).is_empty(),
+            "no GPU: this test checks cuBLAS's products and needs one"
+        );
         let (cpu, gpu) = (Device::flex().autodiff(), Device::cuda(0).autodiff());
         // Sides off cuBLAS's tile sizes, k long enough for its split reductions.
         let (m, k, n) = (37, 300, 21);
@@ -405,10 +405,10 @@ mod tests {
     #[cfg(feature = "cublas")]
     #[test]
     fn cublas_reads_an_operand_made_on_another_thread() {
-        if Device::enumerate(burn::tensor::DeviceType::Cuda).is_empty() {
-            eprintln!("no GPU: cuBLAS's products not checked");
-            return;
-        }
+        assert!(
+            !Device::enumerate(burn::tensor::DeviceType::Cuda).is_empty(),
+            "no GPU: this test checks cuBLAS's products and needs one"
+        );
         let (cpu, gpu) = (Device::flex(), Device::cuda(0));
         let normal = |dims: [usize; 2]| {
             Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &cpu).into_data()
