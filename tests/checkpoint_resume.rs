@@ -996,10 +996,11 @@ fn a_program_follows_the_run_step_by_step() {
     fs::remove_file(&csv).unwrap();
 }
 
-/// A rank 3 s late to step 5's collectives: within the default timeout the run goes on;
+/// A rank 5 s late to step 5's collectives: within the default timeout the run goes on;
 /// with `--collective-timeout 2` it stops with an error naming the late rank (which, arriving
-/// well within `STUCK_GRACE` of that, stops at its collective rather than ending the
-/// process).
+/// well within `STUCK_GRACE` (10 s) of that, stops at its collective rather than ending the
+/// process). 3 s either side: a rank 0 that reaches the collective up to 3 s after rank 1
+/// starts its wait still times out.
 #[test]
 fn a_rank_late_past_the_collective_timeout_stops_the_run_naming_it() {
     let dir = scratch("late");
@@ -1008,7 +1009,7 @@ fn a_rank_late_past_the_collective_timeout_stops_the_run_naming_it() {
         rank: 1,
         at: 5,
         drawn: 0,
-        fault: Fault::Late(Duration::from_secs(3)),
+        fault: Fault::Late(Duration::from_secs(5)),
     };
     run_task(&dir, "zero2", 2, 0.0, &[], late).unwrap();
     fs::remove_dir_all(&dir).unwrap();
