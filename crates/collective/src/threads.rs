@@ -26,6 +26,8 @@ pub const STUCK_GRACE: Duration = Duration::from_secs(10);
 /// What a rank posts to a rendezvous: the call it is making and its data.
 struct Post {
     op: &'static str,
+    /// A broadcast's root, which every rank must name alike.
+    root: Option<usize>,
     dtype: DType,
     len: usize,
     data: Arc<Buffer>,
@@ -118,15 +120,18 @@ impl ThreadComm {
         on_threads(comms, Some((timeout.max(STUCK_GRACE), &stuck)), f)
     }
 
-    /// Posts `data` for `op` and returns every rank's post, in rank order.
+    /// Posts `data` for `op` (from `root`, a broadcast's) and returns every rank's post, in
+    /// rank order.
     fn exchange(
         &self,
         op: &'static str,
+        root: Option<usize>,
         data: Arc<Buffer>,
     ) -> Result<Vec<Arc<Post>>, CollectiveError> {
         let g = &self.group;
         let post = Arc::new(Post {
             op,
+            root,
             dtype: data.dtype(),
             len: data.len(),
             data,
@@ -213,12 +218,21 @@ impl ThreadComm {
     fn check_same_call(&self, posts: &[Arc<Post>]) -> Result<(), CollectiveError> {
         let first = &posts[0];
         for (rank, post) in posts.iter().enumerate() {
-            if post.op != first.op || post.dtype != first.dtype {
+            if post.op != first.op || post.dtype != first.dtype || post.root != first.root {
+                let from = |root: Option<usize>| match root {
+                    Some(root) => format!(" from root {root}"),
+                    None => String::new(),
+                };
                 return Err(CollectiveError::Mismatch {
                     me: self.rank,
                     detail: format!(
-                        "rank 0 called {} on {:?}, rank {rank} called {} on {:?}",
-                        first.op, first.dtype, post.op, post.dtype
+                        "rank 0 called {}{} on {:?}, rank {rank} called {}{} on {:?}",
+                        first.op,
+                        from(first.root),
+                        first.dtype,
+                        post.op,
+                        from(post.root),
+                        post.dtype
                     ),
                 });
             }
@@ -247,7 +261,7 @@ impl ThreadComm {
         output: &mut Buffer,
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        let posts = self.exchange("reduce_scatter", input)?;
+        let posts = self.exchange("reduce_scatter", None, input)?;
         self.reduce_scatter_posts(&posts, output, op)
     }
 
@@ -280,18 +294,18 @@ impl Communicator for ThreadComm {
         // so its allocation takes the result.
         let dtype = buf.dtype();
         let input = Arc::new(std::mem::replace(buf, Buffer::empty(dtype)));
-        let posts = self.exchange("all_reduce", input.clone())?;
+        let posts = self.exchange("all_reduce", None, input.clone())?;
         let mut chunk = Buffer::empty(dtype);
         self.reduce_scatter_posts(&posts, &mut chunk, op)?;
         drop(posts);
-        let chunks = self.exchange("all_reduce", Arc::new(chunk))?;
+        let chunks = self.exchange("all_reduce", None, Arc::new(chunk))?;
         *buf = Arc::try_unwrap(input).unwrap_or_else(|shared| (*shared).clone());
         buf.assign_concat(dtype, chunks.iter().map(|p| &*p.data));
         Ok(())
     }
 
     fn all_gather_into(&self, input: &Buffer, output: &mut Buffer) -> Result<(), CollectiveError> {
-        let posts = self.exchange("all_gather", Arc::new(input.clone()))?;
+        let posts = self.exchange("all_gather", None, Arc::new(input.clone()))?;
         output.assign_concat(input.dtype(), posts.iter().map(|p| &*p.data));
         Ok(())
     }
@@ -320,7 +334,7 @@ impl Communicator for ThreadComm {
         } else {
             Buffer::empty(buf.dtype())
         };
-        let posts = self.exchange("broadcast", Arc::new(mine))?;
+        let posts = self.exchange("broadcast", Some(root), Arc::new(mine))?;
         if self.rank != root {
             *buf = (*posts[root].data).clone();
         }
@@ -328,7 +342,7 @@ impl Communicator for ThreadComm {
     }
 
     fn barrier(&self) -> Result<(), CollectiveError> {
-        self.exchange("barrier", Arc::new(Buffer::empty(DType::F32)))
+        self.exchange("barrier", None, Arc::new(Buffer::empty(DType::F32)))
             .map(|_| ())
     }
 }

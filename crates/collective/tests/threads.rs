@@ -195,3 +195,20 @@ fn the_longest_timeout_does_not_overflow_a_deadline() {
         assert_eq!(result.unwrap().unwrap(), vec![2.0]);
     }
 }
+
+/// Ranks that name different roots for one broadcast are told so, rather than each taking an
+/// empty buffer for the root's.
+#[test]
+fn a_broadcast_from_different_roots_is_named() {
+    let results = ThreadComm::run(2, DEFAULT_TIMEOUT, |comm| {
+        let mut buf = Buffer::from_f32(DType::F32, vec![1.0; 4]);
+        comm.broadcast(&mut buf, 1 - comm.rank())
+    });
+    for result in results {
+        let err = result.unwrap().unwrap_err().to_string();
+        assert!(
+            err.contains("broadcast from root 1") && err.contains("from root 0"),
+            "{err}"
+        );
+    }
+}
