@@ -17,8 +17,9 @@ pub(crate) const CALL_LEN: usize = 8;
 
 /// A rank's side of the agreement that precedes every call of the engines without shared
 /// memory (MPI, NCCL): every rank makes the same call (op, dtype, and length where it must
-/// match), and none has left the group. A call is four integers (the op's code, the dtype,
-/// the length, and the rank plus one when it is leaving, else 0) and their negations, whose element-wise max over
+/// match, or a broadcast's root), and none has left the group. A call is four integers (the
+/// op's code, the dtype, the length or the root, and the rank plus one when it is leaving,
+/// else 0) and their negations, whose element-wise max over
 /// the ranks [`Agreement::read`] reads: max(x) and max(-x) = -min(x) in one all-reduce.
 #[derive(Default)]
 pub(crate) struct Agreement {
@@ -27,7 +28,8 @@ pub(crate) struct Agreement {
 }
 
 impl Agreement {
-    /// What this rank contributes to the agreement on `op`; an error once a rank has left.
+    /// What this rank contributes to the agreement on `op` (`len`: the length where it must
+    /// match, or a broadcast's root); an error once a rank has left.
     pub(crate) fn propose(
         &self,
         me: usize,
@@ -71,8 +73,11 @@ impl Agreement {
                 me,
                 detail: format!(
                     "this rank called {op} on {dtype:?}{}, and not every rank made the same call",
-                    len.map(|l| format!(" with {l} elements"))
-                        .unwrap_or_default()
+                    match (op, len) {
+                        ("broadcast", Some(root)) => format!(" from root {root}"),
+                        (_, Some(l)) => format!(" with {l} elements"),
+                        (_, None) => String::new(),
+                    }
                 ),
             });
         }
@@ -142,5 +147,53 @@ pub(crate) struct WatchGuard<'a>(&'a Watchdog);
 impl Drop for WatchGuard<'_> {
     fn drop(&mut self) {
         self.0.deadline_ms.store(0, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The agreement of `calls` (rank, op, len), as the all-reduce of their proposals gives
+    /// it, read by rank 0.
+    fn agreed(calls: &[(usize, &'static str, Option<usize>)]) -> Result<(), CollectiveError> {
+        let agreement = Agreement::default();
+        let max = calls
+            .iter()
+            .map(|&(rank, op, len)| agreement.propose(rank, op, DType::F32, len).unwrap())
+            .reduce(|a, b| std::array::from_fn(|i| a[i].max(b[i])))
+            .unwrap();
+        let (_, op, len) = calls[0];
+        agreement.read(0, &max, op, DType::F32, len)
+    }
+
+    #[test]
+    fn ranks_agree_on_the_same_call_and_name_what_differs() {
+        assert!(agreed(&[(0, "broadcast", Some(0)), (1, "broadcast", Some(0))]).is_ok());
+        let roots = agreed(&[(0, "broadcast", Some(0)), (1, "broadcast", Some(1))]);
+        let err = roots.unwrap_err().to_string();
+        assert!(err.contains("broadcast on F32 from root 0"), "{err}");
+        let lengths = agreed(&[(0, "all_reduce", Some(4)), (1, "all_reduce", Some(5))]);
+        let err = lengths.unwrap_err().to_string();
+        assert!(err.contains("all_reduce on F32 with 4 elements"), "{err}");
+    }
+
+    /// A rank that leaves is named to the others (the highest, when several leave at once).
+    #[test]
+    fn a_rank_that_leaves_is_named() {
+        let err = agreed(&[
+            (0, "all_reduce", None),
+            (2, LEAVE, None),
+            (1, "all_reduce", None),
+        ])
+        .unwrap_err();
+        assert_eq!(
+            err,
+            CollectiveError::PeerLeft {
+                me: 0,
+                op: "all_reduce",
+                left: 2
+            }
+        );
     }
 }

@@ -213,7 +213,7 @@ impl Communicator for MpiComm {
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
         crate::check_root(root, self.size)?;
         let _watch = self.watchdog.watch("broadcast");
-        self.agree("broadcast", buf.dtype(), None)?;
+        self.agree("broadcast", buf.dtype(), Some(root))?;
         let root_process = self.world.process_at_rank(root as i32);
         let mut len = buf.len() as u64;
         root_process.broadcast_into(&mut len);

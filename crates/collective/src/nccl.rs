@@ -591,7 +591,7 @@ impl Communicator for NcclComm {
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
         crate::check_root(root, self.world_size())?;
         let _watch = self.watchdog.watch("broadcast");
-        self.agree("broadcast", buf.dtype(), None)?;
+        self.agree("broadcast", buf.dtype(), Some(root))?;
         let len = self.counts(buf.len())?[root];
         *buf = typed!(&*buf, v => self.broadcast_typed(v, len, root));
         Ok(())
@@ -675,7 +675,7 @@ impl Communicator for NcclComm {
         let watch = self.watchdog.watch("broadcast");
         let n = tensor.dims()[0];
         let (root_values, pair) = self.pinned("broadcast", &tensor, n)?;
-        self.agree("broadcast", dtype_of(tensor.dtype())?, None)?;
+        self.agree("broadcast", dtype_of(tensor.dtype())?, Some(root))?;
         // In place only when every rank's tensor has the root's length.
         let counts = self.counts(n)?;
         if counts.iter().any(|&c| c != counts[root]) {
