@@ -10,7 +10,7 @@ use burn::prelude::*;
 use burnscale::collective::run_ranks;
 use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::mingpt::{Gpt, GptConfig, cross_entropy};
-use burnscale::nn::{BlockModel, Flops, Mask, RootWeights};
+use burnscale::nn::{BlockModel, Mask, RootWeights};
 use burnscale::shard::{Sharded, Strategy};
 use burnscale::tasks::NextToken;
 use burnscale::train::{TrainArgs, train};
@@ -58,13 +58,14 @@ impl BlockModel for TiedLm {
         input.dims()
     }
 
-    /// No attention; the head runs at every position.
-    fn flops(&self) -> Flops {
-        Flops::new(self.h.num_params(), &self.root_weights(), 0)
-    }
-
+    /// The head runs at every position.
     fn root_weights(&self) -> Vec<RootWeights> {
         RootWeights::of(&self.head, true)
+    }
+
+    /// No attention.
+    fn attention_width(&self) -> usize {
+        0
     }
 
     fn block_forward(&self, block: &Linear, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {

@@ -104,11 +104,12 @@ impl ThreadComm {
         timeout: Duration,
         f: impl Fn(ThreadComm) -> T + Sync,
     ) -> Vec<Result<T, String>> {
-        let timeout = timeout.min(crate::MAX_TIMEOUT);
         let comms = ThreadComm::group(world, timeout);
         let Some(group) = comms.first().map(|comm| comm.group.clone()) else {
             return Vec::new();
         };
+        // The group's timeout, bounded as every deadline is.
+        let grace = group.timeout.max(STUCK_GRACE);
         let stuck = move || {
             let round = group.lock();
             round
@@ -117,7 +118,7 @@ impl ThreadComm {
                 .filter(|_| round.fatal)
                 .map(|(rank, why)| format!("rank {rank}: {why}"))
         };
-        on_threads(comms, Some((timeout.max(STUCK_GRACE), &stuck)), f)
+        on_threads(comms, Some((grace, &stuck)), f)
     }
 
     /// Posts `data` for `op` (from `root`, a broadcast's) and returns every rank's post, in

@@ -30,11 +30,17 @@ pub trait BlockModel: Module {
     /// shapes and configuration.
     fn extent(&self, input: &Self::Input) -> [usize; 2];
     /// What a forward and backward pass costs ([`crate::flops`]), from the whole model's
-    /// parameters: asked before they are sharded.
-    fn flops(&self) -> Flops;
+    /// parameters: asked before they are sharded. Every block's weights run at every
+    /// position; outside the blocks, [`BlockModel::root_weights`] says which count and how.
+    fn flops(&self) -> Flops {
+        let blocks = self.blocks().iter().map(Module::num_params).sum();
+        Flops::new(blocks, &self.root_weights(), self.attention_width())
+    }
     /// The parameters outside the blocks that [`BlockModel::flops`] counts, each as it runs
-    /// (what a frozen one leaves undone): built from the same list, so the two agree.
+    /// (what a frozen one leaves undone).
     fn root_weights(&self) -> Vec<RootWeights>;
+    /// The blocks' attention widths summed (layers · d_model; 0 without attention).
+    fn attention_width(&self) -> usize;
     /// The keys a query scores, on average, in a sequence of `seq` positions: all of them
     /// unless attention is sparse.
     fn attended_keys(&self, seq: usize) -> f64 {

@@ -77,8 +77,8 @@ impl Budget {
     /// says): the given one; with none given, or one above the device's memory (no plan
     /// above it can run), the device's memory, less [`DEVICE_HEADROOM`] where `auto`
     /// chooses (a budget within the headroom is lowered to it too: auto would otherwise
-    /// plan into the memory the headroom keeps). None where nothing bounds the plan; an error where `auto` would have nothing
-    /// to choose within.
+    /// plan into the memory the headroom keeps). None where nothing bounds the plan; an error
+    /// where `auto` would have nothing to choose within.
     pub fn on_device(
         args: &TrainArgs,
         capacity: Option<usize>,

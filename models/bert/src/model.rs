@@ -5,8 +5,8 @@ use burn::tensor::activation::relu;
 use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, RootWeights,
-    attention, device_cache, regather,
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, RootWeights, attention,
+    device_cache, regather,
 };
 
 use crate::{Activation, BertConfig, BertError, BertHead, Layout};
@@ -408,11 +408,6 @@ impl BlockModel for Bert {
 
     /// A classifier (and BERT's pooler) reads the first position; the masked-LM head every
     /// position, through the word embeddings as its decoder.
-    fn flops(&self) -> Flops {
-        let width = self.layer.len() * self.embeddings.word_embeddings.weight.lazy_shape()[1];
-        Flops::new(self.layer.num_params(), &self.root_weights(), width)
-    }
-
     fn root_weights(&self) -> Vec<RootWeights> {
         let mut root = [
             RootWeights::of(&self.pooler, false),
@@ -424,6 +419,10 @@ impl BlockModel for Bert {
             root.extend(RootWeights::of(&self.embeddings.word_embeddings, true));
         }
         root
+    }
+
+    fn attention_width(&self) -> usize {
+        self.layer.len() * self.embeddings.word_embeddings.weight.lazy_shape()[1]
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, mask: &Mask) -> Tensor<3> {

@@ -3,7 +3,7 @@ use burn::nn::Linear;
 use burn::prelude::*;
 use burnscale_bert::{BertInput, Embeddings, Layer, first_token, full_attention};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear};
-use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Flops, Mask, RootWeights};
+use burnscale_nn::{BlockModel, Dropout, DropoutConfig, Mask, RootWeights};
 
 use crate::attention::block_sparse;
 use crate::{AttentionType, BigBirdConfig};
@@ -104,13 +104,12 @@ impl BlockModel for BigBird {
     }
 
     /// The classification head reads the first position; the pooler is not read.
-    fn flops(&self) -> Flops {
-        let width = self.layer.len() * self.config.encoder.hidden_size;
-        Flops::new(self.layer.num_params(), &self.root_weights(), width)
-    }
-
     fn root_weights(&self) -> Vec<RootWeights> {
         RootWeights::of(&self.classifier, false)
+    }
+
+    fn attention_width(&self) -> usize {
+        self.layer.len() * self.config.encoder.hidden_size
     }
 
     /// Block-sparse, as [`block_sparse`] computes it over the sequence padded to whole

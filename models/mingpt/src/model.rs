@@ -5,8 +5,8 @@ use burn::prelude::*;
 use burnscale_nn::autocast::{self, layer_norm};
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, RootWeights,
-    attention, device_cache, gelu_tanh, regather,
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, RootWeights, attention,
+    device_cache, gelu_tanh, regather,
 };
 
 use crate::{GptConfig, GptError};
@@ -227,17 +227,16 @@ impl BlockModel for Gpt {
 
     /// Every weight but the two lookup tables runs at every position (nanoGPT leaves out
     /// `wpe` alone: its head is `wte`, ours a matrix of its own).
-    fn flops(&self) -> Flops {
-        let width = self.h.len() * self.wte.weight.lazy_shape()[1];
-        Flops::new(self.h.num_params(), &self.root_weights(), width)
-    }
-
     fn root_weights(&self) -> Vec<RootWeights> {
         [
             RootWeights::of(&self.ln_f, true),
             RootWeights::of(&self.lm_head, true),
         ]
         .concat()
+    }
+
+    fn attention_width(&self) -> usize {
+        self.h.len() * self.wte.weight.lazy_shape()[1]
     }
 
     fn block_forward(&self, block: &Block, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {

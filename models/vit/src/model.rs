@@ -6,8 +6,8 @@ use burn::tensor::activation::gelu;
 use burnscale_nn::autocast;
 use burnscale_nn::init::{INITIALIZER_RANGE, linear, normal};
 use burnscale_nn::{
-    BlockModel, Dropout, DropoutConfig, Flops, LayerNorm, LayerNormConfig, Mask, RootWeights,
-    attention, regather,
+    BlockModel, Dropout, DropoutConfig, LayerNorm, LayerNormConfig, Mask, RootWeights, attention,
+    regather,
 };
 
 use crate::{VitConfig, VitError};
@@ -236,11 +236,6 @@ impl BlockModel for Vit {
 
     /// The patch projection counts at the class token too (one position in 197 at 224 px);
     /// the head reads the class token alone.
-    fn flops(&self) -> Flops {
-        let width = self.layer.len() * self.embeddings.cls_token.lazy_shape()[2];
-        Flops::new(self.layer.num_params(), &self.root_weights(), width)
-    }
-
     fn root_weights(&self) -> Vec<RootWeights> {
         [
             RootWeights::of(&self.embeddings.projection, true),
@@ -248,6 +243,10 @@ impl BlockModel for Vit {
             RootWeights::of(&self.classifier, false),
         ]
         .concat()
+    }
+
+    fn attention_width(&self) -> usize {
+        self.layer.len() * self.embeddings.cls_token.lazy_shape()[2]
     }
 
     fn block_forward(&self, layer: &Layer, x: Tensor<3>, _mask: &Mask) -> Tensor<3> {
