@@ -136,6 +136,11 @@ impl NcclComm {
 
     /// This process's rank of `mpi`'s world, on GPU `device`: NCCL's unique id comes from
     /// rank 0 over MPI.
+    ///
+    /// What can fail on one rank alone (the libraries, the GPU, the agreement's buffer, the
+    /// id) is done first and agreed on over MPI: every rank then returns an error naming the
+    /// rank that failed, where its peers would wait in NCCL's init, which waits for every rank,
+    /// until the launcher ended them.
     #[cfg(feature = "mpi")]
     pub fn over_mpi(
         mpi: &crate::mpi::MpiComm,
@@ -143,14 +148,33 @@ impl NcclComm {
         timeout: Duration,
     ) -> Result<Self, CollectiveError> {
         let me = mpi.rank();
-        libraries(me)?;
         let failed = init_failed(me);
-        // The id's 128 bytes travel as f32s (each exact), over the group's own broadcast.
-        let mut id = Buffer::F32(vec![0.0; 128]);
-        if me == 0 {
-            let created = cudarc::nccl::Id::new().map_err(|e| failed(format!("{e:?}")))?;
-            id = Buffer::F32(created.internal().iter().map(|&b| b as u8 as f32).collect());
+        let prepared = libraries(me).and_then(|()| {
+            let stream = CudaContext::new(device)
+                .map(|ctx| ctx.default_stream())
+                .map_err(|e| failed(format!("GPU {device}: {e:?}")))?;
+            let call = call_buffer(&stream, me)?;
+            let id = match me {
+                0 => Some(cudarc::nccl::Id::new().map_err(|e| failed(format!("{e:?}")))?),
+                _ => None,
+            };
+            Ok((stream, call, id))
+        });
+        // The last rank that failed, plus one (0: none did).
+        let mut failure = Buffer::F32(vec![prepared.as_ref().map_or(me as f32 + 1.0, |_| 0.0)]);
+        mpi.all_reduce(&mut failure, ReduceOp::Max)?;
+        let (stream, call, id) = prepared?;
+        if let Some(&rank) = failure.to_f32().first().filter(|&&r| r > 0.0) {
+            return Err(failed(format!(
+                "rank {} could not set up its GPU for NCCL (its own error says why)",
+                rank as usize - 1
+            )));
         }
+        // The id's 128 bytes travel as f32s (each exact), over the group's own broadcast.
+        let mut id = Buffer::F32(match id {
+            Some(created) => created.internal().iter().map(|&b| b as u8 as f32).collect(),
+            None => vec![0.0; 128],
+        });
         mpi.broadcast(&mut id, 0)?;
         let bytes: Vec<core::ffi::c_char> = id
             .to_f32()
@@ -160,10 +184,6 @@ impl NcclComm {
         let internal: [core::ffi::c_char; 128] = bytes
             .try_into()
             .map_err(|_| failed("NCCL's unique id is 128 bytes".into()))?;
-        let stream = CudaContext::new(device)
-            .map(|ctx| ctx.default_stream())
-            .map_err(|e| failed(format!("GPU {device}: {e:?}")))?;
-        let call = call_buffer(&stream, me)?;
         let comm = Comm::from_rank(
             stream,
             me,
