@@ -278,17 +278,11 @@ impl NcclComm {
         self.agreement.read(self.rank(), &max, op, dtype, len)
     }
 
-    /// Every rank's `values` summed (a mean too: divided by the caller) or maxed.
-    fn all_reduce_f32(&self, values: &[f32], op: ReduceOp) -> Result<Vec<f32>, CollectiveError> {
-        if values.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut dev = self.upload(values, 0, "all_reduce")?;
-        self.nccl(
-            "all_reduce",
-            self.comm.all_reduce_in_place(&mut dev, &nccl_op(op)),
-        )?;
-        self.download(&dev, "all_reduce")
+    /// The ranks meet again once a call has allocated buffers whose lengths came from the
+    /// ranks after its agreement: a rank out of GPU memory has returned its error and leaves
+    /// here, where its peers see it, rather than leaving them in NCCL's call.
+    fn allocated(&self, op: &'static str) -> Result<(), CollectiveError> {
+        self.agree(op, DType::F32, Some(0))
     }
 
     /// Every rank's `values` (`counts[r]` elements from rank r) in rank order. NCCL gathers
@@ -304,6 +298,7 @@ impl NcclComm {
         }
         let send = self.upload(values, block - values.len(), "all_gather")?;
         let mut recv = self.zeros(block * counts.len(), "all_gather")?;
+        self.allocated("all_gather")?;
         self.nccl("all_gather", self.comm.all_gather(&send, &mut recv))?;
         let all = self.download(&recv, "all_gather")?;
         Ok(counts
@@ -311,29 +306,6 @@ impl NcclComm {
             .enumerate()
             .flat_map(|(r, &c)| all[r * block..r * block + c].iter().copied())
             .collect())
-    }
-
-    /// This rank's chunk of the reduction of every rank's `values` (padded to equal blocks
-    /// of `ceil(n / world)`, the padding cut off again).
-    fn reduce_scatter_f32(
-        &self,
-        values: &[f32],
-        op: ReduceOp,
-    ) -> Result<Vec<f32>, CollectiveError> {
-        let (n, world) = (values.len(), self.world_size());
-        let chunk = n.div_ceil(world);
-        if chunk == 0 {
-            return Ok(Vec::new());
-        }
-        let send = self.upload(values, chunk * world - n, "reduce_scatter")?;
-        let mut recv = self.zeros(chunk, "reduce_scatter")?;
-        self.nccl(
-            "reduce_scatter",
-            self.comm.reduce_scatter(&send, &mut recv, &nccl_op(op)),
-        )?;
-        let mut mine = self.download(&recv, "reduce_scatter")?;
-        mine.truncate(shard_range(n, world, self.rank()).len());
-        Ok(mine)
     }
 
     /// `root`'s `values` (of `len` elements) on every rank.
@@ -351,6 +323,7 @@ impl NcclComm {
         } else {
             self.zeros(len, "broadcast")?
         };
+        self.allocated("broadcast")?;
         self.nccl(
             "broadcast",
             self.comm.broadcast_in_place(&mut dev, root as i32),
@@ -581,9 +554,20 @@ impl Communicator for NcclComm {
 
     fn all_reduce(&self, buf: &mut Buffer, op: ReduceOp) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("all_reduce");
+        // On the GPU before the ranks agree: a rank out of memory leaves at the agreement.
+        let mut dev = match buf.len() {
+            0 => None,
+            _ => Some(self.upload(&buf.to_f32(), 0, "all_reduce")?),
+        };
         self.agree("all_reduce", buf.dtype(), Some(buf.len()))?;
-        let reduced = self.all_reduce_f32(&buf.to_f32(), op)?;
-        *buf = self.finish(buf.dtype(), reduced, op);
+        let Some(dev) = dev.as_mut() else {
+            return Ok(());
+        };
+        self.nccl(
+            "all_reduce",
+            self.comm.all_reduce_in_place(dev, &nccl_op(op)),
+        )?;
+        *buf = self.finish(buf.dtype(), self.download(dev, "all_reduce")?, op);
         Ok(())
     }
 
@@ -602,8 +586,28 @@ impl Communicator for NcclComm {
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
         let _watch = self.watchdog.watch("reduce_scatter");
-        self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
-        let mine = self.reduce_scatter_f32(&input.to_f32(), op)?;
+        // Every rank's input padded to equal blocks of `ceil(n / world)` (the padding cut
+        // off again), on the GPU before the ranks agree: a rank out of memory leaves there.
+        let (n, world) = (input.len(), self.world_size());
+        let chunk = n.div_ceil(world);
+        let buffers = match chunk {
+            0 => None,
+            _ => Some((
+                self.upload(&input.to_f32(), chunk * world - n, "reduce_scatter")?,
+                self.zeros(chunk, "reduce_scatter")?,
+            )),
+        };
+        self.agree("reduce_scatter", input.dtype(), Some(n))?;
+        let Some((send, mut recv)) = buffers else {
+            *output = Buffer::from_f32(input.dtype(), Vec::new());
+            return Ok(());
+        };
+        self.nccl(
+            "reduce_scatter",
+            self.comm.reduce_scatter(&send, &mut recv, &nccl_op(op)),
+        )?;
+        let mut mine = self.download(&recv, "reduce_scatter")?;
+        mine.truncate(shard_range(n, world, self.rank()).len());
         *output = self.finish(input.dtype(), mine, op);
         Ok(())
     }
