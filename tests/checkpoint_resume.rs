@@ -764,6 +764,8 @@ enum Fault {
     Late(Duration),
     /// Asks the run to stop (Ctrl-C in an example).
     Stops(StopFlag),
+    /// Puts a file where the checkpoint directory was (its disk gone): saving there fails.
+    Breaks(PathBuf),
 }
 
 impl TrainTask for FailsAt {
@@ -776,6 +778,10 @@ impl TrainTask for FailsAt {
                 Fault::Late(late) => std::thread::sleep(*late),
                 Fault::Dies => panic!("rank {} dies drawing micro-batch {}", self.rank, self.at),
                 Fault::Stops(stop) => stop.request(),
+                Fault::Breaks(dir) => {
+                    fs::remove_dir_all(dir).unwrap();
+                    fs::write(dir, "not a directory").unwrap();
+                }
             }
         }
         self.task.next_batch(device, part)
@@ -828,6 +834,54 @@ fn a_rank_that_dies_mid_step_stops_the_others_and_leaves_the_last_checkpoint() {
     assert_eq!(steps(&resumed), uninterrupted[3..]);
     fs::remove_dir_all(&dir).unwrap();
     fs::remove_dir_all(&whole).unwrap();
+}
+
+/// The last step's checkpoint failing (its directory gone) still leaves the trained model in
+/// `--save`'s file, elsewhere, and the run's error says both; a checkpoint failing before the
+/// last step stops the run there.
+#[test]
+fn a_last_checkpoint_that_fails_still_saves_the_model() {
+    let (dir, whole) = (scratch("last-fails"), scratch("last-fails-whole"));
+    let (file, whole_file) = (
+        scratch("last-fails.safetensors"),
+        scratch("whole.safetensors"),
+    );
+    let save = |file: &Path| ["--save".to_string(), file.to_str().unwrap().to_string()];
+    let whole_save = save(&whole_file);
+    let whole_save: Vec<&str> = whole_save.iter().map(String::as_str).collect();
+    run(&whole, "zero2", 2, 0.0, &whole_save).unwrap();
+    let breaks = |at, dir: &Path| {
+        let dir = dir.to_path_buf();
+        move |task, _: &mut TrainArgs| FailsAt {
+            task,
+            rank: 1,
+            at,
+            drawn: 0,
+            fault: Fault::Breaks(dir),
+        }
+    };
+    let flags = save(&file);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let err = run_task(&dir, "zero2", 2, 0.0, &flags, breaks(9, &dir)).unwrap_err();
+    assert!(
+        matches!(&err, TrainError::LastCheckpoint { saved, .. } if *saved == file),
+        "{err}"
+    );
+    assert!(
+        err.to_string().contains(&dir.display().to_string()),
+        "{err}"
+    );
+    assert_eq!(fs::read(&file).unwrap(), fs::read(&whole_file).unwrap());
+    // Before the last step, the run stops at the checkpoint that failed, saving nothing.
+    for path in [&dir, &file] {
+        let _ = fs::remove_file(path);
+    }
+    let err = run_task(&dir, "zero2", 2, 0.0, &flags, breaks(5, &dir)).unwrap_err();
+    assert!(matches!(&err, TrainError::Checkpoint(_)), "{err}");
+    assert!(!file.exists());
+    let _ = fs::remove_file(&dir);
+    fs::remove_dir_all(&whole).unwrap();
+    fs::remove_file(&whole_file).unwrap();
 }
 
 /// Alone, a rank that panics comes back as one of several does, an error naming it: a

@@ -55,6 +55,15 @@ pub enum TrainError {
     Collective(#[from] CollectiveError),
     #[error(transparent)]
     Shard(#[from] ShardError),
+    #[error(
+        "the last step's checkpoint was not written: {error}; the trained model was saved to {} (--save)",
+        saved.display()
+    )]
+    LastCheckpoint {
+        error: Box<TrainError>,
+        /// Where `--save` wrote the model all the same.
+        saved: PathBuf,
+    },
     #[error("rank {rank} panicked: {message}")]
     RankPanicked { rank: usize, message: String },
     #[error("--offload-dir {path}: {source}")]

@@ -396,6 +396,7 @@ fn run_rank<T: TrainTask>(
     let mut engine = build_engine(model, args, comm, device)?;
     let mut first_step = 1;
     let mut checkpoints = CheckpointReport::default();
+    let mut last_checkpoint_failed = None;
     if let Some(dir) = args.checkpoint_dir.as_ref().filter(|_| args.resume) {
         let loading = Instant::now();
         let latest = Checkpoint::latest(dir).map_err(|e| checkpoint::naming_older(dir, e.into()));
@@ -565,7 +566,16 @@ fn run_rank<T: TrainTask>(
             // Saving's peak is reported on its own, not as training's.
             training_peak = training_peak.max(peak_then_reset(comm)?);
             let saving = Instant::now();
-            let bytes = checkpoint::save(comm, dir, step, &engine, &optim, &*keys, args)?;
+            let bytes = match checkpoint::save(comm, dir, step, &engine, &optim, &*keys, args) {
+                Ok(bytes) => bytes,
+                // The last step's checkpoint failing (every rank sees it) still lets
+                // `--save` write the trained model, elsewhere; the error is returned after.
+                Err(error) if step == args.max_steps && !stop && args.save.is_some() => {
+                    last_checkpoint_failed = Some(error);
+                    0
+                }
+                Err(error) => return Err(error),
+            };
             checkpoints.saves += 1;
             checkpoints.bytes = bytes;
             checkpoints.save_s += saving.elapsed().as_secs_f64();
@@ -638,6 +648,12 @@ fn run_rank<T: TrainTask>(
         Some(path) => Some(save(&engine, path, &*keys, args, lead)?),
         None => None,
     };
+    if let (Some(error), Some(saved)) = (last_checkpoint_failed, args.save.clone()) {
+        return Err(TrainError::LastCheckpoint {
+            error: Box::new(error),
+            saved,
+        });
+    }
     // After the memory figures: the probe's matrices are no part of training's peak.
     let peak_flops = speed::peak_gemm_flops(device, args.precision.compute_dtype(), args.runs_on());
     let items_per_s = items as f64 / train_s;
