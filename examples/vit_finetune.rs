@@ -122,7 +122,7 @@ fn run() -> Result<()> {
         cli.eval_batch,
         cli.train.seed,
     )?;
-    let data = serde_json::json!({ "data": cli.data, "test_fraction": cli.test_fraction });
+    let data = images::recorded(&cli.data, cli.test_fraction);
     // Recorded beside `--save`'s file, so that `--weights FILE` normalises as this run did.
     let mut recorded = serde_json::to_value(config)?;
     recorded[loader::IMAGE_MEAN] = serde_json::json!(mean);

@@ -245,6 +245,23 @@ pub fn load(
     }
 }
 
+/// What a run records of its `--data` and `--test-fraction` (a checkpoint resumes only on the
+/// same): the split as [`load`] resolves it, so that the default fraction given or left out,
+/// or one CIFAR-10 directory written two ways, are the same data.
+pub fn recorded(source: &str, test_fraction: Option<f64>) -> serde_json::Value {
+    match source.split_once(':') {
+        Some(("cifar10", dir)) => {
+            let dir = expand_home(dir);
+            let dir = std::path::absolute(&dir).unwrap_or(dir);
+            serde_json::json!({ "data": format!("cifar10:{}", dir.display()) })
+        }
+        _ => serde_json::json!({
+            "data": source,
+            "test_fraction": test_fraction.unwrap_or(TEST_FRACTION),
+        }),
+    }
+}
+
 /// `dir` with a leading `~` read as `$HOME`: the shell does not expand it after `cifar10:`.
 fn expand_home(dir: &str) -> PathBuf {
     match (dir.strip_prefix('~'), std::env::var_os("HOME")) {
@@ -275,6 +292,22 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn the_same_split_is_recorded_alike_however_it_was_written() {
+        assert_eq!(recorded("digits", None), recorded("digits", Some(0.2)));
+        assert_ne!(recorded("digits", None), recorded("digits", Some(0.3)));
+        let home = std::env::var("HOME").unwrap();
+        assert_eq!(
+            recorded("cifar10:~/cifar", None),
+            recorded(&format!("cifar10:{home}/cifar"), None)
+        );
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(
+            recorded("cifar10:cifar", None),
+            recorded(&format!("cifar10:{}", cwd.join("cifar").display()), None)
+        );
+    }
 
     #[test]
     fn digits_are_the_bundled_1797() {
