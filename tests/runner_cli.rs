@@ -233,7 +233,7 @@ fn vit_finetune_names_its_evaluation_and_split_flags() {
 }
 
 /// A run resumed on another split of its data would test on images it trained on: it is
-/// stopped, naming what differs.
+/// stopped, naming what differs; the same split, its default fraction written out, resumes.
 #[test]
 fn a_run_resumed_on_another_split_is_stopped() {
     let dir = tempfile::tempdir().unwrap();
@@ -254,8 +254,10 @@ fn a_run_resumed_on_another_split_is_stopped() {
     example_fails_with(
         "vit_finetune",
         &[&tiny[..], &resumed].concat(),
-        "model config: data {\"data\":\"digits\",\"test_fraction\":null}, this run {\"data\":\"digits\",\"test_fraction\":0.3}",
+        "model config: data {\"data\":\"digits\",\"test_fraction\":0.2}, this run {\"data\":\"digits\",\"test_fraction\":0.3}",
     );
+    let same = ["--max-steps", "2", "--resume", "--test-fraction", "0.2"];
+    example_succeeds("vit_finetune", &[&tiny[..], &same].concat());
 }
 
 /// A minGPT run resumed on another text, of the same characters (whose ids still read),

@@ -336,7 +336,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     /// factor that unscales them and clips them to a norm of `max_norm` (0: only measures),
     /// which the optimizer applies as it steps each one ([`StepGrads`]).
     ///
-    /// An error here (a collective that failed, a peer gone) leaves the engine without its
+    /// Called while whole gradients wait for their reduction (no micro-step passed `last`
+    /// since the last step, under DDP or ZeRO-1), it fails before anything is taken. Any other
+    /// error here (a collective that failed, a peer gone) leaves the engine without its
     /// model: it is to be dropped, as a broken process group is, not used again. Keeping the
     /// old parameters to fall back on would hold them twice at the step's peak.
     pub fn step(
@@ -344,6 +346,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         max_norm: f64,
         optimize: impl FnOnce(M, StepGrads) -> M,
     ) -> Result<StepOutcome, ShardError> {
+        // Unreduced, they would step nothing now and twice over in the next step.
+        if !self.local.is_empty() {
+            return Err(ShardError::UnreducedGradients);
+        }
         let world = self.comm.world_size();
         let mut grads = std::mem::take(&mut self.reduced);
         let reached = std::mem::take(&mut self.reached);
@@ -690,10 +696,24 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
 
     /// Rank 0's parameter values in `model` on every rank, bucket by bucket (in f32).
     fn broadcast_from_rank0(&self, model: M) -> Result<M, ShardError> {
-        if self.comm.world_size() == 1 {
-            return Ok(model);
-        }
         let mut values = params::values(&model, None);
+        if self.comm.world_size() == 1 {
+            // Its own values, set as the ranks' are: leaves on the device, tracked unless
+            // frozen (a parameter mapped after initialisation would otherwise be a computed
+            // tensor, whose gradient backward drops).
+            let own = (self.slots.iter())
+                .map(|s| {
+                    let value = values.remove(&s.id).expect("a value for every parameter");
+                    (s.id, (value, s.dims.clone()))
+                })
+                .collect();
+            return Ok(params::set_values(
+                model,
+                own,
+                &self.device,
+                self.track(true),
+            ));
+        }
         let mut model = model;
         for bucket in &self.buckets {
             let slots: Vec<&Slot> = bucket.iter().map(|&i| &self.slots[i]).collect();

@@ -166,6 +166,11 @@ pub enum ShardError {
         "every parameter of the model is frozen (require_grad false): there is nothing to train"
     )]
     AllFrozen,
+    /// [`Sharded::step`] while a micro-step's gradients wait for their reduction.
+    #[error(
+        "step called with gradients not yet reduced over the ranks: an optimizer step's last micro-step must pass last = true (and none may follow it)"
+    )]
+    UnreducedGradients,
     #[error("{n} blocks to checkpoint, but the model has {depth}")]
     CheckpointedBlocks { n: usize, depth: usize },
     #[error(transparent)]
