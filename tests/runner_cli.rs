@@ -157,6 +157,17 @@ fn bad_flags_are_named() {
         "--grad-reduce-dtype bf16 is the dtype gradients are reduced in over the ranks, but the world has one rank",
     );
     fails_with(
+        &[
+            "--strategy",
+            "zero3",
+            "--reshard-after-forward",
+            "false",
+            "--precision",
+            "32-true",
+        ],
+        "a rank alone computing in its weights' dtype (--precision 32-true, not offloaded) gathers nothing",
+    );
+    fails_with(
         &["--eval-batches", "0"],
         "validation batches (--eval-batches) must be at least 1",
     );

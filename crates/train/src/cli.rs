@@ -727,6 +727,15 @@ impl TrainArgs {
                 value_name(self.grad_reduce_dtype)
             )));
         }
+        if self.reshard_after_forward.is_some()
+            && self.strategy == Strategy::Zero3
+            && !self.acting_sharding(world)?.parameters
+        {
+            return Err(TrainError::InvalidArgs(format!(
+                "--reshard-after-forward chooses when zero3 drops the parameters it gathered, but a rank alone computing in its weights' dtype (--precision {}, not offloaded) gathers nothing: its whole model runs as one graph either way (drop the flag)",
+                self.precision
+            )));
+        }
         Ok(())
     }
 
