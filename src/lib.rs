@@ -75,9 +75,10 @@ pub fn exit_for_failures(
 
 /// A runner binary's command line as `C` parses it, with `defaults` (flag id, value) in
 /// place of the runner's own defaults where that example's job wants others (clap's help
-/// shows them); exits with clap's message on bad flags.
+/// shows them); a flag given twice takes its last value (as argparse does: a launch script's
+/// `$DEFAULTS --lr 3e-4` overrides); exits with clap's message on bad flags.
 pub fn parse_with_defaults<C: clap::Parser>(defaults: &[(&'static str, &'static str)]) -> C {
-    let mut command = C::command();
+    let mut command = C::command().args_override_self(true);
     for &(id, value) in defaults {
         command = command.mut_arg(id, |a| a.default_value(value));
     }

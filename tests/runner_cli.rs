@@ -88,6 +88,11 @@ fn example_fails_with(name: &str, args: &[&str], needle: &str) {
 #[test]
 fn bad_flags_are_named() {
     fails_with(&["--n-head", "5"], "must be divisible by n_head");
+    // The last of a flag given twice, as argparse takes it.
+    fails_with(
+        &["--n-head", "4", "--n-head", "5"],
+        "must be divisible by n_head",
+    );
     fails_with(&["--block-size", "0"], "block_size");
     fails_with(&["--model", "gpt5"], "unknown model preset `gpt5`");
     fails_with(
