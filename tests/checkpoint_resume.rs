@@ -454,7 +454,8 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
     );
     fs::rename(&renamed, dir.join("step-00000003")).unwrap();
 
-    // Another model: wider, so every matrix differs.
+    // Another model: wider, so every matrix differs; named by its config where the run
+    // records one, else by the first tensors that differ and how many more.
     let args = TrainArgs::from_flags(&[
         "--resume",
         "--checkpoint-dir",
@@ -465,16 +466,24 @@ fn a_damaged_or_foreign_checkpoint_is_an_error_naming_it() {
         "9",
     ])
     .unwrap();
-    let model = seeded_model(5, |device| {
-        Gpt::new(&GptConfig::new(2, 2, 32, 11, 8), device).unwrap()
-    });
+    let wider = GptConfig::new(2, 2, 32, 11, 8);
+    let model = || seeded_model(5, |device| Gpt::new(&wider, device).unwrap());
     let mut task = NextToken::new(tokens(), 8, 12, 5).unwrap();
-    let err = train(model, &mut task, &args, &model_device())
+    let err = train(model(), &mut task, &args, &model_device())
         .unwrap_err()
         .to_string();
     assert!(
         err.contains("another model")
-            && err.contains("`wte.weight` has shape [11, 16], the model [11, 32]"),
+            && err.contains("`wte.weight` has shape [11, 16], the model [11, 32]")
+            && err.contains("; and 21 more"),
+        "{err}"
+    );
+    let recorded = args.with_model_config(&wider).unwrap();
+    let err = train(model(), &mut task, &recorded, &model_device())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("model config: n_embd 16, this run 32") && !err.contains("wte.weight"),
         "{err}"
     );
 

@@ -58,9 +58,9 @@ pub enum WeightError {
         key: String,
         dtype: String,
     },
-    #[error("{path} is missing {} weight(s): {}", keys.len(), listed(keys))]
+    #[error("{path} is missing {} weight(s): {}", keys.len(), listed(keys, ", "))]
     MissingKeys { path: PathBuf, keys: Vec<String> },
-    #[error("{path} has {} weight(s) this model does not use: {} (weights for another architecture?)", keys.len(), listed(keys))]
+    #[error("{path} has {} weight(s) this model does not use: {} (weights for another architecture?)", keys.len(), listed(keys, ", "))]
     UnexpectedKeys { path: PathBuf, keys: Vec<String> },
     #[error("cannot write {path}: {reason}")]
     Save { path: PathBuf, reason: String },
@@ -75,17 +75,18 @@ pub enum WeightError {
     },
 }
 
-/// The first of `keys` and how many more: a file of another model differs in every one of
-/// its hundreds of tensors, which a message naming them all would bury.
-fn listed(keys: &[String]) -> String {
+/// The first of `items` and how many more, joined by `separator`: a file of another model
+/// differs in every one of its hundreds of tensors, which a message naming them all would
+/// bury.
+pub fn listed(items: &[String], separator: &str) -> String {
     const SHOWN: usize = 8;
-    match keys.len() > SHOWN {
+    match items.len() > SHOWN {
         true => format!(
-            "{}, and {} more",
-            keys[..SHOWN].join(", "),
-            keys.len() - SHOWN
+            "{}{separator}and {} more",
+            items[..SHOWN].join(separator),
+            items.len() - SHOWN
         ),
-        false => keys.join(", "),
+        false => items.join(separator),
     }
 }
 

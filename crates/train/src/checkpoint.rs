@@ -948,7 +948,7 @@ impl Checkpoint {
             true => Ok(()),
             false => Err(self.mismatch(format!(
                 "another model or configuration: {}",
-                problems.join("; ")
+                burnscale_nn::weights::listed(&problems, "; ")
             ))),
         }
     }
@@ -1320,7 +1320,6 @@ pub fn restore<T: TrainTask>(
     device: &Device,
 ) -> Result<Resumed, TrainError> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    ckpt.check_model(engine.slots())?;
     let meta = ckpt.meta.clone();
     let global_batch = world * args.batch_size;
     let differs = |what: &str, saved: String, ours: String| {
@@ -1377,6 +1376,9 @@ pub fn restore<T: TrainTask>(
     if !problems.is_empty() {
         return Err(ckpt.mismatch(problems.join("; ")).into());
     }
+    // After the settings: another model config (which names the cause) differs in every
+    // tensor too.
+    ckpt.check_model(engine.slots())?;
     // At --max-steps itself the run takes no step, and evaluates and saves the checkpoint's
     // model: a run stopped after its last checkpoint, requeued as it was, ends.
     if meta.step > args.max_steps {
