@@ -97,13 +97,17 @@ impl CharVocab {
     /// (written beside the weights by `--save` and `consolidate`) records.
     fn check_beside(&self, weights: &Path) -> Result<()> {
         let path = config_path(weights);
-        let Ok(saved) = std::fs::read_to_string(&path) else {
-            eprintln!(
-                "warning: no {} beside the weights: their token ids are taken to be this text's {} characters",
-                path.display(),
-                self.chars.len()
-            );
-            return Ok(());
+        let saved = match std::fs::read_to_string(&path) {
+            Ok(saved) => saved,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                eprintln!(
+                    "warning: no {} beside the weights: their token ids are taken to be this text's {} characters",
+                    path.display(),
+                    self.chars.len()
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
         };
         let saved: serde_json::Value = serde_json::from_str(&saved)
             .with_context(|| format!("{} is not a JSON configuration", path.display()))?;

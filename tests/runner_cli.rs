@@ -121,7 +121,7 @@ fn bad_flags_are_named() {
     );
     fails_with(
         &["--checkpoint-blocks", "99"],
-        "99 blocks to checkpoint, but the model has 4",
+        "--checkpoint-blocks 99 is more blocks than the model has (4)",
     );
     fails_with(
         &["--checkpoint-blocks", "2", "--checkpoint-activations"],
@@ -222,7 +222,10 @@ fn flags_the_model_refuses_are_named_before_its_weights_are_read() {
             &["--freeze", "encoder.typo"][..],
             "--freeze encoder.typo: no parameter of the model has that path",
         ),
-        (&["--checkpoint-blocks", "99"], "99 blocks to checkpoint"),
+        (
+            &["--checkpoint-blocks", "99"],
+            "--checkpoint-blocks 99 is more blocks",
+        ),
         (&["--devices", "2"], "--strategy single trains on one rank"),
     ] {
         example_fails_with("vit_finetune", &[&weights[..], flags].concat(), needle);
@@ -353,6 +356,12 @@ fn bad_weight_files_are_named() {
     fails_with(
         &["--weights", other.to_str().unwrap()],
         "trained on other characters (3 in",
+    );
+    // One that cannot be read is no missing one (whose ids are taken as this text's).
+    std::fs::write(&config, b"{\"characters\": \"\xff\"}").unwrap();
+    fails_with(
+        &["--weights", other.to_str().unwrap()],
+        &format!("cannot read {}", config.display()),
     );
 }
 

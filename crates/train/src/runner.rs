@@ -286,7 +286,13 @@ pub fn train_on<T: TrainTask>(
 pub fn check_model<M: BlockModel>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
     crate::freeze::frozen_ids(model, &args.freeze)?;
     optim::check_trains(model, args)?;
-    args.checkpointing().blocks(model.blocks().len())?;
+    let depth = model.blocks().len();
+    args.checkpointing().blocks(depth).map_err(|_| {
+        TrainError::InvalidArgs(format!(
+            "--checkpoint-blocks {} is more blocks than the model has ({depth})",
+            args.checkpoint_blocks.unwrap_or_default()
+        ))
+    })?;
     Ok(())
 }
 
