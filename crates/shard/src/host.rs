@@ -1,6 +1,9 @@
 //! What crosses between a device and host memory: offloaded parameters and optimizer state
-//! moved to and from the host, and host copies of parameters. Every such move is counted
-//! ([`transferred_bytes`]); the engine makes none unless offloading was asked for.
+//! moved to and from the host, and host copies of parameters. Every such move through this
+//! module is counted ([`transferred_bytes`]); the engine makes none unless offloading was
+//! asked for. Two moves outside a step are not: the parameters' first move to the host
+//! (`Sharded::offload_params`) and values a checkpoint sets back where they live
+//! (`Sharded::set_held_parameters`).
 
 use std::cell::Cell;
 use std::collections::HashMap;

@@ -10,14 +10,18 @@
 //!
 //! DDP, ZeRO-1 and ZeRO-2 move 2Ψ bytes a step (an all-reduce counts twice, ZeRO-1/2's
 //! all-gather of the updated parameters leaves out frozen ones), ZeRO-3 up to 3Ψ (each unit
-//! gathered for forward and again for backward), the ZeRO paper's volumes; accumulating,
+//! gathered for forward and again for backward; a token table tied to the decoder a third
+//! time, for the head: BERT-base's masked LM moves about 3.2Ψ), the ZeRO paper's volumes;
+//! accumulating,
 //! ZeRO-2 and ZeRO-3 reduce-scatter (and ZeRO-3 gathers) on every micro-step. The runner
 //! reports them (`burnscale_collective::Counted`).
 //!
 //! Shards are per parameter along dim 0 ([`layout`]). ZeRO-3's units are the model's blocks
 //! plus two root units (the embeddings', and the head's): a unit's full parameters exist only
-//! while it runs (or, not resharded after forward, from its forward to the end of its
-//! backward), and its full gradients until its reduce-scatter, on every micro-step (so too
+//! while it runs (resharded after forward, its linears' weights; the small rest, biases and
+//! norms' gains, stays with its graph until its backward; not resharded, all of them from its
+//! forward to the end of its backward), and its full gradients until its reduce-scatter, on
+//! every micro-step (so too
 //! under ZeRO-2 with checkpointing, whose backward also runs block by block; a decoder tied to
 //! the token table leaves the table's whole gradient until the embeddings' reduce-scatter,
 //! the last). Burn's autodiff graph keeps every weight a forward used alive until backward, so
