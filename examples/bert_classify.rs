@@ -103,6 +103,15 @@ fn run() -> Result<()> {
         std::fs::metadata(path)
             .with_context(|| format!("--weights {}: cannot read it", path.display()))?;
     }
+    match (&cli.weights, cli.model) {
+        (Some(path), _) => cli
+            .train
+            .check_loaded_weights(&format!("--weights {}", path.display()))?,
+        (None, Model::Distilbert) => {}
+        (None, _) => cli
+            .train
+            .check_loaded_weights("MiniLM's pretrained encoder (without --weights)")?,
+    }
     let emails = spam::load()?;
     let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
     let rows: Vec<(Vec<i64>, i64)> = tokenizer

@@ -145,6 +145,10 @@ fn run() -> Result<()> {
         ("eval_interval", "250"),
     ]);
     cli.train.validate_launch()?;
+    if let Some(path) = &cli.weights {
+        cli.train
+            .check_loaded_weights(&format!("--weights {}", path.display()))?;
+    }
     let text = match &cli.data {
         Some(path) => std::fs::read_to_string(path)
             .with_context(|| format!("cannot read training text {}", path.display()))?,

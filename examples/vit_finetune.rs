@@ -75,6 +75,10 @@ fn run() -> Result<()> {
         .with_dropout(cli.dropout);
     config.validate()?;
 
+    if cli.weights != "none" {
+        cli.train
+            .check_loaded_weights(&format!("--weights {}", cli.weights))?;
+    }
     let device = cli.train.device()?;
     // The flags that name parts of the model, on a lazy one, before weights are fetched.
     check_model(&Vit::new(&config, &device)?, &cli.train)?;

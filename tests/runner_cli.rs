@@ -227,8 +227,23 @@ fn flags_the_model_refuses_are_named_before_its_weights_are_read() {
             "--checkpoint-blocks 99 is more blocks",
         ),
         (&["--devices", "2"], "--strategy single trains on one rank"),
+        // Loaded weights come whole in f32: nothing is left to create in 16 bits.
+        (
+            &["--precision", "bf16-true", "--init-on-device"],
+            "but --weights /nonexistent/vit.safetensors loads them whole in f32 first",
+        ),
     ] {
         example_fails_with("vit_finetune", &[&weights[..], flags].concat(), needle);
+    }
+    for (example, flags) in [
+        ("bert_classify", &[][..]),
+        (
+            "mingpt_char",
+            &["--weights", "/nonexistent/gpt.safetensors"],
+        ),
+    ] {
+        let flags = [flags, &["--precision", "bf16-true", "--init-on-device"]].concat();
+        example_fails_with(example, &flags, "loads them whole in f32 first");
     }
 }
 

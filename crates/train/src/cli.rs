@@ -697,6 +697,18 @@ impl TrainArgs {
         self.runs_on().first_device()
     }
 
+    /// Refuses `--init-on-device` for a model whose weights `source` (a flag and its value)
+    /// loads from a file: they are read whole in f32 before the run casts them, the full f32
+    /// model the flag exists to avoid, so it would do nothing.
+    pub fn check_loaded_weights(&self, source: &str) -> Result<(), TrainError> {
+        match self.init_on_device {
+            true => Err(TrainError::InvalidArgs(format!(
+                "--init-on-device creates the model's parameters from its initialisers in 16 bits, but {source} loads them whole in f32 first: drop --init-on-device, or train from scratch"
+            ))),
+            false => Ok(()),
+        }
+    }
+
     /// [`TrainArgs::validate`], and the flags against the world this process was launched
     /// into (`--devices`, or mpirun's): what [`crate::train`] checks first, for a binary to
     /// call before its slow set-up (fetching weights, tokenizing a corpus).
