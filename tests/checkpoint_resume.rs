@@ -1122,6 +1122,30 @@ fn a_run_resumed_at_its_last_step_saves_the_checkpoints_model() {
     fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `--save` keeps beside its file the run's recorded configuration, or none: one an earlier
+/// run left there is removed, not kept beside weights it does not describe.
+#[test]
+fn a_save_leaves_no_other_runs_configuration_beside_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let saved = dir.path().join("m.safetensors");
+    let config = weights::config_path(&saved);
+    fs::write(&config, r#"{"characters": "abc"}"#).unwrap();
+    let flags = ["--max-steps", "1", "--batch-size", "4"];
+    let args = TrainArgs::from_flags(&[&flags[..], &["--save", saved.to_str().unwrap()]].concat())
+        .unwrap();
+    let tiny = GptConfig::tiny();
+    let save = |args: &TrainArgs| {
+        let model = seeded_model(5, |device| Gpt::new(&tiny, device).unwrap());
+        let mut task = NextToken::new(tokens(), 8, 4, 5).unwrap();
+        train(model, &mut task, args, &model_device()).unwrap();
+    };
+    save(&args);
+    assert!(saved.exists() && !config.exists());
+    save(&args.with_model_config(&tiny).unwrap());
+    let recorded: serde_json::Value = serde_json::from_slice(&fs::read(&config).unwrap()).unwrap();
+    assert_eq!(recorded, serde_json::to_value(tiny).unwrap());
+}
+
 #[test]
 fn a_consolidated_checkpoint_is_the_saved_model() {
     let dir = scratch("consolidate");

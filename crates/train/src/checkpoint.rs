@@ -1091,12 +1091,35 @@ impl Checkpoint {
     }
 }
 
-/// Writes `config` beside `weights` ([`config_path`]).
-pub fn write_config(weights: &Path, config: &serde_json::Value) -> Result<(), TrainError> {
+/// Writes `config` beside `weights` ([`config_path`]) whole or not at all (a file of its own,
+/// synced, renamed into place), or without a config removes one an earlier run left there:
+/// called before the weights file takes its name, so that new weights never sit beside an
+/// old or half-written configuration.
+pub fn write_config(weights: &Path, config: Option<&serde_json::Value>) -> Result<(), TrainError> {
     let path = config_path(weights);
-    let text = serde_json::to_string_pretty(config).map_err(std::io::Error::other);
-    text.and_then(|text| fs::write(&path, text))
-        .map_err(|source| TrainError::Io { path, source })
+    let io = |source| TrainError::Io {
+        path: path.clone(),
+        source,
+    };
+    let Some(config) = config else {
+        return match fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(e)),
+            _ => Ok(()),
+        };
+    };
+    let partial = path.with_extension("json.partial");
+    let written = serde_json::to_string_pretty(config)
+        .map_err(std::io::Error::other)
+        .and_then(|text| {
+            let mut file = File::create(&partial)?;
+            std::io::Write::write_all(&mut file, text.as_bytes())?;
+            file.sync_all()?;
+            fs::rename(&partial, &path)
+        });
+    if written.is_err() {
+        let _ = fs::remove_file(&partial);
+    }
+    written.map_err(io)
 }
 
 impl Checkpoint {
@@ -1222,10 +1245,8 @@ impl Checkpoint {
                 }
             }
         }
+        write_config(out, meta.model_config.as_ref())?;
         writer.finish()?;
-        if let Some(config) = &meta.model_config {
-            write_config(out, config)?;
-        }
         let mut written = plan.len();
         if with_optimizer {
             let states: Vec<&SavedTensor> = meta.states.iter().flat_map(|s| &s.tensors).collect();

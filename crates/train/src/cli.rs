@@ -823,6 +823,18 @@ impl TrainArgs {
                 value_name(self.strategy)
             ));
         }
+        if (self.offload == Offload::Optimizer || self.offload_dir.is_some())
+            && self.optimizer == OptimizerKind::Sgd
+            && self.sgd_momentum() == 0.0
+        {
+            return invalid(format!(
+                "{} keeps the optimizer's state off the device, but SGD without momentum keeps none: drop the flag (or give SGD a --momentum)",
+                match self.offload_dir.is_some() {
+                    true => "--offload-dir",
+                    false => "--offload optimizer",
+                }
+            ));
+        }
         if self.reshard_after_forward.is_some()
             && !matches!(self.strategy, Strategy::Zero3 | Strategy::Auto)
         {
@@ -1232,6 +1244,26 @@ mod tests {
             &["--grad-clip", "0"],
         ] {
             parse(flags).unwrap().validate().unwrap();
+        }
+    }
+
+    #[test]
+    fn offloading_a_stateless_optimizer_is_refused() {
+        for flags in [
+            &["--offload", "optimizer"][..],
+            &["--offload-dir", "/tmp/x"],
+        ] {
+            let sgd = [&["--optimizer", "sgd", "--momentum", "0"][..], flags].concat();
+            let err = TrainArgs::from_flags(&sgd).unwrap().validate().unwrap_err();
+            assert!(
+                err.to_string().contains("SGD without momentum keeps none"),
+                "{err}"
+            );
+            let momentum = [&["--optimizer", "sgd"][..], flags].concat();
+            TrainArgs::from_flags(&momentum)
+                .unwrap()
+                .validate()
+                .unwrap();
         }
     }
 

@@ -887,10 +887,8 @@ fn save<M: BlockModel>(
     })?;
     written?;
     if let Some(saver) = saver {
+        crate::checkpoint::write_config(path, args.model_config.as_ref())?;
         saver.finish()?;
-        if let Some(config) = &args.model_config {
-            crate::checkpoint::write_config(path, config)?;
-        }
     }
     Ok(SaveReport {
         path: path.to_path_buf(),
