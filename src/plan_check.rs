@@ -93,7 +93,6 @@ pub const ONE_RANK: &[&[&str]] = &[
     &["--freeze", "lm_head,h.3", "--checkpoint-activations"],
     // Alone, an f32 rank's gathered units are its shards: no copy.
     &["--strategy", "zero3"],
-    &["--strategy", "zero3", "--reshard-after-forward", "false"],
     &[VOCAB, "8192", "--precision", "16-mixed"],
     &[VOCAB, "8192", "--checkpoint-activations"],
     // The step is the peak, and under --offload-dir it reads the token table's state in and

@@ -217,11 +217,12 @@ fn checkpointed_blocks_take_the_plain_steps() {
 }
 
 /// ZeRO-3 keeping each unit gathered from its forward to its backward; with checkpointing it
-/// recomputes from the parameters it kept, without gathering them again.
+/// recomputes from the parameters it kept, without gathering them again. (A rank alone in
+/// f32 gathers nothing, and is refused the flag.)
 #[test]
 fn zero3_kept_gathered_takes_the_plain_steps() {
     for optimizer in [SGD, ADAMW] {
-        for world in 1..=4 {
+        for world in 2..=4 {
             assert_matches_plain("zero3", world, &[optimizer, KEPT_GATHERED].concat());
         }
     }
@@ -246,14 +247,10 @@ fn blockwise_steps_drop_what_a_plain_step_drops() {
                 &["--offload", "params", "--checkpoint-activations"][..],
             ),
             ("zero3", &[][..]),
-            ("zero3", KEPT_GATHERED),
+            // Kept gathered from forward to backward (offloaded, so that there is a copy).
             (
                 "zero3",
-                &[
-                    "--reshard-after-forward",
-                    "false",
-                    "--checkpoint-activations",
-                ][..],
+                &["--offload", "params", "--reshard-after-forward", "false"][..],
             ),
             ("ddp", &["--checkpoint-activations"][..]),
             ("single", &[][..]),
