@@ -5,14 +5,16 @@
 //!     cargo bench --bench mingpt_throughput                 # gpt-mini, block 128, batch 16
 //!     cargo bench --bench mingpt_throughput -- --steps 40 --summary-json /tmp/bench.json
 //!     # ZeRO-3 on one rank beside single: its default (alone in f32: one graph, as single),
-//!     # kept gathered until backward, and with its shards offloaded (resharded after
-//!     # forward, its linears regathered for backward):
+//!     # and with its shards offloaded (resharded after forward, its linears regathered for
+//!     # backward); kept gathered until backward where a rank alone computes on a copy
+//!     # (bf16-mixed; in f32 it gathers nothing and the flag is refused):
 //!     cargo bench --bench mingpt_throughput -- --no-torch --also "--strategy zero3" \
-//!         --also "--strategy zero3 --reshard-after-forward false" \
 //!         --also "--strategy zero3 --offload params"
+//!     cargo bench --bench mingpt_throughput -- --no-torch --precision bf16-mixed \
+//!         --also "--strategy zero3 --reshard-after-forward false"
 //!     # one configuration, with no single run before it:
 //!     cargo bench --bench mingpt_throughput -- --no-torch --no-plain --strategy zero3 \
-//!         --flags "--reshard-after-forward false"
+//!         --precision bf16-mixed --flags "--reshard-after-forward false"
 //!     # on a GPU (a `cuda` build), the issue's 57M config in bf16-mixed:
 //!     cargo bench --features cuda --bench mingpt_throughput -- --accelerator cuda \
 //!         --n-layer 8 --n-head 8 --n-embd 768 --block-size 256 --precision bf16-mixed
@@ -62,8 +64,8 @@ struct Cli {
     #[arg(long, default_value = "single")]
     strategy: String,
     /// More runner flags for every burnscale run, the first and each `--also` (whose flags
-    /// come later and override them), not the plain loop: `--flags "--reshard-after-forward
-    /// false"` with `--strategy zero3`.
+    /// come later and override them), not the plain loop: `--flags "--offload params"` with
+    /// `--strategy zero3`.
     #[arg(long, allow_hyphen_values = true, default_value = "")]
     flags: String,
     #[arg(long, default_value_t = 128)]
