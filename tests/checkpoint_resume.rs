@@ -855,10 +855,14 @@ fn a_last_checkpoint_that_fails_still_saves_the_model() {
         scratch("last-fails.safetensors"),
         scratch("whole.safetensors"),
     );
-    let save = |file: &Path| ["--save".to_string(), file.to_str().unwrap().to_string()];
-    let whole_save = save(&whole_file);
-    let whole_save: Vec<&str> = whole_save.iter().map(String::as_str).collect();
-    run(&whole, "zero2", 2, 0.0, &whole_save).unwrap();
+    run(
+        &whole,
+        "zero2",
+        2,
+        0.0,
+        &["--save", whole_file.to_str().unwrap()],
+    )
+    .unwrap();
     let breaks = |at, dir: &Path| {
         let dir = dir.to_path_buf();
         move |task, _: &mut TrainArgs| FailsAt {
@@ -869,8 +873,7 @@ fn a_last_checkpoint_that_fails_still_saves_the_model() {
             fault: Fault::Breaks(dir),
         }
     };
-    let flags = save(&file);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let flags = ["--save", file.to_str().unwrap()];
     let err = run_task(&dir, "zero2", 2, 0.0, &flags, breaks(9, &dir)).unwrap_err();
     assert!(
         matches!(&err, TrainError::LastCheckpoint { saved, .. } if *saved == file),

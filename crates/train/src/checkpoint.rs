@@ -1107,7 +1107,7 @@ pub fn write_config(weights: &Path, config: Option<&serde_json::Value>) -> Resul
             _ => Ok(()),
         };
     };
-    let partial = path.with_extension("json.partial");
+    let partial = burnscale_nn::weights::partial_path(&path);
     let written = serde_json::to_string_pretty(config)
         .map_err(std::io::Error::other)
         .and_then(|text| {
