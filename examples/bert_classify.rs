@@ -69,13 +69,13 @@ fn run() -> Result<()> {
     // Defaults that finetune on 2 CPU cores in under 10 minutes: a finetuning learning rate
     // after a short warm-up, about a third of an epoch at batch 16.
     let mut cli: Cli = burnscale::parse_with_defaults(&[
-        ("lr", "1e-4"),
         ("warmup_steps", "10"),
         ("weight_decay", "0.01"),
         ("max_steps", "100"),
     ]);
-    // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
-    cli.train = cli.train.with_default_beta2(0.999);
+    // A finetuning learning rate (a relative step keeps HF's cap), and Adam's beta2 as
+    // finetuning takes it (HF's Trainer), where the optimizer has one.
+    cli.train = cli.train.with_default_lr(1e-4).with_default_beta2(0.999);
     cli.train.validate_launch()?;
     if !(cli.test_fraction > 0.0 && cli.test_fraction < 1.0) {
         bail!("--test-fraction {} is not in (0, 1)", cli.test_fraction);

@@ -10,7 +10,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use burnscale::train::checkpoint::{Checkpoint, optimizer_path};
 use clap::Parser;
 
@@ -35,8 +35,8 @@ fn main() -> std::process::ExitCode {
 
 fn run() -> Result<()> {
     let cli = Cli::parse();
-    let mut ckpt = Checkpoint::find(&cli.checkpoint)
-        .with_context(|| format!("no checkpoint at {}", cli.checkpoint.display()))?;
+    // Its errors name the path and what is wrong there (missing, incomplete, damaged).
+    let mut ckpt = Checkpoint::find(&cli.checkpoint)?;
     if cli.inspect {
         println!("{}", ckpt.describe());
         return Ok(());

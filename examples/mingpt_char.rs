@@ -41,7 +41,7 @@ struct Cli {
     block_size: usize,
     /// Dropout of embeddings, attention and residual paths (minGPT uses 0.1; these short
     /// runs learn faster without).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = burnscale::parse_dropout)]
     dropout: f64,
     /// A UTF-8 text file to train on instead of the bundled Shakespeare.
     #[arg(long)]
@@ -138,12 +138,12 @@ fn run() -> Result<()> {
     // Runner defaults for this example that reach val loss < 2.0 in a few minutes on 2 CPU
     // cores (as nanoGPT's CPU recipe for a 4-layer char model: short context, no dropout,
     // a high learning rate after a warm-up).
-    let cli: Cli = burnscale::parse_with_defaults(&[
-        ("lr", "2e-3"),
+    let mut cli: Cli = burnscale::parse_with_defaults(&[
         ("warmup_steps", "100"),
         ("max_steps", "2500"),
         ("eval_interval", "250"),
     ]);
+    cli.train = cli.train.with_default_lr(2e-3);
     cli.train.validate_launch()?;
     if let Some(path) = &cli.weights {
         cli.train

@@ -19,7 +19,8 @@ use burnscale::collective::threads::DEFAULT_TIMEOUT;
 use burnscale::equivalence::{
     ADAMW, Comparison, KEPT_GATHERED, SGD, check, check_padded, check_resume,
 };
-use burnscale::train::TrainError;
+use burnscale::train::accelerator::Accelerator;
+use burnscale::train::{TrainError, value_name};
 use clap::Parser;
 
 #[derive(Parser)]
@@ -32,8 +33,8 @@ struct Cli {
     checkpoint_dir: Option<PathBuf>,
     /// Where the ranks' tensors live: cpu, or libtorch (a `tch` build: Burn's LibTorch
     /// backend, both the engine's run and the plain loop on it).
-    #[arg(long, default_value = "cpu")]
-    accelerator: String,
+    #[arg(long, value_enum, default_value = "cpu")]
+    accelerator: Accelerator,
 }
 
 /// SGD (scale-sensitive) alone, with accumulation, and reducing in bf16 (16-bit values on
@@ -48,7 +49,8 @@ const SETTINGS: [(&[&str], &[&str]); 4] = [
 
 /// Prints this rank's results; returns how many failed.
 fn report(comm: &dyn Communicator, cli: &Cli) -> usize {
-    let on: &[&str] = &["--accelerator", &cli.accelerator];
+    let accelerator = value_name(cli.accelerator);
+    let on: &[&str] = &["--accelerator", &accelerator];
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut failed = 0;
     let mut outcome = |case: String, found: Result<Comparison, TrainError>| match found {

@@ -44,7 +44,7 @@ struct Cli {
     #[arg(long, default_value_t = 128)]
     eval_batch: usize,
     /// Dropout of attention and hidden layers.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = burnscale::parse_dropout)]
     dropout: f64,
     #[command(flatten)]
     train: TrainArgs,
@@ -58,15 +58,15 @@ fn run() -> Result<()> {
     // Defaults that finetune on 2 CPU cores in a few minutes: a few epochs of the digits at
     // batch 32, a short warm-up, a finetuning learning rate.
     let mut cli: Cli = burnscale::parse_with_defaults(&[
-        ("lr", "1e-4"),
         ("batch_size", "32"),
         ("warmup_steps", "20"),
         ("weight_decay", "0.05"),
         ("max_steps", "135"),
         ("eval_interval", "45"),
     ]);
-    // Adam's beta2 as finetuning takes it (HF's Trainer), where the optimizer has one.
-    cli.train = cli.train.with_default_beta2(0.999);
+    // A finetuning learning rate (a relative step keeps HF's cap), and Adam's beta2 as
+    // finetuning takes it (HF's Trainer), where the optimizer has one.
+    cli.train = cli.train.with_default_lr(1e-4).with_default_beta2(0.999);
     cli.train.validate_launch()?;
     let (train_set, test_set) = images::load(&cli.data, cli.test_fraction, cli.train.seed)?;
     let config = VitConfig::preset(&cli.model)?

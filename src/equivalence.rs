@@ -34,13 +34,18 @@ const SEED: u64 = 11;
 
 /// SGD without momentum or clipping: its update is the gradient times the learning rate, so
 /// a gradient of the wrong scale (a sum instead of a mean, a missing `1/accumulate` or
-/// unscale) moves every parameter by the wrong amount. A later `--grad-clip` overrides.
+/// unscale) moves every parameter by the wrong amount. A later `--grad-clip` overrides. Its
+/// L2 decay on the matrices (torch.optim.SGD's `weight_decay`, added to the gradient after
+/// the engine's reduction and clipping) keeps the matrices' update above 16-bit storage's
+/// rounding when a clip shrinks the gradient's part.
 pub const SGD: &[&str] = &[
     "--optimizer",
     "sgd",
     "--momentum",
     "0",
     "--lr",
+    "0.1",
+    "--weight-decay",
     "0.1",
     "--grad-clip",
     "0",
@@ -275,7 +280,7 @@ fn check_on<T: TrainTask<Model = Gpt>>(
         &trained,
         &plain,
         &tolerance,
-        args.lr as f32 * STEPS as f32,
+        args.lr() as f32 * STEPS as f32,
         (config.n_embd, args.optimizer == OptimizerKind::Adafactor),
         |path| !frozen_by(&args.freeze, path) && !path.ends_with(".gamma"),
     );
@@ -488,7 +493,7 @@ impl Tolerance {
                 multiple * u
             },
             storage: 2.0 * roundoff(args.precision.param_dtype()) * STEPS as f64,
-            element: args.lr * STEPS as f64,
+            element: args.lr() * STEPS as f64,
             eight_bit: eight_bit_paths(model, args),
         }
     }

@@ -73,6 +73,13 @@ pub fn exit_for_failures(
     }
 }
 
+/// `--dropout`'s parser: a probability in [0, 1), refused under the flag's own name (a model
+/// config names the fields it sets, `embd_pdrop`).
+pub fn parse_dropout(text: &str) -> Result<f64, String> {
+    let p: f64 = text.parse().map_err(|e| format!("{e}"))?;
+    burnscale_nn::config::check_probabilities(&[("dropout", p)]).map(|()| p)
+}
+
 /// A runner binary's command line as `C` parses it, with `defaults` (flag id, value) in
 /// place of the runner's own defaults where that example's job wants others (clap's help
 /// shows them); a flag given twice takes its last value (as argparse does: a launch script's

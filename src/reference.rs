@@ -110,14 +110,14 @@ impl PlainConfig {
                 );
             }
         };
-        let cosine_to = (args.schedule == Schedule::Cosine)
+        let cosine_to = (args.schedule() == Schedule::Cosine)
             .then(|| args.min_lr_ratio.unwrap_or(burnscale_train::MIN_LR_RATIO));
         Ok(Self {
             optimizer,
-            lr: args.lr,
+            lr: args.lr(),
             warmup: args.warmup_steps,
             cosine_to,
-            weight_decay: args.weight_decay,
+            weight_decay: args.weight_decay(),
             grad_clip: args.grad_clip,
             accumulate: args.accumulate,
             steps: args.max_steps,

@@ -116,3 +116,104 @@ fn a_step_before_the_last_micro_step_is_an_error() {
         }
     }
 }
+
+/// Values that do not fit what a rank holds (a value cut short, or one for a parameter the
+/// model lacks) are refused naming it, before any is set: a panic was the answer before.
+#[test]
+fn held_values_the_engine_cannot_hold_are_refused_with_nothing_replaced() {
+    use burn::module::ParamId;
+    let device = Device::default().autodiff();
+    for strategy in [Strategy::Ddp, Strategy::Zero3] {
+        let outcomes = run_ranks(2, DEFAULT_TIMEOUT, |comm| {
+            let mut engine = Sharded::new(strategy, model(), comm, &device).unwrap();
+            let held = engine.held_parameters();
+            let data = |flat: &burnscale::shard::params::Flat| {
+                let mut values: Vec<_> = flat
+                    .iter()
+                    .map(|(id, v)| {
+                        (
+                            id.to_string(),
+                            v.to_data().iter::<f32>().collect::<Vec<_>>(),
+                        )
+                    })
+                    .collect();
+                values.sort_by(|a, b| a.0.cmp(&b.0));
+                values
+            };
+            let before = data(&held);
+            let (&cut_id, cut) = held.iter().max_by_key(|(_, v)| v.dims()[0]).unwrap();
+            let short = cut.clone().slice(0..cut.dims()[0] - 1);
+            let mut errors = Vec::new();
+            for (id, value) in [(cut_id, short), (ParamId::new(), cut.clone())] {
+                // The others given back whole: only the bad one may be refused.
+                let mut values = held.clone();
+                values.insert(id, value);
+                errors.push(engine.set_held_parameters(values).unwrap_err().to_string());
+            }
+            (errors, before == data(&engine.held_parameters()))
+        })
+        .unwrap();
+        for outcome in outcomes {
+            let (errors, kept) = outcome.unwrap();
+            assert!(
+                errors[0].contains("values, this rank holds"),
+                "{strategy:?}: {}",
+                errors[0]
+            );
+            assert!(
+                errors[1].contains("is not one of the model's"),
+                "{strategy:?}: {}",
+                errors[1]
+            );
+            assert!(
+                kept,
+                "{strategy:?}: a refused call changed the held parameters"
+            );
+        }
+    }
+}
+
+/// A step of no micro-batches has no share to give one: refused, not a NaN loss.
+#[test]
+fn a_share_of_no_micro_batches_is_refused() {
+    let device = Device::default().autodiff();
+    let outcomes = run_ranks(1, DEFAULT_TIMEOUT, |comm| {
+        let mut engine = Sharded::new(Strategy::Ddp, model(), comm, &device).unwrap();
+        let (input, target) = task().next_batch(&device, BatchPart { rank: 0, world: 1 });
+        engine.micro_step(input, target, &Share::Even(0), true)
+    })
+    .unwrap();
+    let refused = outcomes.into_iter().next().unwrap().unwrap().unwrap_err();
+    assert!(matches!(refused, ShardError::NoMicroBatches), "{refused}");
+}
+
+/// Ranks whose models differ all stop, naming the ranks: rank 0 too, which sends its values
+/// and, told nothing, waited for the others in the next collective.
+#[test]
+fn ranks_whose_models_differ_all_stop_naming_them() {
+    let device = Device::default().autodiff();
+    for strategy in [Strategy::Ddp, Strategy::Zero3] {
+        let outcomes = run_ranks(3, DEFAULT_TIMEOUT, |comm| {
+            let config = GptConfig::tiny().with_dropout(0.0);
+            let config = match comm.rank() {
+                2 => GptConfig {
+                    n_embd: 2 * config.n_embd,
+                    ..config
+                },
+                _ => config,
+            };
+            let model = Gpt::new(&config, &device).unwrap();
+            Sharded::new(strategy, model, comm, &device)
+                .err()
+                .map(|e| e.to_string())
+        })
+        .unwrap();
+        for (rank, outcome) in outcomes.into_iter().enumerate() {
+            let err = outcome.unwrap().unwrap_or_default();
+            assert!(
+                err.contains(&format!("rank {rank}: the ranks' models differ: the models of ranks [2] are not rank 0's")),
+                "{strategy:?} rank {rank}: {err}"
+            );
+        }
+    }
+}

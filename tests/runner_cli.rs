@@ -94,6 +94,11 @@ fn bad_flags_are_named() {
         "must be divisible by n_head",
     );
     fails_with(&["--block-size", "0"], "block_size");
+    // One flag sets the config's three dropouts: it is named, not the first of them.
+    fails_with(
+        &["--dropout", "1"],
+        "for '--dropout <DROPOUT>': dropout 1 is not in [0, 1)",
+    );
     fails_with(&["--model", "gpt5"], "unknown model preset `gpt5`");
     fails_with(
         &["--strategy", "single", "--devices", "2"],
@@ -227,6 +232,10 @@ fn flags_the_model_refuses_are_named_before_its_weights_are_read() {
             "--checkpoint-blocks 99 is more blocks",
         ),
         (&["--devices", "2"], "--strategy single trains on one rank"),
+        (
+            &["--dropout=-0.1"],
+            "for '--dropout <DROPOUT>': dropout -0.1 is not in",
+        ),
         // Loaded weights come whole in f32: nothing is left to create in 16 bits.
         (
             &["--precision", "bf16-true", "--init-on-device"],
@@ -410,6 +419,18 @@ fn consolidated_weights_keep_their_characters() {
             ckpt,
         ])
         .collect::<Vec<_>>(),
+    );
+    // A directory for the file is refused before any tensor is read, naming it; a path
+    // with no checkpoint is named for what is there, not "no checkpoint".
+    let taken = dir.path().to_str().unwrap();
+    example_fails_with("consolidate", &[ckpt, taken], "it is a directory");
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let empty = empty.to_str().unwrap();
+    example_fails_with(
+        "consolidate",
+        &[empty, "x.safetensors"],
+        "is not a complete checkpoint",
     );
     let out = dir.path().join("out.safetensors");
     example_succeeds("consolidate", &[ckpt, out.to_str().unwrap()]);

@@ -113,6 +113,28 @@ pub trait Communicator {
     }
 }
 
+/// Every rank's `mine` (the same count on every rank), in rank order: an all-gather, for
+/// small integers the ranks agree on (flags' hashes, counts, outcomes).
+pub fn gather_u64s(
+    comm: &dyn Communicator,
+    mine: &[u64],
+) -> Result<Vec<Vec<u64>>, CollectiveError> {
+    // As 16-bit pieces, which f32 holds exactly.
+    let pieces: Vec<f32> = mine
+        .iter()
+        .flat_map(|&v| (0..4).rev().map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32))
+        .collect();
+    let all = comm.all_gather(&Buffer::F32(pieces))?.to_f32();
+    Ok(all
+        .chunks(4 * mine.len())
+        .map(|rank| {
+            rank.chunks(4)
+                .map(|p| p.iter().fold(0u64, |v, &piece| (v << 16) | piece as u64))
+                .collect()
+        })
+        .collect())
+}
+
 /// Whether this process was started by `mpirun` (Open MPI, MPICH/Hydra or PMIx launchers),
 /// whether or not this build has the `mpi` feature that can join its world.
 pub fn launched_by_mpirun() -> bool {

@@ -251,6 +251,12 @@ impl SafetensorsWriter {
             path: path.to_path_buf(),
             reason,
         };
+        // Found now, not by the rename after every tensor is written.
+        if path.is_dir() {
+            return Err(save_error(
+                "it is a directory: give a file's name (model.safetensors)".into(),
+            ));
+        }
         let mut infos = Vec::with_capacity(plan.len());
         let mut entries = HashMap::with_capacity(plan.len());
         let mut offset = 0;
@@ -381,9 +387,13 @@ impl SafetensorsWriter {
             source,
         })?;
         drop(file);
-        std::fs::rename(&self.partial, &self.path).map_err(|source| WeightError::Write {
-            path: self.path.clone(),
-            source,
+        std::fs::rename(&self.partial, &self.path).map_err(|source| {
+            // A file the size of the model, under no name a run reads.
+            let _ = std::fs::remove_file(&self.partial);
+            WeightError::Write {
+                path: self.path.clone(),
+                source,
+            }
         })
     }
 }
@@ -1009,5 +1019,19 @@ mod tests {
         assert!(err.contains("`c` is not in the file's plan"), "{err}");
         drop(writer);
         assert!(!path.exists() && !partial.exists());
+
+        // A directory where the file goes: refused at once, or (made while the file was
+        // written) by the rename, which leaves no partial file behind.
+        std::fs::create_dir_all(&path).unwrap();
+        let err = SafetensorsWriter::create(&path, &plan).err().unwrap();
+        assert!(err.to_string().contains("it is a directory"), "{err}");
+        std::fs::remove_dir(&path).unwrap();
+        let mut writer = SafetensorsWriter::create(&path, &plan).unwrap();
+        writer.write("a", &[1.0, 2.0]).unwrap();
+        writer.write("b", &[3.0]).unwrap();
+        std::fs::create_dir_all(path.join("taken")).unwrap();
+        writer.finish().unwrap_err();
+        assert!(!partial.exists());
+        std::fs::remove_dir_all(&path).unwrap();
     }
 }

@@ -4,7 +4,7 @@ use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType as TensorDType, Gradients};
-use burnscale_collective::{Communicator, DType, ReduceOp, tensor_dtype};
+use burnscale_collective::{Communicator, DType, ReduceOp, gather_u64s, tensor_dtype};
 use burnscale_nn::{BlockModel, Flops, RootWeights, autocast, autodiff_on, dropout, regather};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
@@ -102,6 +102,24 @@ pub struct StepOutcome {
     pub skipped: bool,
 }
 
+/// `Ok` if every rank's model has rank 0's parameters (paths and shapes), before any value is
+/// sent: else every rank stops naming the ranks whose model differs (rank 0 included, which
+/// a broadcast's length check alone would leave waiting for them in the next collective).
+fn same_layout_on_every_rank(comm: &dyn Communicator, slots: &[Slot]) -> Result<(), ShardError> {
+    let all = gather_u64s(comm, &layout::fingerprint(slots))?;
+    let differ: Vec<usize> = (1..all.len()).filter(|&r| all[r] != all[0]).collect();
+    match differ.first() {
+        None => Ok(()),
+        Some(&first) => Err(ShardError::ModelMismatch {
+            rank: comm.rank(),
+            detail: format!(
+                "the models of ranks {differ:?} are not rank 0's (rank {first}: {} parameters of {} values, rank 0: {} of {}, or their paths or shapes differ): build the same model on every rank",
+                all[first][0], all[first][1], all[0][0], all[0][1]
+            ),
+        }),
+    }
+}
+
 impl<'c, M: BlockModel> Sharded<'c, M> {
     /// Applies `strategy` to `model` on `device`. Every rank starts from rank 0's parameters
     /// (broadcast), then keeps what the strategy gives it.
@@ -120,6 +138,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     second: slot.path.clone(),
                 });
             }
+        }
+        if comm.world_size() > 1 {
+            same_layout_on_every_rank(comm, &slots)?;
         }
         let buckets = layout::buckets(&slots, BUCKET_ELEMS)
             .into_iter()
@@ -305,6 +326,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         share: &Share,
         last: bool,
     ) -> Result<(), ShardError> {
+        if let Share::Even(0) = share {
+            return Err(ShardError::NoMicroBatches);
+        }
         // Checkpointed blocks are recomputed block by block; gathered units are dropped as
         // backward leaves each (or, resharded, their weights after forward); and in later
         // micro-steps of an accumulation into whole sums a plain backward would hand back
@@ -627,11 +651,31 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Replaces what this rank holds of the parameters in `values` (by id, flat, as
-    /// [`Sharded::held_parameters`] gives them), cast to the dtype each is stored in.
-    pub fn set_held_parameters(&mut self, values: Flat) {
-        let model = self.model.take().expect(PRESENT);
+    /// [`Sharded::held_parameters`] gives them), cast to the dtype each is stored in. A value
+    /// for no parameter of the model, or of another length than this rank holds, is
+    /// [`ShardError::HeldValues`], with nothing replaced.
+    pub fn set_held_parameters(&mut self, values: Flat) -> Result<(), ShardError> {
         let by_id: HashMap<ParamId, &Slot> = self.slots.iter().map(|s| (s.id, s)).collect();
         let sharded = self.sharding.parameters;
+        for (id, value) in &values {
+            let Some(slot) = by_id.get(id) else {
+                return Err(ShardError::HeldValues(format!(
+                    "parameter {id} is not one of the model's"
+                )));
+            };
+            let held: usize = match sharded {
+                true => slot.shard_dims().iter().product(),
+                false => slot.numel(),
+            };
+            if value.dims()[0] != held {
+                return Err(ShardError::HeldValues(format!(
+                    "`{}` is given {} values, this rank holds {held}",
+                    slot.path,
+                    value.dims()[0]
+                )));
+            }
+        }
+        let model = self.model.take().expect(PRESENT);
         // Shards stay plain tensors where they live (the host when offloaded); a replica's
         // parameters are tracked on the autodiff device.
         let home = match sharded {
@@ -653,6 +697,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             true => params::set_values(model, shaped, &home, Track::No),
             false => params::set_values(model, shaped, &self.device, self.track(true)),
         });
+        Ok(())
     }
 
     /// The loss scaler (`16-mixed`), for a checkpoint ([`Sharded::restore_scaler`]).

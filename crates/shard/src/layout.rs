@@ -102,6 +102,19 @@ pub fn slots<M: Module>(module: &M, world: usize) -> Vec<Slot> {
     collect.slots
 }
 
+/// What ranks compare before they share values: the parameter count, the values' count, and a
+/// hash of every parameter's path and dims in order (std's fixed-key hasher: alike in every
+/// process of a build).
+pub fn fingerprint(slots: &[Slot]) -> [u64; 3] {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::hash::DefaultHasher::new();
+    for slot in slots {
+        (&slot.path, &slot.dims).hash(&mut hasher);
+    }
+    let values: usize = slots.iter().map(Slot::numel).sum();
+    [slots.len() as u64, values as u64, hasher.finish()]
+}
+
 /// Consecutive groups of slots of at most `cap` elements each (a larger slot alone): one
 /// collective per group instead of one per tensor, as DDP's gradient buckets.
 pub fn buckets(slots: &[Slot], cap: usize) -> Vec<Range<usize>> {

@@ -175,6 +175,14 @@ pub enum ShardError {
         "step called with gradients not yet reduced over the ranks: an optimizer step's last micro-step must pass last = true (and none may follow it)"
     )]
     UnreducedGradients,
+    /// [`Sharded::micro_step`] given [`Share::Even`]`(0)`: a share of 1/0.
+    #[error(
+        "Share::Even(0): an optimizer step of no micro-batches gives each an infinite share of its loss; give the step's number of micro-batches"
+    )]
+    NoMicroBatches,
+    /// [`Sharded::set_held_parameters`] given a value it cannot hold.
+    #[error("cannot set the held parameters: {0}")]
+    HeldValues(String),
     #[error("{n} blocks to checkpoint, but the model has {depth}")]
     CheckpointedBlocks { n: usize, depth: usize },
     #[error(transparent)]

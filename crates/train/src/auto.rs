@@ -17,7 +17,7 @@
 //! from a checkpoint weighs the checkpoint's precision alone, which it must continue in.
 
 use burn::prelude::*;
-use burnscale_collective::{Communicator, launched_by_mpirun, launcher_world_size};
+use burnscale_collective::{Communicator, gather_u64s, launched_by_mpirun, launcher_world_size};
 use burnscale_shard::Checkpointing;
 use clap::ValueEnum;
 use serde::Serialize;
@@ -28,7 +28,6 @@ use crate::cli::{Offload, Strategy, TrainArgs, value_name};
 use crate::memory::{self, human_bytes};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::runner::TrainTask;
-use crate::runner::gather_u64s;
 use crate::{Precision, TrainError};
 
 /// One configuration weighed, and what the planner said of it.

@@ -19,7 +19,7 @@ use burn::optim::StateSink;
 use burn::prelude::*;
 use burn::store::burn_pack::Scalar;
 use burn::tensor::DType as TensorDType;
-use burnscale_collective::Communicator;
+use burnscale_collective::{Communicator, gather_u64s};
 pub use burnscale_nn::weights::config_path;
 use burnscale_nn::weights::{KeyMap, Planned, SafetensorsWriter, Weight};
 use burnscale_nn::{BlockModel, dropout};
@@ -33,7 +33,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::cli::{TrainArgs, value_name};
 use crate::optim::{LrSchedule, ParamOptimizer};
-use crate::runner::{BatchPart, TrainTask, gather_u64s};
+use crate::runner::{BatchPart, TrainTask};
 use crate::{TrainError, fault};
 
 /// The layout version `meta.json` records; another one is refused.
@@ -79,6 +79,10 @@ pub enum CheckpointError {
         "rank {rank} could not write its part of checkpoint step {step} (its own error says why)"
     )]
     PeerWrite { rank: usize, step: usize },
+    #[error(
+        "--checkpoint-dir {path}: ranks {ranks:?} do not see the file rank 0 wrote there: a checkpoint is one directory its ranks write together, so give one on a file system every node mounts (checked before training)"
+    )]
+    NotShared { path: PathBuf, ranks: Vec<usize> },
 }
 
 /// A checkpoint's `meta.json`.
@@ -180,6 +184,47 @@ pub fn check_writable(root: &Path) -> Result<(), CheckpointError> {
     };
     fs::create_dir_all(root).map_err(not_writable)?;
     probe_writable(root).map_err(not_writable)
+}
+
+/// `Ok` if every rank sees the file rank 0 writes under `root` (each rank's own path to it,
+/// as given): a directory local to each node would fail the first save, the steps before it
+/// lost. Rank 0 writes a marker named by a number only this run draws; every rank looks for
+/// it; all stop alike, naming the ranks that do not see it.
+pub(crate) fn check_shared(comm: &dyn Communicator, root: &Path) -> Result<(), TrainError> {
+    let marker = |token: u64| root.join(format!(".shared-{token:016x}"));
+    let mine = match comm.rank() {
+        0 => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let token = nanos ^ (u64::from(std::process::id()) << 32);
+            let written = fs::write(marker(token), b"");
+            [token, written.is_ok() as u64]
+        }
+        _ => [0, 1],
+    };
+    let tokens = gather_u64s(comm, &mine)?;
+    let [token, written] = [tokens[0][0], tokens[0][1]];
+    if written == 0 {
+        return Err(CheckpointError::NotWritable {
+            path: root.to_path_buf(),
+            source: std::io::Error::other("rank 0 could not write a file there"),
+        }
+        .into());
+    }
+    let seen = gather_u64s(comm, &[marker(token).is_file() as u64])?;
+    if comm.rank() == 0 {
+        let _ = fs::remove_file(marker(token));
+    }
+    let ranks: Vec<usize> = (0..seen.len()).filter(|&r| seen[r][0] == 0).collect();
+    match ranks.is_empty() {
+        true => Ok(()),
+        false => Err(CheckpointError::NotShared {
+            path: root.to_path_buf(),
+            ranks,
+        }
+        .into()),
+    }
 }
 
 /// Writes a file into `dir` and removes it: whether the run can create files there (a
@@ -358,16 +403,24 @@ fn complete(partial: &Path, done: &Path, meta: &Meta) -> Result<(), CheckpointEr
     let json = sealed(meta).map_err(|e| io(std::io::Error::other(e)))?;
     File::create(&meta_path)
         .and_then(|mut f| std::io::Write::write_all(&mut f, &json).and_then(|()| f.sync_all()))
-        .and_then(|()| File::open(partial)?.sync_all())
+        .and_then(|()| sync_dir(partial))
         .map_err(&io)?;
     if done.exists() {
         fs::remove_dir_all(done).map_err(io_error(done))?;
     }
     fs::rename(partial, done).map_err(io_error(done))?;
     let root = done.parent().unwrap_or(Path::new("."));
-    File::open(root)
-        .and_then(|d| d.sync_all())
-        .map_err(io_error(root))
+    sync_dir(root).map_err(io_error(root))
+}
+
+/// Flushes `dir`'s entries (names created, renamed) to disk. A file system that cannot sync a
+/// directory says EINVAL (as some network ones do): its entries are as durable as it makes
+/// them, which PostgreSQL's `fsync_fname` accepts too.
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    match File::open(dir)?.sync_all() {
+        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => Ok(()),
+        synced => synced,
+    }
 }
 
 /// Removes all but the newest `keep` complete checkpoints under `root`, and what interrupted
@@ -1429,7 +1482,7 @@ pub fn restore<T: TrainTask>(
         let data = ckpt.rows("param", saved[slot.path.as_str()], from, count, pad)?;
         values.insert(slot.id, flat(data, &inner));
     }
-    engine.set_held_parameters(values);
+    engine.set_held_parameters(values)?;
     let slots: HashMap<String, Slot> = engine
         .slots()
         .iter()
@@ -1513,6 +1566,37 @@ fn flat(data: TensorData, device: &Device) -> Tensor<1> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A checkpoint directory that is not one directory for all ranks (here rank 2's path
+    /// is another directory, as a node's local disk would be) stops every rank before
+    /// training, naming the ranks that do not see rank 0's file; one directory passes, and
+    /// is left as it was.
+    #[test]
+    fn a_checkpoint_directory_the_ranks_do_not_share_is_refused() {
+        use burnscale_collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
+        let base = std::env::temp_dir().join(format!("burnscale-shared-{}", std::process::id()));
+        let (shared, local) = (base.join("shared"), base.join("local"));
+        for dir in [&shared, &local] {
+            fs::create_dir_all(dir).unwrap();
+        }
+        let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
+            let dir = if comm.rank() == 2 { &local } else { &shared };
+            check_shared(&comm, dir).map_err(|e| e.to_string())
+        });
+        for rank in ranks {
+            let err = rank.unwrap().unwrap_err();
+            assert!(
+                err.contains("ranks [2] do not see the file rank 0 wrote there"),
+                "{err}"
+            );
+        }
+        let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
+            check_shared(&comm, &shared).is_ok()
+        });
+        assert!(ranks.into_iter().all(|r| r == Ok(true)));
+        assert_eq!(fs::read_dir(&shared).unwrap().count(), 0);
+        fs::remove_dir_all(&base).unwrap();
+    }
 
     /// Ranks that see different newest checkpoints (one directory listed differently on
     /// two nodes) all stop, naming what each found; one that could not read it stops with

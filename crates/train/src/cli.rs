@@ -210,8 +210,8 @@ pub struct TrainArgs {
     #[arg(long)]
     pub min_8bit_size: Option<usize>,
     /// With --optimizer adafactor: steps of min(--lr, 1/sqrt(t)) times each parameter's RMS
-    /// (HF's relative_step and scale_parameter; HF caps the step at 1e-2: --lr 1e-2
-    /// --schedule constant) instead of --lr itself.
+    /// (HF's relative_step and scale_parameter) instead of --lr itself; without --lr and
+    /// --schedule, HF's own: a cap of 1e-2, constant.
     #[arg(long)]
     pub adafactor_relative_step: bool,
     /// With --optimizer adam8bit, keep embedding tables' state in 32 bits (bitsandbytes'
@@ -225,15 +225,17 @@ pub struct TrainArgs {
     /// `set_require_grad(false)`.
     #[arg(long, value_delimiter = ',')]
     pub freeze: Vec<String>,
-    /// Peak learning rate.
-    #[arg(long, default_value_t = 5e-4)]
-    pub lr: f64,
+    /// Peak learning rate (default 5e-4; mingpt_char's 2e-3, the finetuning examples' 1e-4;
+    /// under --adafactor-relative-step the cap on the relative step, default HF's 1e-2).
+    #[arg(long)]
+    pub lr: Option<f64>,
     /// Weight decay, applied to rank >= 2 parameters only: matrices and embeddings (as
     /// nanoGPT; minGPT also spares embeddings). Decoupled from the gradient for adamw,
     /// adam8bit and adafactor; for adam and sgd an L2 term added to it, as torch.optim's
-    /// Adam and SGD do.
-    #[arg(long, default_value_t = 0.1)]
-    pub weight_decay: f64,
+    /// Adam and SGD do. Default: 0.1 for adamw and adam8bit (nanoGPT's), 0 for the others
+    /// (torch.optim's and HF's Adafactor's); the finetuning examples' for every optimizer.
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
     /// The first moment's decay: Adam and AdamW's beta1 (default 0.9); Adafactor keeps a
     /// first moment only when it is given.
     #[arg(long)]
@@ -250,8 +252,10 @@ pub struct TrainArgs {
     /// SGD's momentum (default 0.9; 0 disables it).
     #[arg(long)]
     pub momentum: Option<f64>,
-    #[arg(long, value_enum, default_value = "cosine")]
-    pub schedule: Schedule,
+    /// cosine, or constant (the default under --adafactor-relative-step, whose step decays by
+    /// itself).
+    #[arg(long, value_enum)]
+    pub schedule: Option<Schedule>,
     /// Linear warm-up steps before the schedule.
     #[arg(long, default_value_t = 0)]
     pub warmup_steps: usize,
@@ -359,6 +363,16 @@ pub fn parse_seconds(text: &str) -> Result<Duration, String> {
         )),
     }
 }
+
+/// The peak learning rate when `--lr` is not given.
+pub const LR: f64 = 5e-4;
+
+/// The cap on Adafactor's relative step when `--lr` is not given (HF's).
+pub const RELATIVE_STEP_LR: f64 = 1e-2;
+
+/// AdamW's and adam8bit's weight decay when `--weight-decay` is not given (nanoGPT's); the
+/// other optimizers' is 0.
+pub const ADAMW_WEIGHT_DECAY: f64 = 0.1;
 
 /// Adam's and AdamW's first-moment decay when `--beta1` is not given.
 pub const ADAM_BETA1: f64 = 0.9;
@@ -490,6 +504,43 @@ impl TrainArgs {
         }
     }
 
+    /// The peak learning rate: `--lr`, or its default (under a relative step, HF's cap).
+    pub fn lr(&self) -> f64 {
+        let relative = self.adafactor_relative_step;
+        self.lr
+            .unwrap_or(if relative { RELATIVE_STEP_LR } else { LR })
+    }
+
+    /// The weight decay: `--weight-decay`, or this optimizer's default.
+    pub fn weight_decay(&self) -> f64 {
+        let adamw = matches!(
+            self.optimizer,
+            OptimizerKind::Adamw | OptimizerKind::Adam8bit
+        );
+        self.weight_decay
+            .unwrap_or(if adamw { ADAMW_WEIGHT_DECAY } else { 0.0 })
+    }
+
+    /// The schedule: `--schedule`, or constant under Adafactor's relative step (as HF's,
+    /// whose step decays by itself), cosine otherwise.
+    pub fn schedule(&self) -> Schedule {
+        let relative = self.adafactor_relative_step;
+        self.schedule.unwrap_or(if relative {
+            Schedule::Constant
+        } else {
+            Schedule::Cosine
+        })
+    }
+
+    /// These arguments with `--lr` defaulting to `lr` where none was given and the step is
+    /// not relative (whose cap keeps HF's default): a program's own default.
+    pub fn with_default_lr(mut self, lr: f64) -> Self {
+        if !self.adafactor_relative_step {
+            self.lr = self.lr.or(Some(lr));
+        }
+        self
+    }
+
     /// SGD's momentum: `--momentum`, or its default.
     pub fn sgd_momentum(&self) -> f64 {
         self.momentum.unwrap_or(SGD_MOMENTUM)
@@ -531,10 +582,14 @@ impl TrainArgs {
             ),
             (
                 "--min-lr-ratio",
-                self.min_lr_ratio.is_some() && self.schedule != Schedule::Cosine,
+                self.min_lr_ratio.is_some() && self.schedule() != Schedule::Cosine,
                 format!(
-                    "--schedule {}, which does not anneal",
-                    value_name(self.schedule)
+                    "--schedule {}{}, which does not anneal",
+                    value_name(self.schedule()),
+                    match self.schedule {
+                        None => " (--adafactor-relative-step's default)",
+                        Some(_) => "",
+                    }
                 ),
             ),
         ];
@@ -612,13 +667,13 @@ impl TrainArgs {
                 "--adafactor-relative-step",
                 self.adafactor_relative_step.to_string(),
             ),
-            ("--lr", format!("{:?}", self.lr)),
-            ("--weight-decay", format!("{:?}", self.weight_decay)),
+            ("--lr", format!("{:?}", self.lr())),
+            ("--weight-decay", format!("{:?}", self.weight_decay())),
             ("--beta1", format!("{:?}", self.beta1)),
             ("--beta2", format!("{:?}", self.beta2)),
             ("--adam-epsilon", format!("{:?}", self.adam_epsilon)),
             ("--momentum", format!("{:?}", self.momentum)),
-            ("--schedule", value_name(self.schedule)),
+            ("--schedule", value_name(self.schedule())),
             ("--warmup-steps", self.warmup_steps.to_string()),
             ("--min-lr-ratio", format!("{:?}", self.min_lr_ratio)),
             ("--batch-size", self.batch_size.to_string()),
@@ -690,6 +745,20 @@ impl TrainArgs {
     /// Where the ranks run: `--accelerator`, or its default on this machine.
     pub fn runs_on(&self) -> Accelerator {
         Accelerator::or_default(self.accelerator)
+    }
+
+    /// What `--offload` cannot do where the ranks' device is the host (a CPU run): save
+    /// device memory. The moves are still made and counted, as on a GPU; `--offload-dir`
+    /// still moves the state to disk.
+    pub fn offload_note(&self) -> Option<String> {
+        let on = self.runs_on();
+        (self.offload != Offload::None && self.offload_dir.is_none() && !on.on_gpu()).then(|| {
+            format!(
+                "--offload {} on --accelerator {}: the ranks' device is the host, so moving to it saves no memory; the moves are made and counted (host_transfer_bytes_per_step) as on a GPU",
+                value_name(self.offload),
+                on.name()
+            )
+        })
     }
 
     /// Where the model is built: `--accelerator`'s first device, with autodiff.
@@ -860,13 +929,13 @@ impl TrainArgs {
                 self.collective_timeout
             ));
         }
-        if !(self.lr > 0.0 && self.lr <= 1.0) {
-            return invalid(format!("--lr must be in (0, 1], got {}", self.lr));
+        let lr = self.lr();
+        if !(lr > 0.0 && lr <= 1.0) {
+            return invalid(format!("--lr must be in (0, 1], got {lr}"));
         }
-        if self.lr as f32 == 0.0 {
+        if lr as f32 == 0.0 {
             return invalid(format!(
-                "--lr {:e} is 0 in f32, the optimizers' dtype: nothing would train",
-                self.lr
+                "--lr {lr:e} is 0 in f32, the optimizers' dtype: nothing would train"
             ));
         }
         if let Some(ratio) = self.min_lr_ratio.filter(|r| !(0.0..=1.0).contains(r)) {
@@ -902,10 +971,11 @@ impl TrainArgs {
         }
         // NaN fails this too: a comparison with it is false.
         let usable = |v: f64| v >= 0.0 && v.is_finite();
-        if !(usable(self.grad_clip) && usable(self.weight_decay)) {
+        if !(usable(self.grad_clip) && usable(self.weight_decay())) {
             return invalid(format!(
                 "--grad-clip and --weight-decay must be finite and not negative (got {} and {})",
-                self.grad_clip, self.weight_decay
+                self.grad_clip,
+                self.weight_decay()
             ));
         }
         // As torch.optim refuses them: a beta of 1 divides Adam's bias correction by 0.
@@ -1105,7 +1175,7 @@ mod tests {
         assert_eq!(format!("{from_json:?}"), format!("{from_flags:?}"));
         // A negative number is a value, not a flag (that validation then names).
         let negative = TrainArgs::from_json(&serde_json::json!({"weight_decay": -0.1})).unwrap();
-        assert_eq!(negative.weight_decay, -0.1);
+        assert_eq!(negative.weight_decay, Some(-0.1));
         for (json, says) in [
             (
                 serde_json::json!({"max_step": 7}),
@@ -1301,6 +1371,30 @@ mod tests {
     }
 
     #[test]
+    fn offloading_to_the_host_a_cpu_run_is_on_is_noted() {
+        let cpu = ["--accelerator", "cpu"];
+        let note = parse(&[&cpu[..], &["--offload", "optimizer"]].concat())
+            .unwrap()
+            .offload_note()
+            .unwrap();
+        assert!(
+            note.starts_with(
+                "--offload optimizer on --accelerator cpu: the ranks' device is the host"
+            ),
+            "{note}"
+        );
+        for quiet in [
+            &[][..],
+            &["--offload", "optimizer", "--offload-dir", "/tmp/x"],
+        ] {
+            assert_eq!(
+                parse(&[&cpu[..], quiet].concat()).unwrap().offload_note(),
+                None
+            );
+        }
+    }
+
+    #[test]
     fn offloading_parameters_needs_zero3() {
         let err = refused(&["--offload", "params", "--strategy", "zero2"]);
         assert!(err.contains("needs --strategy zero3"), "{err}");
@@ -1487,6 +1581,44 @@ mod tests {
             .unwrap()
             .with_default_beta2(0.999);
         assert_eq!(given.adam().beta2, 0.9);
+    }
+
+    /// Defaults as the optimizer's own library has them: nanoGPT's decay for AdamW and 8-bit
+    /// AdamW only (torch.optim's SGD and Adam and HF's Adafactor decay nothing unless asked),
+    /// and HF's Adafactor step (a cap of 1e-2, constant) for a relative step.
+    #[test]
+    fn unset_optimizer_settings_take_the_optimizers_defaults() {
+        let decay = |flags: &[&str]| parse(flags).unwrap().weight_decay();
+        assert_eq!(decay(&[]), ADAMW_WEIGHT_DECAY);
+        assert_eq!(decay(&["--optimizer", "adam8bit"]), ADAMW_WEIGHT_DECAY);
+        for optimizer in ["sgd", "adam", "adafactor"] {
+            assert_eq!(decay(&["--optimizer", optimizer]), 0.0, "{optimizer}");
+            let given = ["--optimizer", optimizer, "--weight-decay", "0.01"];
+            assert_eq!(decay(&given), 0.01, "{optimizer}");
+        }
+        assert_eq!(decay(&["--weight-decay", "0"]), 0.0);
+
+        let absolute = parse(&["--optimizer", "adafactor"]).unwrap();
+        assert_eq!((absolute.lr(), absolute.schedule()), (LR, Schedule::Cosine));
+        let relative = ["--optimizer", "adafactor", "--adafactor-relative-step"];
+        let hf = parse(&relative).unwrap();
+        assert_eq!(
+            (hf.lr(), hf.schedule()),
+            (RELATIVE_STEP_LR, Schedule::Constant)
+        );
+        // A program's own rate is an absolute step's, not the relative step's cap.
+        assert_eq!(hf.clone().with_default_lr(1e-4).lr(), RELATIVE_STEP_LR);
+        assert_eq!(absolute.with_default_lr(1e-4).lr(), 1e-4);
+        let given = parse(&[&relative[..], &["--lr", "1e-3", "--schedule", "cosine"]].concat());
+        let given = given.unwrap().with_default_lr(1e-4);
+        assert_eq!((given.lr(), given.schedule()), (1e-3, Schedule::Cosine));
+        // Annealing is not read where the schedule defaults to constant, and says why.
+        let ratio = parse(&[&relative[..], &["--min-lr-ratio", "0.5"]].concat()).unwrap();
+        let refused = ratio.validate().unwrap_err().to_string();
+        assert!(
+            refused.contains("--schedule constant (--adafactor-relative-step's default)"),
+            "{refused}"
+        );
     }
 
     #[test]

@@ -119,8 +119,9 @@ mod dry {
     use super::{DevicePlan, Resolved};
     use crate::auto::{self, Budget};
     use crate::optim::ParamOptimizer;
-    use crate::runner::{self, BatchPart, TrainTask, gather_u64s};
+    use crate::runner::{self, BatchPart, TrainTask};
     use crate::{Strategy, TrainArgs, TrainError};
+    use burnscale_collective::gather_u64s;
 
     /// Plans `model`'s run on this rank of `comm`: `args`' configuration, or under `auto` the
     /// first of its candidates planned within the budget on every rank (an error naming each
@@ -271,7 +272,7 @@ mod dry {
             let engine_built = reserved(device).saturating_sub(held);
             for _ in 0..args.steps_to_peak() {
                 runner::micro_steps(&mut engine, &mut task, T::largest_batch, args, device, part)?;
-                runner::optimizer_step(&mut engine, &mut optim, args.lr, args)?;
+                runner::optimizer_step(&mut engine, &mut optim, args.lr(), args)?;
             }
             // An evaluation's forward, on the validation set's largest batch (every rank the
             // same one, each joining ZeRO-3's gathers): at its own batch size it can reserve

@@ -107,12 +107,12 @@ impl ParamOptimizer {
                 beta_1: b1,
                 beta_2: b2,
                 epsilon: eps,
-                weight_decay: args.weight_decay as f32,
+                weight_decay: args.weight_decay() as f32,
             });
             (optim, eight_bit_paths(model, args))
         });
         let adafactor = (args.optimizer == OptimizerKind::Adafactor).then(|| Factored {
-            decay: adafactor(args.weight_decay),
+            decay: adafactor(args.weight_decay()),
             no_decay: adafactor(0.0),
             slots: layout::slots(model, 1)
                 .into_iter()
@@ -120,7 +120,7 @@ impl ParamOptimizer {
                 .collect(),
         });
         let ((decay, decay_adamw), (no_decay, no_decay_adamw)) =
-            (build(args.weight_decay), build(0.0));
+            (build(args.weight_decay()), build(0.0));
         Ok(Self {
             kind: args.optimizer,
             decay,
@@ -622,11 +622,38 @@ impl ModuleMapper for StepMapper<'_> {
 }
 
 /// `Ok` if the optimizer can train `model` as `args` say: `--embedding-state-32bit` has an
-/// embedding table to act on. Checked once on the model given, before any plan or rank.
+/// embedding table to act on, one that trains and would otherwise keep 8-bit state. Checked
+/// once on the model given, before any plan or rank.
 pub(crate) fn check_trains<M: Module>(model: &M, args: &TrainArgs) -> Result<(), TrainError> {
-    if args.embedding_state_32bit && embedding_paths(model).is_empty() {
-        return Err(TrainError::InvalidArgs(
-            "--embedding-state-32bit keeps embedding tables' state in 32 bits, but this model has none (no burn `Embedding`): drop the flag".into(),
+    if !args.embedding_state_32bit {
+        return Ok(());
+    }
+    let refused = |why: String| {
+        Err(TrainError::InvalidArgs(format!(
+            "--embedding-state-32bit keeps embedding tables' state in 32 bits, but {why}: drop the flag"
+        )))
+    };
+    let tables = embedding_paths(model);
+    if tables.is_empty() {
+        return refused("this model has none (no burn `Embedding`)".into());
+    }
+    let frozen = crate::freeze::known_frozen(model, &args.freeze);
+    let trained: Vec<Slot> = layout::slots(model, 1)
+        .into_iter()
+        .filter(|s| tables.contains(&s.path) && !frozen.contains(&s.id))
+        .collect();
+    if trained.is_empty() {
+        return refused("every embedding table is frozen: they keep no state".into());
+    }
+    let min = args.min_8bit_size.unwrap_or(MIN_8BIT_SIZE);
+    if !trained.iter().any(|s| AdamW8bit::quantizes(&s.dims, min)) {
+        let sizes: Vec<String> = trained
+            .iter()
+            .map(|s| format!("{} {:?}", s.path, s.dims))
+            .collect();
+        return refused(format!(
+            "the embedding tables ({}) are below --min-8bit-size {min} elements, so their state is 32-bit already",
+            sizes.join(", ")
         ));
     }
     Ok(())
@@ -776,13 +803,13 @@ pub struct LrSchedule {
 
 impl LrSchedule {
     pub fn new(args: &TrainArgs) -> Self {
-        let cosine = (args.schedule == Schedule::Cosine).then(|| {
-            let min = args.lr * args.min_lr_ratio.unwrap_or(MIN_LR_RATIO);
+        let cosine = (args.schedule() == Schedule::Cosine).then(|| {
+            let min = args.lr() * args.min_lr_ratio.unwrap_or(MIN_LR_RATIO);
             (min, args.max_steps.saturating_sub(args.warmup_steps).max(1))
         });
         Self {
             warmup: args.warmup_steps,
-            peak: args.lr,
+            peak: args.lr(),
             cosine,
             step: 0,
         }
@@ -793,11 +820,11 @@ impl LrSchedule {
     /// depend on the run's length.
     pub fn flags(args: &TrainArgs) -> BTreeMap<String, String> {
         let mut flags = BTreeMap::from([
-            ("--lr".to_string(), args.lr.to_string()),
-            ("--schedule".to_string(), value_name(args.schedule)),
+            ("--lr".to_string(), args.lr().to_string()),
+            ("--schedule".to_string(), value_name(args.schedule())),
             ("--warmup-steps".to_string(), args.warmup_steps.to_string()),
         ]);
-        if args.schedule == Schedule::Cosine {
+        if args.schedule() == Schedule::Cosine {
             let ratio = args.min_lr_ratio.unwrap_or(MIN_LR_RATIO);
             flags.insert("--min-lr-ratio".to_string(), ratio.to_string());
             flags.insert("--max-steps".to_string(), args.max_steps.to_string());
@@ -812,9 +839,9 @@ impl LrSchedule {
         (warmup > 0 && warmup >= steps).then(|| {
             format!(
                 "--warmup-steps {warmup} is not below --max-steps {steps}: the run ends in its warm-up, at {:.3e}, {:.0}% of --lr, and never reaches the {} schedule after it",
-                args.lr * steps as f64 / warmup as f64,
+                args.lr() * steps as f64 / warmup as f64,
                 100.0 * steps as f64 / warmup as f64,
-                value_name(args.schedule)
+                value_name(args.schedule())
             )
         })
     }
@@ -844,7 +871,10 @@ pub fn optimizer_flags(args: &TrainArgs) -> BTreeMap<String, String> {
         false => args.freeze.join(","),
     };
     let mut flags = BTreeMap::from([
-        ("--weight-decay".to_string(), args.weight_decay.to_string()),
+        (
+            "--weight-decay".to_string(),
+            args.weight_decay().to_string(),
+        ),
         ("--grad-clip".to_string(), args.grad_clip.to_string()),
         ("--freeze".to_string(), frozen),
     ]);
@@ -934,7 +964,8 @@ mod tests {
     #[test]
     fn embedding_state_32bit_needs_an_embedding_table() {
         use burn::nn::{EmbeddingConfig, LinearConfig};
-        let flags = args(&["--optimizer", "adam8bit", "--embedding-state-32bit"]);
+        let given = ["--optimizer", "adam8bit", "--embedding-state-32bit"];
+        let flags = args(&given);
         let device = Device::flex();
         let table = EmbeddingConfig::new(5000, 8).init(&device);
         check_trains(&table, &flags).unwrap();
@@ -942,6 +973,19 @@ mod tests {
         let linear = LinearConfig::new(4, 3).init(&device);
         let err = check_trains(&linear, &flags).unwrap_err();
         assert!(err.to_string().contains("this model has none"), "{err}");
+        // A table that would keep 32-bit state anyway leaves the flag nothing to do.
+        let frozen = args(&[&given[..], &["--freeze", "weight"]].concat());
+        let err = check_trains(&table, &frozen).unwrap_err();
+        assert!(err.to_string().contains("is frozen"), "{err}");
+        let small = EmbeddingConfig::new(500, 8).init(&device);
+        let err = check_trains(&small, &flags).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("(weight [500, 8]) are below --min-8bit-size 4096"),
+            "{err}"
+        );
+        let lower = args(&[&given[..], &["--min-8bit-size", "4000"]].concat());
+        check_trains(&small, &lower).unwrap();
     }
 
     /// Two AdamW steps of a linear layer (a decayed weight, an undecayed bias) with gradients

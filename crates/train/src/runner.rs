@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::prelude::*;
-use burnscale_collective::{Buffer, CollectiveBytes, Communicator, Counted, ReduceOp};
+use burnscale_collective::{Buffer, CollectiveBytes, Communicator, Counted, ReduceOp, gather_u64s};
 use burnscale_nn::BlockModel;
 use burnscale_nn::weights::{KeyMap, Saver, WeightError};
 use burnscale_precision::ScalerConfig;
@@ -346,8 +346,12 @@ fn run_rank<T: TrainTask>(
     check_args(args, device)?;
     let (rank, world) = (comm.rank(), comm.world_size());
     args.check_world(world)?;
+    // Thread ranks share their process's files; processes may not.
     if world > 1 && burnscale_collective::launched_by_mpirun() {
         check_flags_alike(comm, planned.given.unwrap_or(args))?;
+        if let Some(dir) = &args.checkpoint_dir {
+            checkpoint::check_shared(comm, dir)?;
+        }
     }
     let part = BatchPart { rank, world };
     // On a cubecl device the plan is a dry run of the steps (each candidate's, under
@@ -390,8 +394,10 @@ fn run_rank<T: TrainTask>(
     let keys = model.checkpoint_keys();
     let mut optim = ParamOptimizer::new(args, rank, &model)?;
     let mut schedule = LrSchedule::new(args);
-    if let Some(note) = LrSchedule::unreached(args).filter(|_| lead) {
-        eprintln!("note: {note}");
+    for note in [LrSchedule::unreached(args), args.offload_note()] {
+        if let Some(note) = note.filter(|_| lead) {
+            eprintln!("note: {note}");
+        }
     }
     let progress = progress_bar(args.max_steps as u64, lead);
     if let Some(plan) = device_plan.as_ref().filter(|_| lead && args.plan) {
@@ -1089,27 +1095,6 @@ fn evaluate<T: TrainTask>(
     let sum = |i: usize| all.iter().map(|rank| rank[i]).sum::<u64>() as f64;
     let accuracy = (sum(3) > 0.0).then(|| sum(2) / sum(3));
     Ok((loss / sum(1), accuracy))
-}
-
-/// Every rank's `mine` (the same count on every rank), in rank order: an all-gather.
-pub(crate) fn gather_u64s(
-    comm: &dyn Communicator,
-    mine: &[u64],
-) -> Result<Vec<Vec<u64>>, TrainError> {
-    // As 16-bit pieces, which f32 holds exactly.
-    let pieces: Vec<f32> = mine
-        .iter()
-        .flat_map(|&v| (0..4).rev().map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32))
-        .collect();
-    let all = comm.all_gather(&Buffer::F32(pieces))?.to_f32();
-    Ok(all
-        .chunks(4 * mine.len())
-        .map(|rank| {
-            rank.chunks(4)
-                .map(|p| p.iter().fold(0u64, |v, &piece| (v << 16) | piece as u64))
-                .collect()
-        })
-        .collect())
 }
 
 fn progress_bar(len: u64, show: bool) -> ProgressBar {
