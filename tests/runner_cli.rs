@@ -474,6 +474,10 @@ fn summary_reports_every_ranks_memory_and_no_host_transfers() {
         "{text}"
     );
     assert_eq!(summary["model_config"]["n_layer"], 4, "{text}");
+    // The optimizer's settings as resolved: mingpt_char's rate, AdamW's decay.
+    let resolved = (&summary["args"]["lr"], &summary["args"]["weight_decay"]);
+    assert_eq!(resolved, (&2e-3.into(), &0.1.into()), "{text}");
+    assert_eq!(summary["args"]["schedule"], "cosine", "{text}");
     let ranks = summary["ranks"].as_array().expect("ranks");
     assert_eq!(ranks.len(), 2, "{text}");
     for rank in ranks {

@@ -113,7 +113,7 @@ fn same_layout_on_every_rank(comm: &dyn Communicator, slots: &[Slot]) -> Result<
         Some(&first) => Err(ShardError::ModelMismatch {
             rank: comm.rank(),
             detail: format!(
-                "the models of ranks {differ:?} are not rank 0's (rank {first}: {} parameters of {} values, rank 0: {} of {}, or their paths or shapes differ): build the same model on every rank",
+                "the models of ranks {differ:?} are not rank 0's (rank {first}: {} parameters of {} values, rank 0: {} of {}, or their paths, shapes or tied weights differ): build the same model on every rank",
                 all[first][0], all[first][1], all[0][0], all[0][1]
             ),
         }),
@@ -130,6 +130,10 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         device: &Device,
     ) -> Result<Self, ShardError> {
         let slots = layout::slots(&model, comm.world_size());
+        // First: every rank then stops alike on what follows (a tied parameter included).
+        if comm.world_size() > 1 {
+            same_layout_on_every_rank(comm, &slots)?;
+        }
         let mut index: HashMap<ParamId, usize> = HashMap::new();
         for (i, slot) in slots.iter().enumerate() {
             if let Some(first) = index.insert(slot.id, i) {
@@ -138,9 +142,6 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                     second: slot.path.clone(),
                 });
             }
-        }
-        if comm.world_size() > 1 {
-            same_layout_on_every_rank(comm, &slots)?;
         }
         let buckets = layout::buckets(&slots, BUCKET_ELEMS)
             .into_iter()

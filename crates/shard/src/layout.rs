@@ -103,13 +103,14 @@ pub fn slots<M: Module>(module: &M, world: usize) -> Vec<Slot> {
 }
 
 /// What ranks compare before they share values: the parameter count, the values' count, and a
-/// hash of every parameter's path and dims in order (std's fixed-key hasher: alike in every
-/// process of a build).
+/// hash of every parameter's path, dims and which earlier place it is tied to, in order
+/// (std's fixed-key hasher: alike in every process of a build).
 pub fn fingerprint(slots: &[Slot]) -> [u64; 3] {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::hash::DefaultHasher::new();
     for slot in slots {
-        (&slot.path, &slot.dims).hash(&mut hasher);
+        let tied = slots.iter().position(|s| s.id == slot.id);
+        (&slot.path, &slot.dims, tied).hash(&mut hasher);
     }
     let values: usize = slots.iter().map(Slot::numel).sum();
     [slots.len() as u64, values as u64, hasher.finish()]

@@ -192,23 +192,26 @@ pub fn check_writable(root: &Path) -> Result<(), CheckpointError> {
 /// it; all stop alike, naming the ranks that do not see it.
 pub(crate) fn check_shared(comm: &dyn Communicator, root: &Path) -> Result<(), TrainError> {
     let marker = |token: u64| root.join(format!(".shared-{token:016x}"));
-    let mine = match comm.rank() {
+    let (mine, written) = match comm.rank() {
         0 => {
             let nanos = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64);
             let token = nanos ^ (u64::from(std::process::id()) << 32);
             let written = fs::write(marker(token), b"");
-            [token, written.is_ok() as u64]
+            ([token, written.is_ok() as u64], written)
         }
-        _ => [0, 1],
+        _ => ([0, 1], Ok(())),
     };
     let tokens = gather_u64s(comm, &mine)?;
-    let [token, written] = [tokens[0][0], tokens[0][1]];
-    if written == 0 {
+    let token = tokens[0][0];
+    if tokens[0][1] == 0 {
+        let source = written
+            .err()
+            .unwrap_or_else(|| std::io::Error::other("rank 0 could not write a file there"));
         return Err(CheckpointError::NotWritable {
             path: root.to_path_buf(),
-            source: std::io::Error::other("rank 0 could not write a file there"),
+            source,
         }
         .into());
     }

@@ -210,8 +210,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub min_8bit_size: Option<usize>,
     /// With --optimizer adafactor: steps of min(--lr, 1/sqrt(t)) times each parameter's RMS
-    /// (HF's relative_step and scale_parameter) instead of --lr itself; without --lr and
-    /// --schedule, HF's own: a cap of 1e-2, constant.
+    /// (HF's relative_step and scale_parameter) instead of --lr itself. --lr then defaults to
+    /// 1e-2 and --schedule to constant, each on its own: HF's step where neither is given and
+    /// there is no warm-up (the examples give one: --warmup-steps 0).
     #[arg(long)]
     pub adafactor_relative_step: bool,
     /// With --optimizer adam8bit, keep embedding tables' state in 32 bits (bitsandbytes'

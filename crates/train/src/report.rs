@@ -218,7 +218,8 @@ pub struct RunSummary {
     /// What checkpointing (`--checkpoint-dir`) took.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub checkpoints: Option<CheckpointReport>,
-    /// The flags the run trained with (`--strategy auto`'s choice in place of `auto`):
+    /// The flags the run trained with (`--strategy auto`'s choice in place of `auto`; the
+    /// learning rate, weight decay and schedule as the optimizer's defaults resolved them):
     /// [`TrainArgs::from_json`] of this object trains the same configuration again.
     pub args: TrainArgs,
     /// The model's configuration as the program gave it ([`TrainArgs::model_config`]; with
@@ -337,10 +338,14 @@ impl RunSummary {
             device_plan: None,
             auto: None,
             checkpoints: None,
+            // The settings as resolved (a default written out reads back as itself).
             args: TrainArgs {
                 stop: None,
                 on_step: None,
                 model_config: None,
+                lr: Some(args.lr()),
+                weight_decay: Some(args.weight_decay()),
+                schedule: Some(args.schedule()),
                 ..args.clone()
             },
             model_config: args.model_config.clone(),
