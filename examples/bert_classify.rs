@@ -127,7 +127,7 @@ fn run() -> Result<()> {
         |&(_, spam)| spam == 1,
         cli.test_fraction,
         cli.train.seed,
-    );
+    )?;
     let lead = launcher_rank() == 0;
     if lead {
         let spam = |rows: &[(Vec<i64>, i64)]| rows.iter().filter(|(_, spam)| *spam == 1).count();

@@ -156,7 +156,7 @@ fn run() -> Result<()> {
     };
     let vocab = CharVocab::new(&text);
     let tokens = vocab.encode(&text);
-    if tokens.len() < 20 * cli.block_size {
+    if tokens.len() / 20 < cli.block_size {
         bail!(
             "{} characters is too little text for block size {} (20 windows at least): give a smaller --block-size or a larger --data file",
             tokens.len(),

@@ -104,10 +104,7 @@ impl ImageSet {
     /// CIFAR-10 from the binary version's directory: `data_batch_1..5.bin` (those present) for
     /// training, `test_batch.bin` for testing.
     pub fn cifar10(dir: &Path) -> Result<(Self, Self), ImageDataError> {
-        let train: Vec<PathBuf> = (1..=5)
-            .map(|i| dir.join(format!("data_batch_{i}.bin")))
-            .filter(|p| p.is_file())
-            .collect();
+        let train = cifar10_batches(dir);
         if train.is_empty() {
             return Err(ImageDataError::Io {
                 path: dir.join("data_batch_1.bin"),
@@ -245,15 +242,26 @@ pub fn load(
     }
 }
 
+/// CIFAR-10's training batches present in `dir`, in order.
+fn cifar10_batches(dir: &Path) -> Vec<PathBuf> {
+    (1..=5)
+        .map(|i| dir.join(format!("data_batch_{i}.bin")))
+        .filter(|p| p.is_file())
+        .collect()
+}
+
 /// What a run records of its `--data` and `--test-fraction` (a checkpoint resumes only on the
-/// same): the split as [`load`] resolves it, so that the default fraction given or left out,
-/// or one CIFAR-10 directory written two ways, are the same data.
+/// same): the split as [`load`] resolves it, so that the default fraction given or left out
+/// are the same data; for CIFAR-10, which training batches are there (a directory given more
+/// or fewer of them is other data; the same batches moved elsewhere are not).
 pub fn recorded(source: &str, test_fraction: Option<f64>) -> serde_json::Value {
     match source.split_once(':') {
         Some(("cifar10", dir)) => {
-            let dir = expand_home(dir);
-            let dir = std::path::absolute(&dir).unwrap_or(dir);
-            serde_json::json!({ "data": format!("cifar10:{}", dir.display()) })
+            let batches: Vec<String> = cifar10_batches(&expand_home(dir))
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect();
+            serde_json::json!({ "data": "cifar10", "train_batches": batches })
         }
         _ => serde_json::json!({
             "data": source,
@@ -297,16 +305,19 @@ mod tests {
     fn the_same_split_is_recorded_alike_however_it_was_written() {
         assert_eq!(recorded("digits", None), recorded("digits", Some(0.2)));
         assert_ne!(recorded("digits", None), recorded("digits", Some(0.3)));
-        let home = std::env::var("HOME").unwrap();
-        assert_eq!(
-            recorded("cifar10:~/cifar", None),
-            recorded(&format!("cifar10:{home}/cifar"), None)
-        );
-        let cwd = std::env::current_dir().unwrap();
-        assert_eq!(
-            recorded("cifar10:cifar", None),
-            recorded(&format!("cifar10:{}", cwd.join("cifar").display()), None)
-        );
+        // CIFAR-10 by the training batches there: the same ones anywhere are the same data,
+        // one more or one fewer is not.
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        for dir in [a.path(), b.path()] {
+            for i in [1, 2] {
+                std::fs::write(dir.join(format!("data_batch_{i}.bin")), b"").unwrap();
+            }
+        }
+        let of = |dir: &Path| recorded(&format!("cifar10:{}", dir.display()), None);
+        assert_eq!(of(a.path()), of(b.path()));
+        assert_eq!(of(a.path())["train_batches"].as_array().unwrap().len(), 2);
+        std::fs::write(b.path().join("data_batch_3.bin"), b"").unwrap();
+        assert_ne!(of(a.path()), of(b.path()));
     }
 
     #[test]

@@ -185,14 +185,20 @@ fn worker_json(mut command: std::process::Command) -> anyhow::Result<serde_json:
         .output()
         .with_context(|| format!("cannot start the worker {command:?}"))?;
     if !out.status.success() {
-        anyhow::bail!("worker failed: {}", String::from_utf8_lossy(&out.stderr));
+        // A worker the OOM killer ended has no stderr: its status says how it ended.
+        anyhow::bail!(
+            "worker {command:?} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     let stdout = String::from_utf8_lossy(&out.stdout);
     let last = stdout
         .lines()
         .last()
-        .context("the worker printed nothing")?;
-    Ok(serde_json::from_str(last)?)
+        .with_context(|| format!("the worker {command:?} printed nothing"))?;
+    serde_json::from_str(last)
+        .with_context(|| format!("the worker {command:?} ended on a line that is not JSON: {last}"))
 }
 
 #[cfg(test)]

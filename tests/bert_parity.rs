@@ -120,6 +120,25 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
     let hidden = mlm.hidden_states(input(&io, &device));
     let diff = max_abs_diff(mlm.logits(hidden.clone()), &io["output.logits"]);
     assert!(diff < TOLERANCE, "logits differ by {diff}");
+    // A decoder of its own (`tie_word_embeddings: false`) would be dropped: refused.
+    let mut untied = pretraining.clone();
+    untied.retain(|w| w.key != "cls.predictions.decoder.weight");
+    let table = untied
+        .iter()
+        .find(|w| w.key.ends_with("embeddings.word_embeddings.weight"))
+        .unwrap();
+    let decoder = Weight {
+        key: "cls.predictions.decoder.weight".into(),
+        values: table.values.iter().map(|v| v + 1.0).collect(),
+        shape: table.shape.clone(),
+    };
+    untied.push(decoder);
+    let mlm_config = BertConfig::tiny().with_head(BertHead::MaskedLm);
+    let err = loader::load_weights(untied, path, &mlm_config, Head::Load, &device).unwrap_err();
+    assert!(
+        err.to_string().contains("is not the word embeddings"),
+        "{err}"
+    );
 
     let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
     let classifier = load(&cls, Head::Fresh);

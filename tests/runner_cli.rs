@@ -368,6 +368,18 @@ fn bad_weight_files_are_named() {
     let truncated = dir.path().join("truncated.safetensors");
     std::fs::write(&truncated, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
     fails_with(&["--weights", truncated.to_str().unwrap()], "truncated");
+    // torch.save's formats (a zip, a pickle) are named as PyTorch's, not as damaged.
+    for (name, head) in [
+        ("model.pt", &b"PK\x03\x04rest"[..]),
+        ("model.bin", b"\x80\x02}q\x00"),
+    ] {
+        let torch = dir.path().join(name);
+        std::fs::write(&torch, head).unwrap();
+        fails_with(
+            &["--weights", torch.to_str().unwrap()],
+            "is a PyTorch checkpoint",
+        );
+    }
     let missing = dir.path().join("missing.safetensors");
     fails_with(
         &["--weights", missing.to_str().unwrap()],

@@ -35,6 +35,10 @@ pub enum WeightError {
         source: std::io::Error,
     },
     #[error(
+        "{path} is a PyTorch checkpoint (torch.save's zip or pickle), which is not read here: save its state dict with safetensors.torch.save_file and give that file"
+    )]
+    PyTorch { path: PathBuf },
+    #[error(
         "{path} is not a valid {format} file ({reason}); is it truncated? re-download or re-export it"
     )]
     Format {
@@ -121,10 +125,20 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Weight>, WeightError> {
         path: path.to_path_buf(),
         source,
     })?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| WeightError::Format {
-        path: path.to_path_buf(),
-        format: "safetensors",
-        reason: e.to_string(),
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| {
+        // torch.save's zip (PyTorch >= 1.6) or pickle (protocol 2 to 5): not a damaged
+        // safetensors file.
+        let pickle = bytes.len() > 1 && bytes[0] == 0x80 && (2..=5).contains(&bytes[1]);
+        match bytes.starts_with(b"PK\x03\x04") || pickle {
+            true => WeightError::PyTorch {
+                path: path.to_path_buf(),
+            },
+            false => WeightError::Format {
+                path: path.to_path_buf(),
+                format: "safetensors",
+                reason: e.to_string(),
+            },
+        }
     })?;
     file.tensors()
         .into_iter()

@@ -40,6 +40,10 @@ pub enum BertError {
         found: usize,
         expected: usize,
     },
+    #[error(
+        "{path}: `{decoder}` is not the word embeddings: this model's masked-LM head reads the word embeddings (tied, as BERT's and DistilBERT's are), so an untied decoder would be dropped"
+    )]
+    UntiedDecoder { path: PathBuf, decoder: String },
     #[error(transparent)]
     Weights(#[from] WeightError),
 }

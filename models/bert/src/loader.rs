@@ -272,6 +272,7 @@ pub fn load_weights(
     head: Head,
     device: &Device,
 ) -> Result<Bert, BertError> {
+    check_tied_decoder(&tensors, path)?;
     let model = Bert::new(config, device)?;
     let mut keys = Checkpoint::for_layout(config.layout, head);
     // `BertForMaskedLM` is built without the pooler that pretraining files hold.
@@ -279,6 +280,26 @@ pub fn load_weights(
         keys.unused = &["pooler."];
     }
     Ok(keys.load_into(model, tensors, path, device)?)
+}
+
+/// `Ok` unless the file's masked-LM decoder is a matrix of its own (`tie_word_embeddings:
+/// false`): the model ties it to the word embeddings, and the key tables drop the decoder.
+fn check_tied_decoder(tensors: &[Weight], path: &Path) -> Result<(), BertError> {
+    let named = |suffix: &str| tensors.iter().find(|w| w.key.ends_with(suffix));
+    let Some(embeddings) = named("embeddings.word_embeddings.weight") else {
+        return Ok(());
+    };
+    for decoder in ["cls.predictions.decoder.weight", "vocab_projector.weight"] {
+        if let Some(w) = named(decoder)
+            && (w.shape != embeddings.shape || w.values != embeddings.values)
+        {
+            return Err(BertError::UntiedDecoder {
+                path: path.to_path_buf(),
+                decoder: w.key.clone(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Writes `model` as an HF safetensors file of its layout (`*ForSequenceClassification`,

@@ -1,7 +1,7 @@
 //! WordPiece tokenization with the `tokenizers` crate, from a `tokenizer.json` or a BERT
 //! `vocab.txt`, into padded [`BertInput`] batches.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use burn::prelude::*;
 use tokenizers::models::wordpiece::WordPiece;
@@ -15,6 +15,8 @@ use crate::{BertConfig, BertError, BertInput};
 pub struct BertTokenizer {
     inner: Tokenizer,
     pad_id: i64,
+    /// The file it was read from, which its errors name.
+    path: PathBuf,
 }
 
 impl BertTokenizer {
@@ -55,7 +57,11 @@ impl BertTokenizer {
             .token_to_id("[PAD]")
             .ok_or_else(|| error("the vocabulary has no [PAD]".into()))?
             as i64;
-        Ok(Self { inner, pad_id })
+        Ok(Self {
+            inner,
+            pad_id,
+            path: path.to_path_buf(),
+        })
     }
 
     /// Tokens in the vocabulary, added tokens included.
@@ -97,7 +103,7 @@ impl BertTokenizer {
         max_len: Option<usize>,
     ) -> Result<Vec<tokenizers::Encoding>, BertError> {
         let error = |e: tokenizers::Error| BertError::Tokenizer {
-            path: "(encoding)".into(),
+            path: self.path.clone(),
             reason: e.to_string(),
         };
         let mut tokenizer = self.inner.clone();

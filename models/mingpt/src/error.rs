@@ -9,6 +9,8 @@ pub enum GptError {
     Weights(#[from] burnscale_nn::weights::WeightError),
     #[error("cannot generate from this prompt: {0}")]
     Prompt(String),
+    #[error("cannot sample with these settings: {0}")]
+    Sampling(String),
     #[error("generating text failed on the device: {0}")]
     Generate(#[from] burn::tensor::ExecutionError),
 }

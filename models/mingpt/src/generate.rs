@@ -15,8 +15,9 @@ pub enum Sampling {
 impl Gpt {
     /// Extends `prompt` by `max_new_tokens` tokens, cropping the context to `block_size` as
     /// minGPT does. Call it on an eval-mode model (`model.valid()`), so dropout is off. Fails
-    /// on an empty prompt or a token outside the vocabulary, and when the device fails to run
-    /// a step.
+    /// on an empty prompt or a token outside the vocabulary, on top-k sampling of no tokens or
+    /// at a temperature that is not a positive number, and when the device fails to run a
+    /// step.
     pub fn generate(
         &self,
         prompt: &[usize],
@@ -34,6 +35,13 @@ impl Gpt {
         if let Some(token) = prompt.iter().find(|&&t| t >= vocab) {
             return Err(GptError::Prompt(format!(
                 "token {token} is outside the vocabulary of {vocab}"
+            )));
+        }
+        if let Sampling::TopK { k, temperature } = sampling
+            && (k == 0 || !(temperature > 0.0 && temperature.is_finite()))
+        {
+            return Err(GptError::Sampling(format!(
+                "top-k sampling needs k >= 1 and a positive, finite temperature (got k {k}, temperature {temperature}); greedy decoding is Sampling::Greedy"
             )));
         }
         let mut tokens = prompt.to_vec();
@@ -67,8 +75,8 @@ fn choose(logits: &[f32], sampling: Sampling, rng: &mut impl Rng) -> usize {
         Sampling::TopK { k, temperature } => {
             let mut order: Vec<usize> = (0..logits.len()).collect();
             order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-            order.truncate(k.max(1));
-            let scale = 1.0 / temperature.max(1e-6) as f32;
+            order.truncate(k);
+            let scale = 1.0 / temperature as f32;
             let top = logits[order[0]] * scale;
             let weights: Vec<f32> = order
                 .iter()
@@ -119,6 +127,14 @@ mod tests {
         let outside = generate(&[config.vocab_size]).unwrap_err();
         assert!(outside.contains("outside the vocabulary"), "{outside}");
         assert_eq!(generate(&[0, 1]).unwrap().len(), 4);
+        // Settings that cannot sample are refused, not taken as greedy decoding.
+        for (k, temperature) in [(0, 1.0), (2, 0.0), (2, -1.0), (2, f64::NAN)] {
+            let top_k = Sampling::TopK { k, temperature };
+            let refused = model
+                .generate(&[0], 2, top_k, &mut rng, &device)
+                .unwrap_err();
+            assert!(refused.to_string().contains("needs k >= 1"), "{refused}");
+        }
     }
 
     #[test]

@@ -250,12 +250,16 @@ pub fn image_normalization(weights: &Path) -> Result<([f32; 3], [f32; 3]), VitEr
     let recorded = weights::config_path(weights);
     let preprocessor = weights.with_file_name("preprocessor_config.json");
     for (path, recorded) in [(recorded, true), (preprocessor, false)] {
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            continue;
-        };
         let error = |reason: String| VitError::Preprocessor {
             path: path.clone(),
             reason,
+        };
+        // Only a file that is not there falls through: one that cannot be read would
+        // otherwise normalise the images another way without a word.
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(error(format!("cannot read it: {e}"))),
         };
         let json: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| error(format!("not JSON: {e}")))?;
@@ -275,7 +279,14 @@ pub fn image_normalization(weights: &Path) -> Result<([f32; 3], [f32; 3]), VitEr
                 .ok_or_else(|| error(format!("`{key}` is {value}, not three numbers")))
         };
         let (mean, std) = HF_MEAN_STD;
-        return Ok((channels(IMAGE_MEAN, mean)?, channels(IMAGE_STD, std)?));
+        let (mean, std) = (channels(IMAGE_MEAN, mean)?, channels(IMAGE_STD, std)?);
+        // Images are divided by it: 0 or a negative or non-finite value breaks every pixel.
+        if !(mean.iter().all(|m| m.is_finite()) && std.iter().all(|s| *s > 0.0 && s.is_finite())) {
+            return Err(error(format!(
+                "`{IMAGE_MEAN}` {mean:?} and `{IMAGE_STD}` {std:?}: the means must be finite and the deviations positive"
+            )));
+        }
+        return Ok((mean, std));
     }
     Ok(HF_MEAN_STD)
 }
@@ -319,6 +330,15 @@ mod tests {
             err.contains("image_mean") && err.contains("three numbers"),
             "{err}"
         );
+        // A deviation images cannot be divided by, and a file that is there but unreadable
+        // (a directory here), are errors, not another normalisation.
+        std::fs::write(&config, r#"{"image_std": [0.5, 0.5, 0]}"#).unwrap();
+        let err = image_normalization(&weights).unwrap_err().to_string();
+        assert!(err.contains("the deviations positive"), "{err}");
+        std::fs::remove_file(&config).unwrap();
+        std::fs::create_dir(&config).unwrap();
+        let err = image_normalization(&weights).unwrap_err().to_string();
+        assert!(err.contains("cannot read it"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
