@@ -155,6 +155,11 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
     };
     burnscale::bigbird::loader::load_weights(pretraining, path, &bigbird, Head::Fresh, &device)
         .unwrap_or_else(|e| panic!("BigBird: {e}"));
+    // A BERT classifier's one-layer head is left out of a BigBird with a fresh head, as a
+    // masked-LM head is (it read as weights for another architecture).
+    let (classifier, _) = fixture("bert", "tiny_bert_cls.safetensors");
+    burnscale::bigbird::loader::load_weights(classifier, path, &bigbird, Head::Fresh, &device)
+        .unwrap_or_else(|e| panic!("BigBird from a BERT classifier: {e}"));
 }
 
 /// A sequence all padding (every key masked) attends uniformly, as transformers' mask of the

@@ -30,6 +30,8 @@ pub enum BertError {
         found: [usize; 2],
         expected: [usize; 2],
     },
+    #[error("cannot read the batch's ids back from the device to check them: {0}")]
+    InputRead(String),
     #[error("{path}: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
     #[error(

@@ -89,12 +89,14 @@ impl Embeddings {
                 });
             }
         }
-        let host = |ids: &Tensor<2, Int>| -> Vec<i64> {
-            ids.to_data().try_to_vec_as().unwrap_or_default()
+        // A read that fails is said (empty ids would pass every check).
+        let host = |ids: &Tensor<2, Int>| -> Result<Vec<i64>, BertError> {
+            ids.try_to_vec_as()
+                .map_err(|e| BertError::InputRead(e.to_string()))
         };
         let t = expected[1];
         self.check_len(t)?;
-        host(&input.input_ids)
+        host(&input.input_ids)?
             .chunks(t)
             .try_for_each(|row| self.check_ids(row))?;
         // DistilBERT has no token types and reads none.
@@ -102,7 +104,7 @@ impl Embeddings {
             return Ok(());
         };
         let [types, _] = types.weight.lazy_shape().dims();
-        match host(&input.token_type_ids)
+        match host(&input.token_type_ids)?
             .into_iter()
             .find(|&id| id < 0 || id as usize >= types)
         {

@@ -38,9 +38,10 @@ fn checkpoint(head: Head) -> Checkpoint {
         tables: &[BIGBIRD, BERT_ENCODER, BERT_HEADS],
         prefix: "bert.",
         // `mlm.`: the masked-LM head of `BigBirdForPreTraining` files (google/bigbird-roberta-base),
-        // which no BigBird here has: left out with a fresh head.
+        // which no BigBird here has: left out with a fresh head, as is the one-layer classifier
+        // of a `BertForSequenceClassification` file (`classifier.classifier.` by BERT's table).
         heads: &["classifier.", "mlm."],
-        fresh: &["classifier.out_proj.", "mlm."],
+        fresh: &["classifier.out_proj.", "classifier.classifier.", "mlm."],
         head,
         tied_decoder: None,
         unused: &[],

@@ -101,7 +101,8 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
                 .clone();
             if let Some(lambda) = scale {
                 // Each row of `[in, out]` is scaled by `out` factors.
-                if w.shape.last() != Some(&lambda.values.len()) {
+                // An empty scale (a damaged file) matches an empty last dim: refused too.
+                if w.shape.last() != Some(&lambda.values.len()) || lambda.values.is_empty() {
                     return Err(format!(
                         "layer {i}'s {op} has shape {:?}, its layer scale {} values",
                         w.shape,

@@ -114,6 +114,14 @@ fn tensor(bytes: &[u8]) -> Result<Option<Weight>, String> {
             _ => {}
         }
     }
+    // Graph constants (shapes, indices) are integers; weights of another float type would
+    // leave the backbone's weights missing, named as if the file were another model's.
+    const OTHER_FLOATS: [(u64, &str); 3] = [(10, "float16"), (11, "float64"), (16, "bfloat16")];
+    if let Some((_, kind)) = OTHER_FLOATS.iter().find(|(t, _)| *t == dtype) {
+        return Err(format!(
+            "tensor `{name}` is {kind}: export the model in float32"
+        ));
+    }
     if dtype != FLOAT {
         return Ok(None);
     }
@@ -124,7 +132,8 @@ fn tensor(bytes: &[u8]) -> Result<Option<Weight>, String> {
             .collect(),
         None => floats,
     };
-    if values.len() != shape.iter().product::<usize>() {
+    let numel = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+    if numel != Some(values.len()) {
         return Err(format!(
             "tensor `{name}` has {} values for shape {shape:?}",
             values.len()
@@ -260,5 +269,26 @@ mod tests {
         assert!(graph.input_of("mm", 0).is_err());
         let truncated = parse(&model[..model.len() - 3]).err().unwrap();
         assert!(truncated.contains("truncated"), "{truncated}");
+    }
+
+    /// A float16 weight is named for its type, and dims whose product overflows are an
+    /// error, not a panic (or, wrapped to 0, a tensor of no values).
+    #[test]
+    fn weights_it_cannot_read_are_named() {
+        let varint = |mut v: u64| {
+            let mut out = Vec::new();
+            while v >= 0x80 {
+                out.push((v as u8) | 0x80);
+                v >>= 7;
+            }
+            out.push(v as u8);
+            out
+        };
+        let dim = |d: u64| [vec![1 << 3], varint(d)].concat();
+        let half = [dim(2), vec![2 << 3, 10], field(8, b"w"), field(9, &[0; 4])].concat();
+        assert!(tensor(&half).unwrap_err().contains("`w` is float16"));
+        let huge = [dim(1 << 32), dim(1 << 32), vec![2 << 3, 1], field(8, b"w")].concat();
+        let err = tensor(&huge).unwrap_err();
+        assert!(err.contains("has 0 values for shape"), "{err}");
     }
 }
