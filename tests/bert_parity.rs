@@ -134,11 +134,16 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
     };
     untied.push(decoder);
     let mlm_config = BertConfig::tiny().with_head(BertHead::MaskedLm);
-    let err = loader::load_weights(untied, path, &mlm_config, Head::Load, &device).unwrap_err();
+    let err =
+        loader::load_weights(untied.clone(), path, &mlm_config, Head::Load, &device).unwrap_err();
     assert!(
         err.to_string().contains("is not the word embeddings"),
         "{err}"
     );
+    // A model that reads no decoder loads the file, as transformers does.
+    let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
+    loader::load_weights(untied, path, &cls, Head::Fresh, &device)
+        .unwrap_or_else(|e| panic!("a classifier from an untied masked LM: {e}"));
 
     let cls = BertConfig::tiny().with_head(BertHead::SequenceClassification { num_labels: 2 });
     let classifier = load(&cls, Head::Fresh);

@@ -367,7 +367,10 @@ fn bad_weight_files_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let truncated = dir.path().join("truncated.safetensors");
     std::fs::write(&truncated, b"\x10\x00\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
-    fails_with(&["--weights", truncated.to_str().unwrap()], "truncated");
+    fails_with(
+        &["--weights", truncated.to_str().unwrap()],
+        "is it truncated?",
+    );
     // torch.save's formats (a zip, a pickle) are named as PyTorch's, not as damaged.
     for (name, head) in [
         ("model.pt", &b"PK\x03\x04rest"[..]),
@@ -377,9 +380,15 @@ fn bad_weight_files_are_named() {
         std::fs::write(&torch, head).unwrap();
         fails_with(
             &["--weights", torch.to_str().unwrap()],
-            "is a PyTorch checkpoint",
+            "looks like a PyTorch checkpoint",
         );
     }
+    // A safetensors file whose header length (640) starts as a pickle does stays one.
+    std::fs::write(&truncated, b"\x80\x02\x00\x00\x00\x00\x00\x00{\"a\":").unwrap();
+    fails_with(
+        &["--weights", truncated.to_str().unwrap()],
+        "is it truncated?",
+    );
     let missing = dir.path().join("missing.safetensors");
     fails_with(
         &["--weights", missing.to_str().unwrap()],

@@ -35,7 +35,7 @@ pub enum WeightError {
         source: std::io::Error,
     },
     #[error(
-        "{path} is a PyTorch checkpoint (torch.save's zip or pickle), which is not read here: save its state dict with safetensors.torch.save_file and give that file"
+        "{path} looks like a PyTorch checkpoint (torch.save's zip or pickle), which is not read here: save it as safetensors (transformers' save_pretrained, or safetensors.torch.save_model, which keeps tied weights) and give that file"
     )]
     PyTorch { path: PathBuf },
     #[error(
@@ -126,10 +126,12 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Weight>, WeightError> {
         source,
     })?;
     let file = SafeTensors::deserialize(&bytes).map_err(|e| {
-        // torch.save's zip (PyTorch >= 1.6) or pickle (protocol 2 to 5): not a damaged
-        // safetensors file.
+        // torch.save's zip (PyTorch >= 1.6) or pickle (protocol 2 to 5), not a damaged
+        // safetensors file, whose JSON header opens at byte 8 (its little-endian length
+        // before it may itself start 80 02..05).
         let pickle = bytes.len() > 1 && bytes[0] == 0x80 && (2..=5).contains(&bytes[1]);
-        match bytes.starts_with(b"PK\x03\x04") || pickle {
+        let header = bytes.get(8) == Some(&b'{');
+        match (bytes.starts_with(b"PK\x03\x04") || pickle) && !header {
             true => WeightError::PyTorch {
                 path: path.to_path_buf(),
             },

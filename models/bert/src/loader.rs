@@ -40,7 +40,7 @@ use burnscale_nn::weights::{self, KeyMap, KeyTable, Saved, Weight};
 use burn::module::Module;
 use burnscale_nn::weights::WeightError;
 
-use crate::{Bert, BertConfig, BertError, Layout};
+use crate::{Bert, BertConfig, BertError, BertHead, Layout};
 
 /// The word embeddings' parameter path.
 const WORD_EMBEDDINGS: &str = "embeddings.word_embeddings.weight";
@@ -272,7 +272,10 @@ pub fn load_weights(
     head: Head,
     device: &Device,
 ) -> Result<Bert, BertError> {
-    check_tied_decoder(&tensors, path)?;
+    // Only a masked LM loading its head reads the decoder (as the word embeddings).
+    if config.head == BertHead::MaskedLm && head == Head::Load {
+        check_tied_decoder(&tensors, path)?;
+    }
     let model = Bert::new(config, device)?;
     let mut keys = Checkpoint::for_layout(config.layout, head);
     // `BertForMaskedLM` is built without the pooler that pretraining files hold.
@@ -284,14 +287,16 @@ pub fn load_weights(
 
 /// `Ok` unless the file's masked-LM decoder is a matrix of its own (`tie_word_embeddings:
 /// false`): the model ties it to the word embeddings, and the key tables drop the decoder.
+/// Compared bit for bit (a NaN is the same value twice).
 fn check_tied_decoder(tensors: &[Weight], path: &Path) -> Result<(), BertError> {
     let named = |suffix: &str| tensors.iter().find(|w| w.key.ends_with(suffix));
     let Some(embeddings) = named("embeddings.word_embeddings.weight") else {
         return Ok(());
     };
+    let bits = |w: &Weight| w.values.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
     for decoder in ["cls.predictions.decoder.weight", "vocab_projector.weight"] {
         if let Some(w) = named(decoder)
-            && (w.shape != embeddings.shape || w.values != embeddings.values)
+            && (w.shape != embeddings.shape || bits(w) != bits(embeddings))
         {
             return Err(BertError::UntiedDecoder {
                 path: path.to_path_buf(),

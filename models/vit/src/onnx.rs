@@ -83,7 +83,8 @@ fn node(bytes: &[u8]) -> Result<Node, String> {
     Ok(node)
 }
 
-/// A float `TensorProto` as a [`Weight`]; `None` for other element types.
+/// A float `TensorProto` as a [`Weight`]; `None` for integer and boolean ones (graph
+/// constants), an error for floats other than float32.
 fn tensor(bytes: &[u8]) -> Result<Option<Weight>, String> {
     const FLOAT: u64 = 1;
     let (mut shape, mut dtype, mut name) = (Vec::new(), 0, String::new());
@@ -114,8 +115,8 @@ fn tensor(bytes: &[u8]) -> Result<Option<Weight>, String> {
             _ => {}
         }
     }
-    // Graph constants (shapes, indices) are integers; weights of another float type would
-    // leave the backbone's weights missing, named as if the file were another model's.
+    // Weights of another float type would leave the backbone's weights missing, named as if
+    // the file were another model's.
     const OTHER_FLOATS: [(u64, &str); 3] = [(10, "float16"), (11, "float64"), (16, "bfloat16")];
     if let Some((_, kind)) = OTHER_FLOATS.iter().find(|(t, _)| *t == dtype) {
         return Err(format!(
