@@ -26,6 +26,7 @@ use burnscale::collective::launcher_rank;
 use burnscale::pretrained;
 use burnscale::spam;
 use burnscale::tasks::{SequenceClassifier, TextClassification};
+use burnscale::train::checkpoint::check_held_out;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{RunSummary, TrainArgs, check_model};
 use clap::{Parser, ValueEnum};
@@ -112,6 +113,19 @@ fn run() -> Result<()> {
             .train
             .check_loaded_weights("MiniLM's pretrained encoder (without --weights)")?,
     }
+    // What a resumed run must read again: the corpus, its split and the tokens kept (which
+    // draw the split too: emails alike in them are one).
+    let data = serde_json::json!({
+        "data": "spam-assassin",
+        "split": {
+            "test_fraction": cli.test_fraction,
+            "seed": cli.train.seed,
+            "max_length": cli.max_length,
+        },
+    });
+    if let Some(path) = &cli.weights {
+        check_held_out(path, &data)?;
+    }
     let emails = spam::load()?;
     let texts: Vec<&str> = emails.iter().map(|e| e.text.as_str()).collect();
     let rows: Vec<(Vec<i64>, i64)> = tokenizer
@@ -143,12 +157,6 @@ fn run() -> Result<()> {
     }
     device.seed(cli.train.seed);
     let pad = tokenizer.pad_id();
-    // What a resumed run must read again: the corpus, its split and the tokens kept.
-    let data = serde_json::json!({
-        "data": "spam-assassin",
-        "test_fraction": cli.test_fraction,
-        "max_length": cli.max_length,
-    });
     let summary = match cli.model {
         Model::Bert => {
             let model = match &cli.weights {

@@ -11,6 +11,7 @@ use burnscale::collective::launcher_rank;
 use burnscale::images::{self, Preprocess};
 use burnscale::pretrained;
 use burnscale::tasks::ImageClassification;
+use burnscale::train::checkpoint::check_held_out;
 use burnscale::train::memory::CountingAllocator;
 use burnscale::train::{TrainArgs, check_model};
 use burnscale::vit::loader::{self, Head};
@@ -75,9 +76,13 @@ fn run() -> Result<()> {
         .with_dropout(cli.dropout);
     config.validate()?;
 
+    let data = images::recorded(&cli.data, cli.test_fraction, cli.train.seed);
     if cli.weights != "none" {
         cli.train
             .check_loaded_weights(&format!("--weights {}", cli.weights))?;
+    }
+    if !matches!(cli.weights.as_str(), "none" | "dinov2") {
+        check_held_out(std::path::Path::new(&cli.weights), &data)?;
     }
     let device = cli.train.device()?;
     // The flags that name parts of the model, on a lazy one, before weights are fetched.
@@ -126,7 +131,6 @@ fn run() -> Result<()> {
         cli.eval_batch,
         cli.train.seed,
     )?;
-    let data = images::recorded(&cli.data, cli.test_fraction);
     // Recorded beside `--save`'s file, so that `--weights FILE` normalises as this run did.
     let mut recorded = serde_json::to_value(config)?;
     recorded[loader::IMAGE_MEAN] = serde_json::json!(mean);

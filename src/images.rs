@@ -250,11 +250,13 @@ fn cifar10_batches(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// What a run records of its `--data` and `--test-fraction` (a checkpoint resumes only on the
-/// same): the split as [`load`] resolves it, so that the default fraction given or left out
-/// are the same data; for CIFAR-10, which training batches are there (a directory given more
-/// or fewer of them is other data; the same batches moved elsewhere are not).
-pub fn recorded(source: &str, test_fraction: Option<f64>) -> serde_json::Value {
+/// What a run records of its `--data`, `--test-fraction` and the `seed` that draws the split
+/// (a checkpoint resumes only on the same; weights saved beside it are not tested on another
+/// split of the same images: `check_held_out`): the split as [`load`] resolves it, so that
+/// the default fraction given or left out are the same data; for CIFAR-10, which training
+/// batches are there (a directory given more or fewer of them is other data; the same
+/// batches moved elsewhere are not) and no split, its test batch being its own.
+pub fn recorded(source: &str, test_fraction: Option<f64>, seed: u64) -> serde_json::Value {
     match source.split_once(':') {
         Some(("cifar10", dir)) => {
             let batches: Vec<String> = cifar10_batches(&expand_home(dir))
@@ -265,7 +267,10 @@ pub fn recorded(source: &str, test_fraction: Option<f64>) -> serde_json::Value {
         }
         _ => serde_json::json!({
             "data": source,
-            "test_fraction": test_fraction.unwrap_or(TEST_FRACTION),
+            "split": {
+                "test_fraction": test_fraction.unwrap_or(TEST_FRACTION),
+                "seed": seed,
+            },
         }),
     }
 }
@@ -303,8 +308,15 @@ mod tests {
 
     #[test]
     fn the_same_split_is_recorded_alike_however_it_was_written() {
-        assert_eq!(recorded("digits", None), recorded("digits", Some(0.2)));
-        assert_ne!(recorded("digits", None), recorded("digits", Some(0.3)));
+        assert_eq!(
+            recorded("digits", None, 0),
+            recorded("digits", Some(0.2), 0)
+        );
+        assert_ne!(
+            recorded("digits", None, 0),
+            recorded("digits", Some(0.3), 0)
+        );
+        assert_ne!(recorded("digits", None, 0), recorded("digits", None, 1));
         // CIFAR-10 by the training batches there: the same ones anywhere are the same data,
         // one more or one fewer is not.
         let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
@@ -313,7 +325,7 @@ mod tests {
                 std::fs::write(dir.join(format!("data_batch_{i}.bin")), b"").unwrap();
             }
         }
-        let of = |dir: &Path| recorded(&format!("cifar10:{}", dir.display()), None);
+        let of = |dir: &Path| recorded(&format!("cifar10:{}", dir.display()), None, 0);
         assert_eq!(of(a.path()), of(b.path()));
         assert_eq!(of(a.path())["train_batches"].as_array().unwrap().len(), 2);
         std::fs::write(b.path().join("data_batch_3.bin"), b"").unwrap();

@@ -97,10 +97,12 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
             .iter()
             .any(|w| w.key.ends_with("LayerNorm.gamma"))
     );
-    let nsp = |key: &str, shape: Vec<usize>| Weight {
-        key: key.to_string(),
-        values: vec![0.5; shape.iter().product()],
-        shape,
+    let nsp = |key: &str, shape: Vec<usize>| {
+        Weight::new(
+            key.to_string(),
+            shape.clone(),
+            vec![0.5; shape.iter().product()],
+        )
     };
     pretraining.push(nsp("cls.seq_relationship.weight", vec![2, d]));
     pretraining.push(nsp("cls.seq_relationship.bias", vec![2]));
@@ -127,11 +129,11 @@ fn a_pretraining_checkpoint_loads_as_transformers_loads_it() {
         .iter()
         .find(|w| w.key.ends_with("embeddings.word_embeddings.weight"))
         .unwrap();
-    let decoder = Weight {
-        key: "cls.predictions.decoder.weight".into(),
-        values: table.values.iter().map(|v| v + 1.0).collect(),
-        shape: table.shape.clone(),
-    };
+    let decoder = Weight::new(
+        "cls.predictions.decoder.weight".into(),
+        table.shape.clone(),
+        table.values.iter().map(|v| v + 1.0).collect(),
+    );
     untied.push(decoder);
     let mlm_config = BertConfig::tiny().with_head(BertHead::MaskedLm);
     let err =

@@ -297,7 +297,7 @@ fn a_run_resumed_on_another_split_is_stopped() {
     example_fails_with(
         "vit_finetune",
         &[&tiny[..], &resumed].concat(),
-        "model config: data {\"data\":\"digits\",\"test_fraction\":0.2}, this run {\"data\":\"digits\",\"test_fraction\":0.3}",
+        "model config: data {\"data\":\"digits\",\"split\":{\"seed\":42,\"test_fraction\":0.2}}, this run {\"data\":\"digits\",\"split\":{\"seed\":42,\"test_fraction\":0.3}}",
     );
     let same = ["--max-steps", "2", "--resume", "--test-fraction", "0.2"];
     example_succeeds("vit_finetune", &[&tiny[..], &same].concat());
@@ -343,9 +343,10 @@ fn a_char_model_resumed_on_another_text_is_stopped() {
 }
 
 /// A ViT saved by a run and loaded back with `--weights FILE` sees its images normalised as
-/// that run did (ImageNet's, DINOv2's), not as an HF checkpoint without a preprocessor's.
+/// that run did (ImageNet's, DINOv2's), not as an HF checkpoint without a preprocessor's, and
+/// is not tested on another split of the images it trained on.
 #[test]
-fn a_saved_vit_is_loaded_back_with_its_normalisation() {
+fn a_saved_vit_is_loaded_back_with_its_normalisation_and_split() {
     use burnscale::vit::{dinov2, loader};
     let dir = tempfile::tempdir().unwrap();
     let saved = dir.path().join("vit.safetensors");
@@ -356,10 +357,17 @@ fn a_saved_vit_is_loaded_back_with_its_normalisation() {
         loader::image_normalization(&saved).unwrap(),
         (dinov2::MEAN, dinov2::STD)
     );
-    example_succeeds(
-        "vit_finetune",
-        &[&tiny[..], &["--weights", saved.to_str().unwrap()]].concat(),
-    );
+    let load = ["--weights", saved.to_str().unwrap()];
+    example_succeeds("vit_finetune", &[&tiny[..], &load].concat());
+    for (flags, needle) in [
+        (["--seed", "1"], "(--seed 42, this run 1, as "),
+        (
+            ["--test-fraction", "0.3"],
+            "(--test-fraction 0.2, this run 0.3, as ",
+        ),
+    ] {
+        example_fails_with("vit_finetune", &[&tiny[..], &load, &flags].concat(), needle);
+    }
 }
 
 #[test]

@@ -62,6 +62,23 @@ pub enum WeightError {
         key: String,
         dtype: String,
     },
+    #[error(
+        "{path}: tensor `{key}` holds {dtype} values where the model has a float parameter (a quantized file's integer codes?): dequantize it to F32, F16 or BF16 first"
+    )]
+    NotFloat {
+        path: PathBuf,
+        key: String,
+        dtype: String,
+    },
+    #[error(
+        "{path} has {found} layer(s) under `{prefix}`, the config {expected}: weights of a model of another depth (give the config the file's layer count, or this model's file)"
+    )]
+    Depth {
+        path: PathBuf,
+        prefix: String,
+        found: usize,
+        expected: usize,
+    },
     #[error("{path} is missing {} weight(s): {}", keys.len(), listed(keys, ", "))]
     MissingKeys { path: PathBuf, keys: Vec<String> },
     #[error("{path} has {} weight(s) this model does not use: {} (weights for another architecture?)", keys.len(), listed(keys, ", "))]
@@ -100,9 +117,22 @@ pub struct Weight {
     pub key: String,
     pub shape: Vec<usize>,
     pub values: Vec<f32>,
+    /// The type the values had in their file: an integer or bool tensor (a buffer, test
+    /// input, or a quantized file's codes) never loads as a float parameter.
+    pub dtype: Dtype,
 }
 
 impl Weight {
+    /// A tensor of f32 values (computed, or read from an f32 source).
+    pub fn new(key: String, shape: Vec<usize>, values: Vec<f32>) -> Self {
+        Self {
+            key,
+            shape,
+            values,
+            dtype: Dtype::F32,
+        }
+    }
+
     /// `[rows, cols]` -> `[cols, rows]` (PyTorch `nn.Linear` <-> Burn `Linear`).
     pub fn transposed(mut self) -> Self {
         if let [rows, cols] = self.shape[..] {
@@ -184,6 +214,7 @@ pub fn read_safetensors(path: &Path) -> Result<Vec<Weight>, WeightError> {
                 shape: view.shape().to_vec(),
                 key,
                 values,
+                dtype: view.dtype(),
             })
         })
         .collect()
@@ -465,11 +496,7 @@ impl<'k> Saver<'k> {
 
     /// Writes the parameter at `path` (its `dims`, row-major `values`).
     pub fn put(&mut self, path: &str, dims: &[usize], values: Vec<f32>) -> Result<(), WeightError> {
-        let weight = Weight {
-            key: String::new(),
-            shape: dims.to_vec(),
-            values,
-        };
+        let weight = Weight::new(String::new(), dims.to_vec(), values);
         let saved = self.keys.saved_as(path, dims);
         let transposed = saved
             .iter()
@@ -646,17 +673,34 @@ pub fn apply<M: Module>(
         keys,
         device: device.clone(),
         missing: Vec::new(),
+        model_keys: Vec::new(),
+        loaded_keys: Vec::new(),
+        dtype_error: None,
         shape_error: None,
         file,
     };
     let model = model.map(&mut mapper);
+    if let Some(err) = mapper.dtype_error {
+        return Err(err);
+    }
+    let mut unexpected: Vec<String> = mapper.weights.into_values().map(|w| w.key).collect();
+    unexpected.sort();
+    let in_file = [mapper.loaded_keys, unexpected.clone()].concat();
+    if let Some((prefix, found, expected)) =
+        depth_mismatch(&mapper.model_keys, &in_file, &mapper.missing, &unexpected)
+    {
+        return Err(WeightError::Depth {
+            path: file.to_path_buf(),
+            prefix,
+            found,
+            expected,
+        });
+    }
     // Names before shapes: unknown tensors say "another architecture" most directly.
-    if !mapper.weights.is_empty() {
-        let mut keys: Vec<String> = mapper.weights.into_values().map(|w| w.key).collect();
-        keys.sort();
+    if !unexpected.is_empty() {
         return Err(WeightError::UnexpectedKeys {
             path: file.to_path_buf(),
-            keys,
+            keys: unexpected,
         });
     }
     if !mapper.missing.is_empty() {
@@ -671,12 +715,50 @@ pub fn apply<M: Module>(
     Ok(model)
 }
 
+/// A key's layer: the part before its first numeric component, and that number
+/// (`bert.encoder.layer.3.output.dense.weight` -> (`bert.encoder.layer`, 3)).
+fn layer_of(key: &str) -> Option<(&str, usize)> {
+    let mut end = 0;
+    for part in key.split('.') {
+        if let Ok(index) = part.parse() {
+            return Some((key[..end].trim_end_matches('.'), index));
+        }
+        end += part.len() + 1;
+    }
+    None
+}
+
+/// `(prefix, the file's layers, the model's)` when every key the file lacks or has over is a
+/// layer past the other's last under one prefix: a model of another depth, which the count
+/// names better than a list of keys.
+fn depth_mismatch(
+    model: &[String],
+    file: &[String],
+    missing: &[String],
+    unexpected: &[String],
+) -> Option<(String, usize, usize)> {
+    let mut odd = missing.iter().chain(unexpected);
+    let (prefix, _) = odd.clone().find_map(|k| layer_of(k))?;
+    let layers = |keys: &[String]| {
+        keys.iter()
+            .filter_map(|k| layer_of(k))
+            .filter(|(p, _)| *p == prefix)
+            .map(|(_, index)| index + 1)
+            .max()
+            .unwrap_or(0)
+    };
+    let (found, expected) = (layers(file), layers(model));
+    let past = found.min(expected);
+    let all_past = odd.all(|k| matches!(layer_of(k), Some((p, i)) if p == prefix && i >= past));
+    (found != expected && all_past).then(|| (prefix.to_string(), found, expected))
+}
+
 /// Every float parameter of `model`, keyed by parameter path, as f32.
 pub fn collect<M: Module>(model: &M) -> BTreeMap<String, Weight> {
     let mut tensors = BTreeMap::new();
     for_each_param(model, |path, shape, values| {
         let key = path.to_string();
-        tensors.insert(key.clone(), Weight { key, shape, values });
+        tensors.insert(key.clone(), Weight::new(key, shape, values));
     });
     tensors
 }
@@ -707,6 +789,10 @@ struct LoadMapper<'a> {
     keys: &'a dyn KeyMap,
     device: Device,
     missing: Vec<String>,
+    /// The file key of every parameter, and of every weight loaded.
+    model_keys: Vec<String>,
+    loaded_keys: Vec<String>,
+    dtype_error: Option<WeightError>,
     shape_error: Option<WeightError>,
     file: &'a Path,
 }
@@ -723,12 +809,22 @@ impl ModuleMapper for LoadMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let path = self.path.join(".");
         let expected = param.lazy_shape().dims::<D>().to_vec();
+        self.model_keys.push(self.keys.file_key(&path));
         let Some(weight) = self.weights.remove(&path) else {
             if !self.keys.may_stay_initialised(&path) {
                 self.missing.push(self.keys.file_key(&path));
             }
             return param;
         };
+        self.loaded_keys.push(weight.key.clone());
+        if !matches!(weight.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            self.dtype_error.get_or_insert(WeightError::NotFloat {
+                path: self.file.to_path_buf(),
+                dtype: format!("{:?}", weight.dtype),
+                key: weight.key,
+            });
+            return param;
+        }
         if weight.shape != expected {
             // Both shapes in the file's layout: a weight the loader transposed into Burn's
             // was `[out, in]` there (whatever prefix or old name its key had in the file).
@@ -888,12 +984,7 @@ mod tests {
             w: Param::from_tensor(Tensor::zeros([2, 3], &device)),
         };
         // The file's `[2, 4]` as the loader hands it over, transposed.
-        let wrong = Weight {
-            key: "file.w".into(),
-            shape: vec![2, 4],
-            values: vec![0.0; 8],
-        }
-        .transposed();
+        let wrong = Weight::new("file.w".into(), vec![2, 4], vec![0.0; 8]).transposed();
         let weights = HashMap::from([("w".to_string(), wrong)]);
         let err = apply(
             model,
@@ -917,11 +1008,7 @@ mod tests {
         let model = || OneMatrix {
             w: Param::from_tensor(Tensor::zeros([2, 3], &device)),
         };
-        let foreign = |i: usize| Weight {
-            key: format!("other.{i:02}"),
-            shape: vec![1],
-            values: vec![0.0],
-        };
+        let foreign = |i: usize| Weight::new(format!("other.{i:02}"), vec![1], vec![0.0]);
         let file = Path::new("m.safetensors");
         let weights = (0..20).map(|i| (format!("other.{i:02}"), foreign(i)));
         let err = apply(model(), weights.collect(), &Transposing, file, &device)
@@ -937,6 +1024,98 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.ends_with("is missing 1 weight(s): file.w"), "{err}");
+    }
+
+    #[derive(Module, Debug)]
+    struct Stack {
+        layers: Vec<OneMatrix>,
+    }
+
+    fn stack(depth: usize, device: &Device) -> Stack {
+        let layers = (0..depth)
+            .map(|_| OneMatrix {
+                w: Param::from_tensor(Tensor::zeros([2, 3], device)),
+            })
+            .collect();
+        Stack { layers }
+    }
+
+    /// A file of another depth is named by its layer count, deeper or shallower; a file with
+    /// other keys besides is still another architecture's.
+    #[test]
+    fn a_file_of_another_depth_names_its_layer_count() {
+        let device = Device::default();
+        let file = Path::new("m.safetensors");
+        let weights = |depth: usize| -> HashMap<String, Weight> {
+            collect(&stack(depth, &device))
+                .into_iter()
+                .map(|(path, w)| {
+                    (
+                        path,
+                        Weight::new(format!("file.{}", w.key), w.shape, w.values),
+                    )
+                })
+                .collect()
+        };
+        let load = |model: usize, file_depth: usize| {
+            apply(
+                stack(model, &device),
+                weights(file_depth),
+                &Transposing,
+                file,
+                &device,
+            )
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+        };
+        assert_eq!(load(3, 3), Ok(()));
+        let deeper = load(2, 3).unwrap_err();
+        assert!(
+            deeper.contains("has 3 layer(s) under `file.layers`, the config 2"),
+            "{deeper}"
+        );
+        let shallower = load(3, 2).unwrap_err();
+        assert!(
+            shallower.contains("has 2 layer(s) under `file.layers`, the config 3"),
+            "{shallower}"
+        );
+        let mut other = weights(3);
+        other.insert("x".into(), Weight::new("file.x".into(), vec![1], vec![0.0]));
+        let err = apply(stack(2, &device), other, &Transposing, file, &device)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("does not use: file.layers.2.w, file.x"),
+            "{err}"
+        );
+    }
+
+    /// An integer tensor (a quantized file's codes) under a float parameter's name is refused,
+    /// not loaded as its integer values.
+    #[test]
+    fn integer_codes_never_load_as_a_float_parameter() {
+        use safetensors::tensor::TensorView;
+        let device = Device::default();
+        let path = temp_path("int8.safetensors");
+        let codes = [1u8, 2, 3, 4, 5, 6];
+        let view = TensorView::new(Dtype::I8, vec![2, 3], &codes).unwrap();
+        safetensors::serialize_to_file([("w", view)], None, &path).unwrap();
+        let weights = read_safetensors(&path)
+            .unwrap()
+            .into_iter()
+            .map(|w| (w.key.clone(), w))
+            .collect();
+        std::fs::remove_file(&path).unwrap();
+        let model = OneMatrix {
+            w: Param::from_tensor(Tensor::zeros([2, 3], &device)),
+        };
+        let err = apply(model, weights, &OwnNames, &path, &device)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("tensor `w` holds I8 values where the model has a float parameter"),
+            "{err}"
+        );
     }
 
     /// Integer and bool buffers (GPT-2's causal mask, saved as uint8 or bool by older
@@ -997,21 +1176,9 @@ mod tests {
         assert_eq!(
             read,
             vec![
-                Weight {
-                    key: "file.b".into(),
-                    shape: vec![3],
-                    values: vec![-1.0, 0.5, 7.0]
-                },
-                Weight {
-                    key: "file.w".into(),
-                    shape: vec![3, 2],
-                    values: transposed.clone()
-                },
-                Weight {
-                    key: "tied".into(),
-                    shape: vec![3, 2],
-                    values: transposed
-                },
+                Weight::new("file.b".into(), vec![3], vec![-1.0, 0.5, 7.0]),
+                Weight::new("file.w".into(), vec![3, 2], transposed.clone()),
+                Weight::new("tied".into(), vec![3, 2], transposed),
             ]
         );
     }

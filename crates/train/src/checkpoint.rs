@@ -1147,6 +1147,50 @@ impl Checkpoint {
     }
 }
 
+/// Refuses `weights` that a run saved ([`write_config`]) after training on the dataset `data`
+/// names split another way: its `split` (the flags that draw the test set: `seed`,
+/// `test_fraction`, ...) differs from this run's in a flag both record, so this run would
+/// test on examples the weights trained on. Weights with no record beside them, or trained
+/// on other data, pass.
+pub fn check_held_out(weights: &Path, data: &serde_json::Value) -> Result<(), TrainError> {
+    let path = config_path(weights);
+    let text = match fs::read_to_string(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        read => read.map_err(|source| TrainError::Read {
+            path: path.clone(),
+            source,
+        })?,
+    };
+    let recorded: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| TrainError::InvalidData(format!("{}: {e}", path.display())))?;
+    let theirs = &recorded["data"];
+    let same_data = theirs.get("data").is_some() && theirs.get("data") == data.get("data");
+    let (Some(their_split), Some(our_split)) = (
+        theirs.get("split").and_then(|s| s.as_object()),
+        data.get("split").and_then(|s| s.as_object()),
+    ) else {
+        return Ok(());
+    };
+    let differences: Vec<String> = their_split
+        .iter()
+        .filter_map(|(key, theirs)| {
+            let ours = our_split.get(key).filter(|ours| *ours != theirs)?;
+            Some(format!(
+                "--{} {theirs}, this run {ours}",
+                key.replace('_', "-")
+            ))
+        })
+        .collect();
+    match same_data && !differences.is_empty() {
+        true => Err(TrainError::HeldOut {
+            weights: weights.to_path_buf(),
+            config: path,
+            differences: differences.join("; "),
+        }),
+        false => Ok(()),
+    }
+}
+
 /// Writes `config` beside `weights` ([`config_path`]) whole or not at all (a file of its own,
 /// synced, renamed into place), or without a config removes one an earlier run left there:
 /// called before the weights file takes its name, so that new weights never sit beside an
@@ -1333,11 +1377,7 @@ impl Checkpoint {
             .rows(prefix, tensor, 0, d0, d0)?
             .try_into_vec_as::<f32>()
             .map_err(|e| self.mismatch(format!("`{}`: {e:?}", tensor.name)))?;
-        Ok(Weight {
-            key: String::new(),
-            shape: tensor.dims.clone(),
-            values,
-        })
+        Ok(Weight::new(String::new(), tensor.dims.clone(), values))
     }
 }
 
@@ -1569,6 +1609,42 @@ fn flat(data: TensorData, device: &Device) -> Tensor<1> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Weights saved after training on a split of some data are refused for a run that
+    /// splits the same data another way (in a flag both record), and pass for the same split,
+    /// other data, or no record.
+    #[test]
+    fn weights_are_not_tested_on_another_split_of_their_training_data() {
+        use serde_json::json;
+        let dir = tempfile::tempdir().unwrap();
+        let weights = dir.path().join("model.safetensors");
+        let split = |seed: u64, fraction: f64| json!({"data": "digits", "split": {"seed": seed, "test_fraction": fraction}});
+        let check =
+            |data: &serde_json::Value| check_held_out(&weights, data).map_err(|e| e.to_string());
+        assert_eq!(
+            check(&split(1, 0.3)),
+            Ok(()),
+            "no record beside the weights"
+        );
+        write_config(&weights, Some(&json!({"hidden": 8, "data": split(0, 0.2)}))).unwrap();
+        assert_eq!(check(&split(0, 0.2)), Ok(()));
+        assert_eq!(
+            check(&json!({"data": "cifar10", "train_batches": []})),
+            Ok(())
+        );
+        let err = check(&split(1, 0.3)).unwrap_err();
+        assert!(
+            err.contains(
+                "split another way (--seed 0, this run 1; --test-fraction 0.2, this run 0.3, as "
+            ) && err.contains("model.config.json records)"),
+            "{err}"
+        );
+        // A flag one side does not record is not compared.
+        let old = json!({"data": "digits", "split": {"test_fraction": 0.2}});
+        write_config(&weights, Some(&json!({"data": old}))).unwrap();
+        assert_eq!(check(&split(1, 0.2)), Ok(()));
+        assert!(check(&split(1, 0.3)).is_err());
+    }
 
     /// A checkpoint directory that is not one directory for all ranks (here rank 2's path
     /// is another directory, as a node's local disk would be) stops every rank before

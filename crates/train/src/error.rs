@@ -87,6 +87,14 @@ pub enum TrainError {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error(
+        "{weights} were trained on this run's data split another way ({differences}, as {config} records): this run's test set would hold examples they trained on; give their split's flags, or weights trained on other data"
+    )]
+    HeldOut {
+        weights: PathBuf,
+        config: PathBuf,
+        differences: String,
+    },
 }
 
 impl TrainError {

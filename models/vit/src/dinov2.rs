@@ -74,11 +74,11 @@ fn convert(graph: &onnx::Graph) -> Result<Vec<Weight>, String> {
             patch_pos.values.len()
         ));
     }
-    out.push(Weight {
-        key: "vit.embeddings.position_embeddings".into(),
-        shape: vec![1, 1 + patch_pos.values.len() / d, d],
-        values: [cls_pos.values.as_slice(), &patch_pos.values].concat(),
-    });
+    out.push(Weight::new(
+        "vit.embeddings.position_embeddings".into(),
+        vec![1, 1 + patch_pos.values.len() / d, d],
+        [cls_pos.values.as_slice(), &patch_pos.values].concat(),
+    ));
     for p in ["weight", "bias"] {
         let key = format!("embeddings.patch_embeddings.projection.{p}");
         out.push(renamed(named(&key)?, &key));

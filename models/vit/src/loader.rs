@@ -231,6 +231,7 @@ pub fn resample_positions(w: Weight, config: &VitConfig, device: &Device) -> Wei
     let resampled = Tensor::cat(vec![cls, grid], 1);
     Weight {
         key: w.key,
+        dtype: w.dtype,
         shape: vec![1, to * to + 1, d],
         values: resampled
             .into_data()

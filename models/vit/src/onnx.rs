@@ -140,11 +140,7 @@ fn tensor(bytes: &[u8]) -> Result<Option<Weight>, String> {
             values.len()
         ));
     }
-    Ok(Some(Weight {
-        key: name,
-        shape,
-        values,
-    }))
+    Ok(Some(Weight::new(name, shape, values)))
 }
 
 enum Value<'a> {
