@@ -33,6 +33,15 @@ pub enum ImageDataError {
     TestFraction(f64),
     #[error("--test-fraction splits a dataset without a test split; CIFAR-10 has its own")]
     OwnTestSplit,
+    #[error(
+        "--test-fraction {fraction} leaves class {class} out of the {split} set ({test} test images): give a fraction that keeps every class in both"
+    )]
+    ClassLeftOut {
+        fraction: f64,
+        class: usize,
+        split: &'static str,
+        test: usize,
+    },
 }
 
 /// Images of one size, `[n, channels, side, side]` with values in [0, 1], and class ids.
@@ -234,7 +243,21 @@ pub fn load(
             if !(f > 0.0 && f < 1.0) {
                 return Err(ImageDataError::TestFraction(f));
             }
-            Ok(ImageSet::digits()?.split(f, seed))
+            let (train, test) = ImageSet::digits()?.split(f, seed);
+            let missing =
+                |set: &ImageSet| (0..set.classes).find(|&c| !set.labels.contains(&(c as i64)));
+            let left_out = [("training", &train), ("test", &test)]
+                .into_iter()
+                .find_map(|(split, set)| missing(set).map(|class| (split, class)));
+            match left_out {
+                Some((split, class)) => Err(ImageDataError::ClassLeftOut {
+                    fraction: f,
+                    class,
+                    split,
+                    test: test.len(),
+                }),
+                None => Ok((train, test)),
+            }
         }
         (Some(("cifar10", _)), Some(_)) => Err(ImageDataError::OwnTestSplit),
         (Some(("cifar10", dir)), None) => ImageSet::cifar10(&expand_home(dir)),
@@ -399,6 +422,13 @@ mod tests {
             .to_string();
         assert!(err.contains("data_batch_1.bin"), "{err}");
         assert!(load("mnist", None, 0).is_err());
+        // Two test images cannot hold ten classes.
+        let err = load("digits", Some(0.001), 0).unwrap_err().to_string();
+        assert!(
+            err.contains("--test-fraction 0.001 leaves class ")
+                && err.contains(" out of the test set (2 test images)"),
+            "{err}"
+        );
         let own = load(&format!("cifar10:{}", dir.path().display()), Some(0.5), 0);
         assert!(
             own.unwrap_err()

