@@ -34,10 +34,11 @@ pub enum ImageDataError {
     #[error("--test-fraction splits a dataset without a test split; CIFAR-10 has its own")]
     OwnTestSplit,
     #[error(
-        "--test-fraction {fraction} leaves class {class} out of the {split} set ({test} test images): give a fraction that keeps every class in both"
+        "--test-fraction {fraction} with --seed {seed} leaves class {class} out of the {split} set ({test} test images): give a fraction (or a seed) that keeps every class in both"
     )]
     ClassLeftOut {
         fraction: f64,
+        seed: u64,
         class: usize,
         split: &'static str,
         test: usize,
@@ -252,6 +253,7 @@ pub fn load(
             match left_out {
                 Some((split, class)) => Err(ImageDataError::ClassLeftOut {
                     fraction: f,
+                    seed,
                     class,
                     split,
                     test: test.len(),
@@ -425,7 +427,7 @@ mod tests {
         // Two test images cannot hold ten classes.
         let err = load("digits", Some(0.001), 0).unwrap_err().to_string();
         assert!(
-            err.contains("--test-fraction 0.001 leaves class ")
+            err.contains("--test-fraction 0.001 with --seed 0 leaves class ")
                 && err.contains(" out of the test set (2 test images)"),
             "{err}"
         );

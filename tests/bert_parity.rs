@@ -382,18 +382,18 @@ fn bad_input_gives_errors_that_name_the_problem() {
     let vocab = dir.path().join("vocab.txt");
     std::fs::write(&vocab, "[PAD]\n[UNK]\n[CLS]\n[SEP]\nhello\n").unwrap();
     let tokenizer = BertTokenizer::from_file(&vocab, true).unwrap();
-    // A model table with rows to spare (padded) takes it; one with fewer rows does not.
-    tokenizer.check_vocab(&cls, &vocab).unwrap();
-    let small = BertConfig {
-        vocab_size: 4,
-        ..cls
-    };
-    let err = tokenizer.check_vocab(&small, &vocab).unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("has 5 tokens but the model's vocabulary only 4"),
-        "{err}"
-    );
+    // A model table padded by fewer than 64 rows takes it; fewer rows, or many more, not.
+    let rows = |vocab_size| BertConfig { vocab_size, ..cls };
+    tokenizer.check_vocab(&rows(5), &vocab).unwrap();
+    tokenizer.check_vocab(&rows(68), &vocab).unwrap();
+    for other in [4, 69] {
+        let err = tokenizer.check_vocab(&rows(other), &vocab).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains(&format!("has 5 tokens but the model's vocabulary {other}")),
+            "{err}"
+        );
+    }
     let ids = tokenizer
         .encode(&["Hello hello", "x"], 16, &device)
         .unwrap();

@@ -118,7 +118,7 @@ fn bad_weights_and_images_give_errors_that_name_the_problem() {
     };
     let err = load(&good, &deeper, Head::Load);
     assert!(
-        err.contains("has 2 layer(s) under `vit.encoder.layer`, the config 3"),
+        err.contains("holds 2 layer(s) where the config has 3 (the model's `layer.N`)"),
         "{err}"
     );
 
@@ -128,7 +128,7 @@ fn bad_weights_and_images_give_errors_that_name_the_problem() {
     };
     let err = load(&good, &shallower, Head::Load);
     assert!(
-        err.contains("has 2 layer(s) under `vit.encoder.layer`, the config 1"),
+        err.contains("holds 2 layer(s) where the config has 1"),
         "{err}"
     );
 

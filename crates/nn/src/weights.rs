@@ -71,7 +71,7 @@ pub enum WeightError {
         dtype: String,
     },
     #[error(
-        "{path} has {found} layer(s) under `{prefix}`, the config {expected}: weights of a model of another depth (give the config the file's layer count, or this model's file)"
+        "{path} holds {found} layer(s) where the config has {expected} (the model's `{prefix}.N`): weights of a model of another depth (give the config the file's layer count, or this model's file)"
     )]
     Depth {
         path: PathBuf,
@@ -658,8 +658,9 @@ pub fn insert_once(
 }
 
 /// Swaps every parameter of `model` for the weight under its path in `weights`. Every
-/// parameter must be there (unless the key map lets it stay initialised), with its shape,
-/// and every weight must be used.
+/// parameter must be there (unless the key map lets it stay initialised), with its shape and
+/// a float dtype (never a file's integer codes), and every weight must be used; a file of
+/// another depth is named by its layer count.
 pub fn apply<M: Module>(
     model: M,
     weights: HashMap<String, Weight>,
@@ -673,8 +674,8 @@ pub fn apply<M: Module>(
         keys,
         device: device.clone(),
         missing: Vec::new(),
-        model_keys: Vec::new(),
-        loaded_keys: Vec::new(),
+        params: Vec::new(),
+        loaded: Vec::new(),
         dtype_error: None,
         shape_error: None,
         file,
@@ -683,12 +684,13 @@ pub fn apply<M: Module>(
     if let Some(err) = mapper.dtype_error {
         return Err(err);
     }
-    let mut unexpected: Vec<String> = mapper.weights.into_values().map(|w| w.key).collect();
-    unexpected.sort();
-    let in_file = [mapper.loaded_keys, unexpected.clone()].concat();
-    if let Some((prefix, found, expected)) =
-        depth_mismatch(&mapper.model_keys, &in_file, &mapper.missing, &unexpected)
-    {
+    // Counted by parameter path, not file key: a file may lack the prefix the key map writes
+    // (a bare `BertModel`'s `encoder.layer.N`). A width mismatch besides is no depth's.
+    let unexpected: Vec<String> = mapper.weights.keys().cloned().collect();
+    let in_file = [mapper.loaded, unexpected.clone()].concat();
+    let depth = depth_mismatch(&mapper.params, &in_file, &mapper.missing, &unexpected)
+        .filter(|_| mapper.shape_error.is_none());
+    if let Some((prefix, found, expected)) = depth {
         return Err(WeightError::Depth {
             path: file.to_path_buf(),
             prefix,
@@ -698,15 +700,17 @@ pub fn apply<M: Module>(
     }
     // Names before shapes: unknown tensors say "another architecture" most directly.
     if !unexpected.is_empty() {
+        let mut keys: Vec<String> = mapper.weights.into_values().map(|w| w.key).collect();
+        keys.sort();
         return Err(WeightError::UnexpectedKeys {
             path: file.to_path_buf(),
-            keys: unexpected,
+            keys,
         });
     }
     if !mapper.missing.is_empty() {
         return Err(WeightError::MissingKeys {
             path: file.to_path_buf(),
-            keys: mapper.missing,
+            keys: mapper.missing.iter().map(|p| keys.file_key(p)).collect(),
         });
     }
     if let Some(err) = mapper.shape_error {
@@ -728,9 +732,9 @@ fn layer_of(key: &str) -> Option<(&str, usize)> {
     None
 }
 
-/// `(prefix, the file's layers, the model's)` when every key the file lacks or has over is a
-/// layer past the other's last under one prefix: a model of another depth, which the count
-/// names better than a list of keys.
+/// `(prefix, the file's layers, the model's)` when every parameter path the file lacks or
+/// has over is a layer past the other's last under one prefix, both having some: a model of
+/// another depth, which the count names better than a list of keys.
 fn depth_mismatch(
     model: &[String],
     file: &[String],
@@ -750,7 +754,8 @@ fn depth_mismatch(
     let (found, expected) = (layers(file), layers(model));
     let past = found.min(expected);
     let all_past = odd.all(|k| matches!(layer_of(k), Some((p, i)) if p == prefix && i >= past));
-    (found != expected && all_past).then(|| (prefix.to_string(), found, expected))
+    let both = found > 0 && expected > 0;
+    (found != expected && both && all_past).then(|| (prefix.to_string(), found, expected))
 }
 
 /// Every float parameter of `model`, keyed by parameter path, as f32.
@@ -788,10 +793,10 @@ struct LoadMapper<'a> {
     weights: HashMap<String, Weight>,
     keys: &'a dyn KeyMap,
     device: Device,
+    /// The paths of the parameters the file lacks, of every parameter, and of those loaded.
     missing: Vec<String>,
-    /// The file key of every parameter, and of every weight loaded.
-    model_keys: Vec<String>,
-    loaded_keys: Vec<String>,
+    params: Vec<String>,
+    loaded: Vec<String>,
     dtype_error: Option<WeightError>,
     shape_error: Option<WeightError>,
     file: &'a Path,
@@ -809,14 +814,14 @@ impl ModuleMapper for LoadMapper<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let path = self.path.join(".");
         let expected = param.lazy_shape().dims::<D>().to_vec();
-        self.model_keys.push(self.keys.file_key(&path));
+        self.params.push(path.clone());
         let Some(weight) = self.weights.remove(&path) else {
             if !self.keys.may_stay_initialised(&path) {
-                self.missing.push(self.keys.file_key(&path));
+                self.missing.push(path);
             }
             return param;
         };
-        self.loaded_keys.push(weight.key.clone());
+        self.loaded.push(path.clone());
         if !matches!(weight.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
             self.dtype_error.get_or_insert(WeightError::NotFloat {
                 path: self.file.to_path_buf(),
@@ -1040,22 +1045,15 @@ mod tests {
         Stack { layers }
     }
 
-    /// A file of another depth is named by its layer count, deeper or shallower; a file with
-    /// other keys besides is still another architecture's.
+    /// A file of another depth is named by its layer count, deeper or shallower, also where
+    /// its keys lack the prefix the key map writes (`layers.N.w`, not `file.layers.N.w`); a
+    /// file with other keys besides, or of another width too, is another architecture's.
     #[test]
     fn a_file_of_another_depth_names_its_layer_count() {
         let device = Device::default();
         let file = Path::new("m.safetensors");
         let weights = |depth: usize| -> HashMap<String, Weight> {
-            collect(&stack(depth, &device))
-                .into_iter()
-                .map(|(path, w)| {
-                    (
-                        path,
-                        Weight::new(format!("file.{}", w.key), w.shape, w.values),
-                    )
-                })
-                .collect()
+            collect(&stack(depth, &device)).into_iter().collect()
         };
         let load = |model: usize, file_depth: usize| {
             apply(
@@ -1071,23 +1069,28 @@ mod tests {
         assert_eq!(load(3, 3), Ok(()));
         let deeper = load(2, 3).unwrap_err();
         assert!(
-            deeper.contains("has 3 layer(s) under `file.layers`, the config 2"),
+            deeper.contains("holds 3 layer(s) where the config has 2 (the model's `layers.N`)"),
             "{deeper}"
         );
         let shallower = load(3, 2).unwrap_err();
         assert!(
-            shallower.contains("has 2 layer(s) under `file.layers`, the config 3"),
+            shallower.contains("holds 2 layer(s) where the config has 3"),
             "{shallower}"
         );
         let mut other = weights(3);
-        other.insert("x".into(), Weight::new("file.x".into(), vec![1], vec![0.0]));
+        other.insert("x".into(), Weight::new("x".into(), vec![1], vec![0.0]));
         let err = apply(stack(2, &device), other, &Transposing, file, &device)
             .unwrap_err()
             .to_string();
-        assert!(
-            err.contains("does not use: file.layers.2.w, file.x"),
-            "{err}"
-        );
+        assert!(err.contains("does not use: layers.2.w, x"), "{err}");
+        let mut wider = weights(3);
+        for w in wider.values_mut() {
+            *w = Weight::new(w.key.clone(), vec![2, 4], vec![0.0; 8]);
+        }
+        let err = apply(stack(2, &device), wider, &Transposing, file, &device)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not use: layers.2.w"), "{err}");
     }
 
     /// An integer tensor (a quantized file's codes) under a float parameter's name is refused,

@@ -1165,22 +1165,7 @@ pub fn check_held_out(weights: &Path, data: &serde_json::Value) -> Result<(), Tr
         .map_err(|e| TrainError::InvalidData(format!("{}: {e}", path.display())))?;
     let theirs = &recorded["data"];
     let same_data = theirs.get("data").is_some() && theirs.get("data") == data.get("data");
-    let (Some(their_split), Some(our_split)) = (
-        theirs.get("split").and_then(|s| s.as_object()),
-        data.get("split").and_then(|s| s.as_object()),
-    ) else {
-        return Ok(());
-    };
-    let differences: Vec<String> = their_split
-        .iter()
-        .filter_map(|(key, theirs)| {
-            let ours = our_split.get(key).filter(|ours| *ours != theirs)?;
-            Some(format!(
-                "--{} {theirs}, this run {ours}",
-                key.replace('_', "-")
-            ))
-        })
-        .collect();
+    let differences = split_differences(theirs, data);
     match same_data && !differences.is_empty() {
         true => Err(TrainError::HeldOut {
             weights: weights.to_path_buf(),
@@ -1189,6 +1174,46 @@ pub fn check_held_out(weights: &Path, data: &serde_json::Value) -> Result<(), Tr
         }),
         false => Ok(()),
     }
+}
+
+/// The flags that draw a data record's test split: its `split`, or in a record from before
+/// it had one, the `test_fraction` and `max_length` beside `data`.
+fn split_of(data: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
+    match data.get("split").and_then(|s| s.as_object()) {
+        Some(split) => split.clone(),
+        None => ["test_fraction", "max_length"]
+            .into_iter()
+            .filter_map(|key| Some((key.to_string(), data.get(key)?.clone())))
+            .collect(),
+    }
+}
+
+/// A data record without its split: the dataset itself.
+fn dataset_of(data: &serde_json::Value) -> serde_json::Value {
+    let mut data = data.clone();
+    if let Some(fields) = data.as_object_mut() {
+        for key in ["split", "test_fraction", "max_length"] {
+            fields.remove(key);
+        }
+    }
+    data
+}
+
+/// The split flags two data records both give and differ in (`--seed 0, this run 1`): a
+/// flag one of them does not record (a record from before the seed was kept) is not
+/// compared.
+fn split_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> Vec<String> {
+    let ours = split_of(ours);
+    split_of(saved)
+        .iter()
+        .filter_map(|(key, saved)| {
+            let ours = ours.get(key).filter(|ours| *ours != saved)?;
+            Some(format!(
+                "--{} {saved}, this run {ours}",
+                key.replace('_', "-")
+            ))
+        })
+        .collect()
 }
 
 /// Writes `config` beside `weights` ([`config_path`]) whole or not at all (a file of its own,
@@ -1414,10 +1439,20 @@ fn config_differences(
     keys.sort();
     keys.dedup();
     keys.into_iter()
-        .filter_map(|key| {
-            let a = saved.get(key)?;
+        .flat_map(|key| {
+            let Some(a) = saved.get(key) else {
+                return Vec::new();
+            };
             let b = ours.get(key).unwrap_or(&missing);
-            (a != b).then(|| format!("model config: {key} {a}, this run {b}"))
+            match key.as_str() {
+                // The same data split another way: what differs, by flag.
+                "data" if dataset_of(a) == dataset_of(b) => split_differences(a, b)
+                    .into_iter()
+                    .map(|flags| format!("model config: data split {flags}"))
+                    .collect(),
+                _ if a != b => vec![format!("model config: {key} {a}, this run {b}")],
+                _ => Vec::new(),
+            }
         })
         .collect()
 }
@@ -1639,11 +1674,30 @@ mod tests {
             ) && err.contains("model.config.json records)"),
             "{err}"
         );
-        // A flag one side does not record is not compared.
-        let old = json!({"data": "digits", "split": {"test_fraction": 0.2}});
+        // A record from before the split had its own field (no seed, the fraction beside the
+        // data's name): the fraction is compared, the seed it does not record is not.
+        let old = json!({"data": "digits", "test_fraction": 0.2});
         write_config(&weights, Some(&json!({"data": old}))).unwrap();
         assert_eq!(check(&split(1, 0.2)), Ok(()));
         assert!(check(&split(1, 0.3)).is_err());
+
+        // A checkpoint resumes on the same split, whichever record it has, and names the flag
+        // of another split; other data is named whole.
+        let config = |data: serde_json::Value| json!({"hidden": 8, "data": data});
+        let differences = |saved: &serde_json::Value, ours: serde_json::Value| {
+            config_differences(Some(&config(saved.clone())), Some(&config(ours)))
+        };
+        assert!(differences(&old, split(42, 0.2)).is_empty());
+        assert_eq!(
+            differences(&old, split(42, 0.3)),
+            ["model config: data split --test-fraction 0.2, this run 0.3"]
+        );
+        assert_eq!(
+            differences(&split(42, 0.2), split(1, 0.2)),
+            ["model config: data split --seed 42, this run 1"]
+        );
+        let cifar = json!({"data": "cifar10", "train_batches": []});
+        assert_eq!(differences(&cifar, split(42, 0.2)).len(), 1);
     }
 
     /// A checkpoint directory that is not one directory for all ranks (here rank 2's path

@@ -35,7 +35,7 @@ pub enum BertError {
     #[error("{path}: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
     #[error(
-        "{path} has {found} tokens but the model's vocabulary only {expected}: a tokenizer for another model?"
+        "{path} has {found} tokens but the model's vocabulary {expected} (the same, or padded by fewer than 64): a tokenizer for another model?"
     )]
     VocabMismatch {
         path: PathBuf,
