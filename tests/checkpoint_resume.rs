@@ -1193,6 +1193,9 @@ fn a_consolidated_checkpoint_is_the_saved_model() {
     assert_eq!(moments.len(), 2 * params);
     let loaded = burnscale::mingpt::loader::load(&with_state, &config, &model_device());
     assert_eq!(logits(&loaded.unwrap()), logits(&trained));
+    // Consolidated again without it, no earlier state is left beside the model.
+    ckpt.consolidate(&with_state, false).unwrap();
+    assert!(!optimizer_path(&with_state).exists());
     // A mistyped path is named as missing, not as an interrupted save.
     let typo = dir.join("no-such-dir");
     let err = Checkpoint::find(&typo)
@@ -1201,6 +1204,14 @@ fn a_consolidated_checkpoint_is_the_saved_model() {
         .to_string();
     assert!(
         err.contains("no-such-dir") && err.contains("No such file"),
+        "{err}"
+    );
+    // A directory of no checkpoint is named as one, not as an interrupted save.
+    let empty = dir.join("empty");
+    fs::create_dir_all(&empty).unwrap();
+    let err = Checkpoint::find(&empty).err().expect("none").to_string();
+    assert!(
+        err.ends_with("empty holds no complete checkpoint (a step-N directory with meta.json)"),
         "{err}"
     );
     fs::remove_file(&saved).unwrap();

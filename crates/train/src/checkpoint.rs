@@ -52,6 +52,8 @@ pub enum CheckpointError {
     },
     #[error("{path} is not a complete checkpoint (no {META}: an interrupted save?)")]
     Incomplete { path: PathBuf },
+    #[error("{path} holds no complete checkpoint (a step-N directory with {META})")]
+    NoCheckpoint { path: PathBuf },
     #[error("checkpoint file {path} is damaged: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     #[error("checkpoint {path} does not fit this run: {detail}")]
@@ -272,19 +274,50 @@ pub fn save<M: BlockModel>(
     keys: &dyn KeyMap,
     args: &TrainArgs,
 ) -> Result<u64, TrainError> {
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let rank = comm.rank();
     let partial = root.join(format!(".step-{step:08}.partial"));
     let prepared = match rank {
-        0 => fs::create_dir_all(root)
-            .and_then(|()| match partial.exists() {
-                true => fs::remove_dir_all(&partial),
-                false => Ok(()),
-            })
-            .and_then(|()| fs::create_dir(&partial))
-            .map_err(|e| io_error(&partial)(e).into()),
+        0 => {
+            // What failed saves left (a stop-save on a full disk) holds space this one needs.
+            if root.exists()
+                && let Err(e) = remove_partials(root)
+            {
+                eprintln!("warning: an interrupted save's files could not be removed ({e})");
+            }
+            fs::create_dir_all(root)
+                .and_then(|()| match partial.exists() {
+                    true => fs::remove_dir_all(&partial),
+                    false => Ok(()),
+                })
+                .and_then(|()| fs::create_dir(&partial))
+                .map_err(|e| io_error(&partial)(e).into())
+        }
         _ => Ok(()),
     };
     agree(comm, step, prepared, &[])?;
+    let saved = write_and_complete(comm, root, &partial, step, engine, optim, keys, args);
+    // Every rank is past its writes (each stage ends in a collective): what a failed save
+    // wrote is no checkpoint, and would hold the disk the next one needs.
+    if saved.is_err() && rank == 0 && partial.exists() {
+        let _ = fs::remove_dir_all(&partial);
+    }
+    saved
+}
+
+/// [`save`]'s stages after the `partial` directory is made: each rank's file, then rank 0's
+/// `meta.json` and the rename that completes the checkpoint.
+#[allow(clippy::too_many_arguments)]
+fn write_and_complete<M: BlockModel>(
+    comm: &dyn Communicator,
+    root: &Path,
+    partial: &Path,
+    step: usize,
+    engine: &Sharded<'_, M>,
+    optim: &ParamOptimizer,
+    keys: &dyn KeyMap,
+    args: &TrainArgs,
+) -> Result<u64, TrainError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
     let written = write_rank_file(
         &partial.join(rank_file(rank)),
         step,
@@ -355,7 +388,7 @@ pub fn save<M: BlockModel>(
                     );
                 }
             };
-            complete(&partial, &done, &meta)
+            complete(partial, &done, &meta)
                 .map(pruned)
                 .map_err(TrainError::from)
         }
@@ -429,6 +462,21 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 /// Removes all but the newest `keep` complete checkpoints under `root`, and what interrupted
 /// saves left there: all it can, returning the first failure.
 fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
+    let mut failed = remove_partials(root);
+    let complete = complete_checkpoints(root)?;
+    let excess = complete.len().saturating_sub(keep.unwrap_or(usize::MAX));
+    for (_, path) in complete.into_iter().take(excess) {
+        // `meta.json` first: a checkpoint removed in part is no longer one, and one whose
+        // `meta.json` stays is whole.
+        let removed = fs::remove_file(path.join(META)).and_then(|()| fs::remove_dir_all(&path));
+        failed = failed.and(removed.map_err(io_error(&path)));
+    }
+    failed
+}
+
+/// Removes what interrupted saves left under `root` (`.step-N.partial`): all it can,
+/// returning the first failure.
+fn remove_partials(root: &Path) -> Result<(), CheckpointError> {
     let mut failed = Ok(());
     for entry in fs::read_dir(root).map_err(io_error(root))?.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -440,14 +488,6 @@ fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
             };
             failed = failed.and(removed.map_err(io_error(&path)));
         }
-    }
-    let complete = complete_checkpoints(root)?;
-    let excess = complete.len().saturating_sub(keep.unwrap_or(usize::MAX));
-    for (_, path) in complete.into_iter().take(excess) {
-        // `meta.json` first: a checkpoint removed in part is no longer one, and one whose
-        // `meta.json` stays is whole.
-        let removed = fs::remove_file(path.join(META)).and_then(|()| fs::remove_dir_all(&path));
-        failed = failed.and(removed.map_err(io_error(&path)));
     }
     failed
 }
@@ -531,14 +571,23 @@ pub(crate) fn agree_on_newest<C>(
 
 /// `error`, met resuming from the newest checkpoint in `root`, naming the complete checkpoint
 /// before it when the newest is damaged (a file missing, truncated or altered), which a run
-/// can resume from instead.
+/// can resume from instead. A file that could not be read for another reason (permissions,
+/// a stale network handle, EIO) is no damage: moving that checkpoint away would lose steps.
 pub(crate) fn naming_older(root: &Path, error: TrainError) -> TrainError {
-    let TrainError::Checkpoint(
-        damage @ (CheckpointError::Corrupt { .. } | CheckpointError::Io { .. }),
-    ) = error
-    else {
+    use std::io::ErrorKind::{NotFound, UnexpectedEof};
+    let damaged = match &error {
+        TrainError::Checkpoint(CheckpointError::Corrupt { .. }) => true,
+        TrainError::Checkpoint(CheckpointError::Io { source, .. }) => {
+            matches!(source.kind(), NotFound | UnexpectedEof)
+        }
+        _ => false,
+    };
+    let TrainError::Checkpoint(damage) = error else {
         return error;
     };
+    if !damaged {
+        return damage.into();
+    }
     let complete = complete_checkpoints(root).unwrap_or_default();
     match complete.len() {
         0 | 1 => damage.into(),
@@ -849,6 +898,9 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     pub meta: Meta,
     files: Vec<Option<RankFile>>,
+    /// The bytes of all ranks' files, each size checked against meta.json's once (a resume
+    /// at a world of hundreds reads hundreds of tensors: not a stat of every file for each).
+    stored: Option<u64>,
 }
 
 struct RankFile {
@@ -961,6 +1013,7 @@ impl Checkpoint {
         Ok(Self {
             dir: dir.to_path_buf(),
             files: (0..meta.world_size).map(|_| None).collect(),
+            stored: None,
             meta,
         })
     }
@@ -1094,10 +1147,16 @@ impl Checkpoint {
         // Held in memory before its pieces are read: no more than the files hold (a meta.json
         // edited by hand could ask for any size). A file of another size than meta.json's is
         // damaged, and named as such here, not taken for a checkpoint of another model.
-        let mut stored = 0;
-        for r in 0..self.meta.files.len() {
-            stored += self.size_checked(r)?;
-        }
+        let stored = match self.stored {
+            Some(stored) => stored,
+            None => {
+                let mut stored = 0u64;
+                for r in 0..self.meta.files.len() {
+                    stored = stored.saturating_add(self.size_checked(r)?);
+                }
+                *self.stored.insert(stored)
+            }
+        };
         let row = dims[1..]
             .iter()
             .try_fold(dtype.size(), |a, &d| a.checked_mul(d));
@@ -1216,10 +1275,34 @@ fn split_differences(saved: &serde_json::Value, ours: &serde_json::Value) -> Vec
         .collect()
 }
 
+/// Ends the weights file `weights` (`finish` syncs it and gives it its name) with `config`
+/// beside it ([`write_config`]): the configuration an earlier save left there is removed
+/// first and the new one written after the weights take their name, so that a failure
+/// between (a full disk at the last sync) leaves weights without a configuration, never
+/// beside another run's.
+pub fn finish_with_config(
+    weights: &Path,
+    config: Option<&serde_json::Value>,
+    finish: impl FnOnce() -> Result<(), burnscale_nn::weights::WeightError>,
+) -> Result<(), TrainError> {
+    write_config(weights, None)?;
+    finish()?;
+    write_config(weights, config)
+}
+
+/// Removes the file at `path` if there is one.
+fn remove_beside(path: &Path) -> Result<(), TrainError> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(TrainError::Io {
+            path: path.to_path_buf(),
+            source: e,
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Writes `config` beside `weights` ([`config_path`]) whole or not at all (a file of its own,
-/// synced, renamed into place), or without a config removes one an earlier run left there:
-/// called before the weights file takes its name, so that new weights never sit beside an
-/// old or half-written configuration.
+/// synced, renamed into place), or without a config removes one an earlier run left there.
 pub fn write_config(weights: &Path, config: Option<&serde_json::Value>) -> Result<(), TrainError> {
     let path = config_path(weights);
     let io = |source| TrainError::Io {
@@ -1227,10 +1310,7 @@ pub fn write_config(weights: &Path, config: Option<&serde_json::Value>) -> Resul
         source,
     };
     let Some(config) = config else {
-        return match fs::remove_file(&path) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(e)),
-            _ => Ok(()),
-        };
+        return remove_beside(&path);
     };
     let partial = burnscale_nn::weights::partial_path(&path);
     let written = serde_json::to_string_pretty(config)
@@ -1253,10 +1333,12 @@ impl Checkpoint {
         if path.join(META).is_file() {
             return Self::open(path);
         }
-        // A mistyped path is not an interrupted save.
+        // A mistyped path is not an interrupted save, nor is a directory of none.
         fs::metadata(path).map_err(io_error(path))?;
-        Self::latest(path)?.ok_or_else(|| CheckpointError::Incomplete {
-            path: path.to_path_buf(),
+        let path = path.to_path_buf();
+        Self::latest(&path)?.ok_or(match step_named(&path) {
+            Some(_) => CheckpointError::Incomplete { path },
+            None => CheckpointError::NoCheckpoint { path },
         })
     }
 
@@ -1370,8 +1452,9 @@ impl Checkpoint {
                 }
             }
         }
-        write_config(out, meta.model_config.as_ref())?;
-        writer.finish()?;
+        // An optimizer file an earlier consolidation left there is another step's state.
+        remove_beside(&optimizer_path(out))?;
+        finish_with_config(out, meta.model_config.as_ref(), || writer.finish())?;
         let mut written = plan.len();
         if with_optimizer {
             let states: Vec<&SavedTensor> = meta.states.iter().flat_map(|s| &s.tensors).collect();
@@ -1499,7 +1582,7 @@ pub fn restore<T: TrainTask>(
         differs("--seed", meta.seed.to_string(), args.seed.to_string()),
         // The data position is counted in micro-batches, `--accumulate` a step: with
         // another count the next checkpoint would misplace it.
-        (meta.step > 0 && meta.micro_batches != meta.step * args.accumulate).then(|| {
+        (meta.step > 0 && Some(meta.micro_batches) != meta.step.checked_mul(args.accumulate)).then(|| {
             format!(
                 "micro-batches per optimizer step (--accumulate) {}, this run {}",
                 meta.micro_batches / meta.step,
@@ -1644,6 +1727,40 @@ fn flat(data: TensorData, device: &Device) -> Tensor<1> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The checkpoint before a damaged newest one (a file missing, truncated) is named to
+    /// resume from; not before one that could not be read for another reason (permissions),
+    /// whose steps moving it away would lose.
+    #[test]
+    fn only_a_damaged_newest_checkpoint_points_to_the_one_before() {
+        let root = tempfile::tempdir().unwrap();
+        for step in [1, 2] {
+            let dir = step_dir(root.path(), step);
+            fs::create_dir_all(&dir).unwrap();
+            fs::write(dir.join(META), "{}").unwrap();
+        }
+        let newest = step_dir(root.path(), 2).join(rank_file(0));
+        let failed = |kind: std::io::ErrorKind| {
+            let error = CheckpointError::Io {
+                path: newest.clone(),
+                source: kind.into(),
+            };
+            naming_older(root.path(), error.into()).to_string()
+        };
+        let before = step_dir(root.path(), 1).display().to_string();
+        for kind in [
+            std::io::ErrorKind::NotFound,
+            std::io::ErrorKind::UnexpectedEof,
+        ] {
+            let message = failed(kind);
+            assert!(
+                message.contains(&format!("the checkpoint before it, {before}")),
+                "{message}"
+            );
+        }
+        let denied = failed(std::io::ErrorKind::PermissionDenied);
+        assert!(!denied.contains("checkpoint before it"), "{denied}");
+    }
 
     /// Weights saved after training on a split of some data are refused for a run that
     /// splits the same data another way (in a flag both record), and pass for the same split,

@@ -566,10 +566,12 @@ fn run_rank<T: TrainTask>(
             }
         }
         // Before the step's checkpoint: a resumed run keeps the rows up to its checkpoint's
-        // step, so that row must be written once the checkpoint is.
-        if let Some(csv) = csv.as_mut() {
-            csv.write(&last)?;
-        }
+        // step, so that row must be written once the checkpoint is. A row that cannot be
+        // written (a full disk elsewhere) stops the run after the checkpoint, not before it.
+        let csv_written = match csv.as_mut() {
+            Some(csv) => csv.write(&last),
+            None => Ok(()),
+        };
         if let Some(dir) = &args.checkpoint_dir
             && (step == args.max_steps
                 || stop
@@ -596,6 +598,7 @@ fn run_rank<T: TrainTask>(
                 .save_peak_mem_bytes
                 .max(memory::is_counting().then_some(saving_peak));
         }
+        csv_written?;
         if let Some(on_step) = args.on_step.as_ref().filter(|_| lead) {
             progress.suspend(|| (on_step.0)(&last));
         }
@@ -893,8 +896,7 @@ fn save<M: BlockModel>(
     })?;
     written?;
     if let Some(saver) = saver {
-        crate::checkpoint::write_config(path, args.model_config.as_ref())?;
-        saver.finish()?;
+        crate::checkpoint::finish_with_config(path, args.model_config.as_ref(), || saver.finish())?;
     }
     Ok(SaveReport {
         path: path.to_path_buf(),
