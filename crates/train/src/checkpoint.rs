@@ -118,15 +118,16 @@ pub struct Meta {
     pub params: Vec<SavedTensor>,
     pub states: Vec<SavedState>,
     pub files: Vec<SavedFile>,
-    /// The CRC-32 of this JSON written without it: a value damaged into another
+    /// The CRC-32 of this JSON without it ([`json_crc32`]): a value damaged into another
     /// that still parses (a loss scale, a dropout count) is found. Older checkpoints have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32: Option<u32>,
 }
 
 impl Meta {
-    /// The CRC-32 of this meta's JSON without its `crc32`.
-    fn computed_crc32(&self) -> serde_json::Result<u32> {
+    /// The CRC-32 of this meta's JSON without its `crc32` as this build writes it: what
+    /// checkpoints written before [`json_crc32`] recorded.
+    fn struct_crc32(&self) -> serde_json::Result<u32> {
         let unsealed = Meta {
             crc32: None,
             ..self.clone()
@@ -135,13 +136,28 @@ impl Meta {
     }
 }
 
+/// The CRC-32 of a `meta.json`'s text as JSON (every member, its `crc32` left out, written
+/// compactly in key order): over what the file holds, so that a field another build adds,
+/// which this one's `Meta` drops, is still counted, and one this build adds does not change
+/// older files' sums.
+fn json_crc32(text: &[u8]) -> serde_json::Result<u32> {
+    let mut json: serde_json::Value = serde_json::from_slice(text)?;
+    if let Some(members) = json.as_object_mut() {
+        members.remove("crc32");
+    }
+    Ok(crc32fast::hash(&serde_json::to_vec(&json)?))
+}
+
 /// `meta`'s JSON with its CRC-32 in it ([`Meta::crc32`]).
 fn sealed(meta: &Meta) -> serde_json::Result<Vec<u8>> {
-    let sealed = Meta {
-        crc32: Some(meta.computed_crc32()?),
+    let unsealed = serde_json::to_vec_pretty(&Meta {
+        crc32: None,
         ..meta.clone()
-    };
-    serde_json::to_vec_pretty(&sealed)
+    })?;
+    serde_json::to_vec_pretty(&Meta {
+        crc32: Some(json_crc32(&unsealed)?),
+        ..meta.clone()
+    })
 }
 
 /// A tensor as the checkpoint holds it whole (its rows spread over the files).
@@ -964,13 +980,14 @@ impl Checkpoint {
             });
         }
         if let Some(saved) = meta.crc32 {
-            let computed = meta
-                .computed_crc32()
-                .map_err(|e| CheckpointError::Corrupt {
-                    path: path.clone(),
-                    reason: e.to_string(),
-                })?;
-            if computed != saved {
+            let corrupt = |e: serde_json::Error| CheckpointError::Corrupt {
+                path: path.clone(),
+                reason: e.to_string(),
+            };
+            let computed = json_crc32(&text).map_err(corrupt)?;
+            // Sealed before the sum was over the file's JSON: over this build's `Meta`.
+            let older = || meta.struct_crc32().map_err(corrupt);
+            if computed != saved && older()? != saved {
                 return Err(CheckpointError::Corrupt {
                     path,
                     reason: format!("CRC-32 {computed:08x}, its crc32 says {saved:08x}"),
@@ -1727,6 +1744,42 @@ fn flat(data: TensorData, device: &Device) -> Tensor<1> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `meta.json`'s CRC is over the file's JSON: a member a newer build adds (which this
+    /// build's `Meta` drops) keeps it whole, an altered value does not, and a file sealed
+    /// before (the sum over this build's `Meta`) still opens.
+    #[test]
+    fn a_field_another_build_adds_keeps_meta_json_whole() {
+        use serde_json::json;
+        let dir = tempfile::tempdir().unwrap();
+        let meta: Meta = serde_json::from_value(json!({
+            "format": FORMAT, "step": 1, "micro_batches": 1, "global_batch": 2,
+            "world_size": 1, "strategy": "single", "precision": "32-true",
+            "optimizer": "sgd", "seed": 0, "dropout": [[0, 0]], "params": [], "states": [],
+            "files": [{"name": "rank-00000.safetensors", "bytes": 8, "crc32": 0}],
+        }))
+        .unwrap();
+        let open = |text: &[u8]| {
+            fs::write(dir.path().join(META), text).unwrap();
+            Checkpoint::open(dir.path())
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(open(&sealed(&meta).unwrap()), Ok(()));
+        let mut newer = serde_json::to_value(&meta).unwrap();
+        newer["future"] = json!({"added": 1});
+        let crc = json_crc32(&serde_json::to_vec(&newer).unwrap()).unwrap();
+        newer["crc32"] = json!(crc);
+        assert_eq!(open(&serde_json::to_vec_pretty(&newer).unwrap()), Ok(()));
+        newer["seed"] = json!(1);
+        let damaged = open(&serde_json::to_vec_pretty(&newer).unwrap()).unwrap_err();
+        assert!(damaged.contains("its crc32 says"), "{damaged}");
+        let older = Meta {
+            crc32: Some(meta.struct_crc32().unwrap()),
+            ..meta.clone()
+        };
+        assert_eq!(open(&serde_json::to_vec_pretty(&older).unwrap()), Ok(()));
+    }
 
     /// The checkpoint before a damaged newest one (a file missing, truncated) is named to
     /// resume from; not before one that could not be read for another reason (permissions),
