@@ -187,6 +187,47 @@ fn a_share_of_no_micro_batches_is_refused() {
     assert!(matches!(refused, ShardError::NoMicroBatches), "{refused}");
 }
 
+/// A parameter of no elements (`[0, d]`) is refused by every rank and strategy, naming it:
+/// splitting it by rows panicked.
+#[test]
+fn an_empty_parameter_is_refused_naming_it() {
+    struct EmptyFirst(bool);
+    impl ModuleMapper for EmptyFirst {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            match std::mem::replace(&mut self.0, true) {
+                true => param,
+                false => {
+                    let mut dims = param.val().dims();
+                    dims[0] = 0;
+                    param.map(|value| Tensor::zeros(dims, &value.device()))
+                }
+            }
+        }
+    }
+    let device = Device::default().autodiff();
+    for (strategy, world) in [
+        (Strategy::Zero1, 1),
+        (Strategy::Ddp, 2),
+        (Strategy::Zero3, 2),
+    ] {
+        let outcomes = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
+            let model = model().map(&mut EmptyFirst(false));
+            Sharded::new(strategy, model, comm, &device)
+                .err()
+                .map(|e| e.to_string())
+        })
+        .unwrap();
+        for outcome in outcomes {
+            let err = outcome.unwrap().unwrap_or_default();
+            assert!(
+                err.contains("has no elements (shape [0, ")
+                    && err.contains("cannot hold an empty one"),
+                "{strategy:?} on {world}: {err}"
+            );
+        }
+    }
+}
+
 /// Ranks whose models differ all stop, naming the ranks: rank 0 too, which sends its values
 /// and, told nothing, waited for the others in the next collective.
 #[test]

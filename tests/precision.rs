@@ -328,6 +328,47 @@ fn accumulation_composes_with_mixed_precision() {
     }
 }
 
+/// A step the loss scaler skips moves the schedule no further (HF's Trainer and accelerate
+/// leave it then, as Adam's step count stays): the k-th step applied in the warm-up takes
+/// k/warmup of --lr, a skipped one reports the rate the next applied step takes.
+#[test]
+fn a_skipped_step_leaves_the_schedule_where_it_was() {
+    let model = common::seeded_model(3, |device| {
+        Gpt::new(&GptConfig::tiny().with_dropout(0.0), device).unwrap()
+    });
+    // 2^24 overflows tiny-minGPT's f16 gradients (up to ~3) until it has halved ~9 times.
+    let args = TrainArgs::from_flags(&[
+        "--precision",
+        "16-mixed",
+        "--initial-loss-scale",
+        "16777216",
+        "--max-steps",
+        "14",
+        "--warmup-steps",
+        "20",
+        "--lr",
+        "1e-3",
+        "--batch-size",
+        "4",
+    ])
+    .unwrap();
+    let mut task = NextToken::new(tokens(), 8, 4, 3).unwrap();
+    let (_, summary) = train(model, &mut task, &args, &Device::default().autodiff()).unwrap();
+    let skips = summary.history.iter().filter(|m| m.skipped).count();
+    assert!((1..14).contains(&skips), "{skips} of 14 steps skipped");
+    let mut applied = 0;
+    for m in &summary.history {
+        let want = 1e-3 * (applied + 1) as f64 / 20.0;
+        assert!(
+            (m.lr - want).abs() < 1e-15,
+            "step {}: lr {}, want {want}",
+            m.step,
+            m.lr
+        );
+        applied += usize::from(!m.skipped);
+    }
+}
+
 #[test]
 fn sixteen_mixed_stops_after_consecutive_overflows() {
     let mut model = common::seeded_model(3, |device| {

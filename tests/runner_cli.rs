@@ -476,7 +476,7 @@ fn consolidated_weights_keep_their_characters() {
     example_fails_with(
         "consolidate",
         &[empty, "x.safetensors"],
-        "is not a complete checkpoint",
+        "empty holds no complete checkpoint (a step-N directory with meta.json)",
     );
     let out = dir.path().join("out.safetensors");
     example_succeeds("consolidate", &[ckpt, out.to_str().unwrap()]);

@@ -92,6 +92,19 @@ pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), 
     let sizes = [1, 7, 1000 + world - 1, 4099];
     let ops = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max];
 
+    check("gather_u64s uneven, none on rank 0".to_string(), {
+        // Rank r gives r values, the widest u64s among them.
+        let values = |r: usize| -> Vec<u64> { (0..r as u64).map(|i| u64::MAX - i).collect() };
+        crate::gather_u64s(comm, &values(rank))
+            .map_err(err)
+            .and_then(
+                |all| match all == (0..world).map(values).collect::<Vec<_>>() {
+                    true => Ok(()),
+                    false => Err(format!("gathered {all:?}")),
+                },
+            )
+    });
+
     for dtype in [DType::F32, DType::F16, DType::Bf16] {
         for op in ops {
             let roundings = if op == ReduceOp::Mean { world + 1 } else { 0 };

@@ -113,26 +113,41 @@ pub trait Communicator {
     }
 }
 
-/// Every rank's `mine` (the same count on every rank), in rank order: an all-gather, for
-/// small integers the ranks agree on (flags' hashes, counts, outcomes).
+/// Every rank's `mine` (of any count, none too), in rank order: an all-gather, for small
+/// integers the ranks agree on (flags' hashes, counts, outcomes). A buffer that does not read
+/// back as counts and values is a [`CollectiveError::Mismatch`], never misread.
 pub fn gather_u64s(
     comm: &dyn Communicator,
     mine: &[u64],
 ) -> Result<Vec<Vec<u64>>, CollectiveError> {
-    // As 16-bit pieces, which f32 holds exactly.
-    let pieces: Vec<f32> = mine
-        .iter()
-        .flat_map(|&v| (0..4).rev().map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32))
+    // Each rank's count, then its values, each as 16-bit pieces, which f32 holds exactly.
+    let pieces: Vec<f32> = std::iter::once(mine.len() as u64)
+        .chain(mine.iter().copied())
+        .flat_map(|v| (0..4).rev().map(move |i| ((v >> (16 * i)) & 0xFFFF) as f32))
         .collect();
     let all = comm.all_gather(&Buffer::F32(pieces))?.to_f32();
-    Ok(all
-        .chunks(4 * mine.len())
-        .map(|rank| {
-            rank.chunks(4)
-                .map(|p| p.iter().fold(0u64, |v, &piece| (v << 16) | piece as u64))
-                .collect()
-        })
-        .collect())
+    let mut values = all
+        .chunks(4)
+        .map(|p| p.iter().fold(0u64, |v, &piece| (v << 16) | piece as u64));
+    let mut ranks = Vec::with_capacity(comm.world_size());
+    while let Some(count) = values.next() {
+        let rank: Vec<u64> = values.by_ref().take(count as usize).collect();
+        if rank.len() as u64 != count {
+            break;
+        }
+        ranks.push(rank);
+    }
+    match all.len() % 4 == 0 && ranks.len() == comm.world_size() {
+        true => Ok(ranks),
+        false => Err(CollectiveError::Mismatch {
+            me: comm.rank(),
+            detail: format!(
+                "gather_u64s read {} values from {} ranks, which do not parse as counts and values",
+                all.len() / 4,
+                comm.world_size()
+            ),
+        }),
+    }
 }
 
 /// Whether this process was started by `mpirun` (Open MPI, MPICH/Hydra or PMIx launchers),

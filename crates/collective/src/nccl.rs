@@ -105,18 +105,18 @@ impl NcclComm {
             .into_iter()
             .zip(calls)
             .enumerate()
-            .map(|(rank, (comm, call))| Self::new(comm, call, rank, timeout))
+            .map(|(rank, (comm, call))| Self::new(comm, call, Watchdog::start(rank, timeout)))
             .collect())
     }
 
-    /// Rank `me`'s engine on `comm`, with its agreement's buffer (allocated before the
+    /// A rank's engine on `comm`, with its agreement's buffer (allocated before the
     /// communicator: a rank that failed after it would leave through an agreement nobody else
     /// joins) and its watchdog.
-    fn new(comm: Comm, call: CudaSlice<i64>, me: usize, timeout: Duration) -> Self {
+    fn new(comm: Comm, call: CudaSlice<i64>, watchdog: Arc<Watchdog>) -> Self {
         Self {
             stream: comm.stream(),
             comm,
-            watchdog: Watchdog::start(me, timeout),
+            watchdog,
             agreement: Agreement::default(),
             call: RefCell::new(call),
         }
@@ -184,14 +184,20 @@ impl NcclComm {
         let internal: [core::ffi::c_char; 128] = bytes
             .try_into()
             .map_err(|_| failed("NCCL's unique id is 128 bytes".into()))?;
-        let comm = Comm::from_rank(
-            stream,
-            me,
-            mpi.world_size(),
-            cudarc::nccl::Id::uninit(internal),
-        )
+        // Watched as every collective after it: NCCL's init waits for every rank (a peer
+        // stuck in its handshake, an interface it cannot reach) and cannot be interrupted.
+        let watchdog = Watchdog::start(me, timeout);
+        let comm = {
+            let _watch = watchdog.watch("NCCL init");
+            Comm::from_rank(
+                stream,
+                me,
+                mpi.world_size(),
+                cudarc::nccl::Id::uninit(internal),
+            )
+        }
         .map_err(|e| failed(format!("{e:?}")))?;
-        Ok(Self::new(comm, call, me, timeout))
+        Ok(Self::new(comm, call, watchdog))
     }
 
     fn error(&self, op: &'static str) -> impl Fn(String) -> CollectiveError {

@@ -115,11 +115,12 @@ pub enum PrecisionError {
         device: String,
     },
     #[error(
-        "--precision {precision}: the gradients overflowed on {steps} consecutive steps, so none was taken, while the loss scale halved down to {scale:e}: the loss or its gradients are inf/NaN whatever the scale. Lower --lr, check the data, or train in bf16-mixed (no loss scale needed); --max-consecutive-skips N allows more skips"
+        "--precision {precision}: the gradients overflowed on {steps} consecutive steps ({skipped} skipped in all), none of them taken, and the loss scale has halved down to {scale:e}, where the loss or its gradients still reach inf/NaN. Lower --lr, check the data, or train in bf16-mixed (no loss scale needed); --max-consecutive-skips N allows more skips"
     )]
     Overflowing {
         precision: Precision,
         steps: usize,
+        skipped: usize,
         scale: f64,
     },
 }

@@ -110,6 +110,7 @@ impl LossScaler {
                 return Err(PrecisionError::Overflowing {
                     precision: Precision::F16Mixed,
                     steps: self.consecutive_skips,
+                    skipped: self.skipped,
                     scale: self.scale,
                 });
             }

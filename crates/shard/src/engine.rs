@@ -134,6 +134,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         if comm.world_size() > 1 {
             same_layout_on_every_rank(comm, &slots)?;
         }
+        if let Some(slot) = slots.iter().find(|s| s.numel() == 0) {
+            return Err(ShardError::EmptyParameter {
+                path: slot.path.clone(),
+                dims: slot.dims.clone(),
+            });
+        }
         let mut index: HashMap<ParamId, usize> = HashMap::new();
         for (i, slot) in slots.iter().enumerate() {
             if let Some(first) = index.insert(slot.id, i) {

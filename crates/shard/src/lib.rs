@@ -191,4 +191,8 @@ pub enum ShardError {
         "`{second}` is the same parameter as `{first}` (tied weights): the engine shards, reduces and steps a parameter once for each place it appears, which would lose part of its gradient and untie it after one step; give each place a parameter of its own"
     )]
     SharedParameter { first: String, second: String },
+    #[error(
+        "`{path}` has no elements (shape {dims:?}): the engine splits parameters by rows and cannot hold an empty one; leave it out of the model (an `Option`) or give it a size"
+    )]
+    EmptyParameter { path: String, dims: Vec<usize> },
 }

@@ -3,11 +3,12 @@
 //! dynamic-tree quantized with an f32 absmax per block of 256, dequantized for the update and
 //! re-quantized after it.
 //!
-//! One departure from bitsandbytes, so that a shard's blocks are the full tensor's: blocks
+//! Two departures from bitsandbytes. So that a shard's blocks are the full tensor's, blocks
 //! run along rows (the last dims flattened), never across them, because every strategy
-//! splits a parameter between rows. A row of `n` elements is cut into `ceil(n / 256)` blocks
-//! of `min(n, 256)`. The runner keeps bitsandbytes' 32-bit state for tensors of fewer than
-//! `--min-8bit-size` elements (4096) and for vectors ([`AdamW8bit::quantizes`]).
+//! splits a parameter between rows: a row of `n` elements is cut into `ceil(n / 256)` blocks
+//! of `min(n, 256)`. And vectors (biases, layer-norm gains: one row each) keep 32-bit state
+//! whatever their size, where bitsandbytes quantizes any tensor of `--min-8bit-size` (4096)
+//! elements or more; smaller tensors keep 32-bit state in both ([`AdamW8bit::quantizes`]).
 //!
 //! A step is written twice: in tensor operations (any device, any dtype), and for f32 in
 //! host memory as one pass over each row (`step_host`), the same f32 operations in the same
@@ -461,7 +462,8 @@ impl AdamW8bit {
     }
 
     /// Whether a parameter of these (full, unsharded) dims gets 8-bit state: a matrix (or
-    /// higher) of at least `min_size` elements (bitsandbytes' `min_8bit_size`).
+    /// higher) of at least `min_size` elements (bitsandbytes' `min_8bit_size`; it quantizes
+    /// vectors that large too).
     pub fn quantizes(dims: &[usize], min_size: usize) -> bool {
         dims.len() >= 2 && dims.iter().product::<usize>() >= min_size
     }

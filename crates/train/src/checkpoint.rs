@@ -1698,8 +1698,10 @@ pub fn restore<T: TrainTask>(
     if let Some(saved) = &meta.loss_scaler {
         engine.restore_scaler(saved);
     }
-    for _ in 0..meta.step {
-        schedule.next_lr();
+    // The steps the scaler skipped moved the schedule no further.
+    let skipped = meta.loss_scaler.as_ref().map_or(0, |s| s.skipped());
+    for _ in 0..meta.step.saturating_sub(skipped) {
+        schedule.advance();
     }
     task.skip(meta.micro_batches, device, BatchPart { rank, world });
     // A rank's stream is seeded by its rank alone: at any world size rank r goes on with the

@@ -847,18 +847,25 @@ impl LrSchedule {
     }
 
     /// The rate for the next optimizer step.
-    pub fn next_lr(&mut self) -> f64 {
-        self.step += 1;
-        if self.step <= self.warmup {
-            return self.peak * self.step as f64 / self.warmup as f64;
+    pub fn lr(&self) -> f64 {
+        let step = self.step + 1;
+        if step <= self.warmup {
+            return self.peak * step as f64 / self.warmup as f64;
         }
         match self.cosine {
             Some((min, steps)) => {
-                let progress = ((self.step - self.warmup) as f64 / steps as f64).min(1.0);
+                let progress = ((step - self.warmup) as f64 / steps as f64).min(1.0);
                 min + (self.peak - min) * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos())
             }
             None => self.peak,
         }
+    }
+
+    /// Moves past an optimizer step taken. A step the loss scaler skipped is not one: the
+    /// schedule stays where it was, as HF's Trainer and accelerate leave it (and as Adam's
+    /// step count stays).
+    pub fn advance(&mut self) {
+        self.step += 1;
     }
 }
 
@@ -918,12 +925,22 @@ mod tests {
         TrainArgs::from_flags(&argv).unwrap()
     }
 
+    /// The rates of `s`'s first ten steps, each taken.
+    fn ten_rates(mut s: LrSchedule) -> Vec<f64> {
+        (0..10)
+            .map(|_| {
+                let lr = s.lr();
+                s.advance();
+                lr
+            })
+            .collect()
+    }
+
     #[test]
     fn cosine_with_warmup() {
         // transformers' lambda at steps 1..=10 (warm-up 2, min ratio 0.1): 0.5, 1, then
         // 0.1 + 0.9 * 0.5 * (1 + cos(pi * k / 8)) for k = 1..=8.
-        let mut s = LrSchedule::new(&args(&["--warmup-steps", "2"]));
-        let lrs: Vec<f64> = (0..10).map(|_| s.next_lr()).collect();
+        let lrs = ten_rates(LrSchedule::new(&args(&["--warmup-steps", "2"])));
         let near = |a: f64, b: f64| (a - b).abs() < 1e-12;
         assert!(near(lrs[0], 0.05) && near(lrs[1], 0.1), "{lrs:?}");
         assert!(
@@ -932,9 +949,8 @@ mod tests {
         );
         assert!(near(lrs[5], 0.055), "half-way: {lrs:?}");
         assert!(near(lrs[9], 0.01), "the minimum at the last step: {lrs:?}");
-        let mut s = LrSchedule::new(&args(&["--min-lr-ratio", "0"]));
-        let last = (0..10).map(|_| s.next_lr()).last();
-        assert_eq!(last, Some(0.0));
+        let lrs = ten_rates(LrSchedule::new(&args(&["--min-lr-ratio", "0"])));
+        assert_eq!(lrs.last(), Some(&0.0));
     }
 
     #[test]
@@ -957,8 +973,8 @@ mod tests {
         let longer = [&constant[..], &["--max-steps", "40"]].concat();
         assert_eq!(flags(&constant), flags(&longer));
         assert_ne!(flags(&[]), flags(&["--max-steps", "40"]));
-        let mut s = LrSchedule::new(&args(&["--schedule", "constant"]));
-        assert!((0..10).all(|_| s.next_lr() == 0.1));
+        let lrs = ten_rates(LrSchedule::new(&args(&["--schedule", "constant"])));
+        assert!(lrs.iter().all(|&lr| lr == 0.1));
     }
 
     #[test]

@@ -494,8 +494,11 @@ fn run_rank<T: TrainTask>(
         let (step_items, step_flops) =
             micro_steps(&mut engine, task, T::next_batch, args, device, part)?;
         fault::kill_if_asked(fault::Point::Step, step, rank);
-        let lr = schedule.next_lr();
+        let lr = schedule.lr();
         let outcome = optimizer_step(&mut engine, &mut optim, lr, args)?;
+        if !outcome.skipped {
+            schedule.advance();
+        }
         // The loss is read once the step is queued; with a loss scaler an overflow was a
         // skipped step, without one training on NaN would only waste the run. A non-finite
         // gradient norm (global, the same on every rank; its f32 sum of squares passes
