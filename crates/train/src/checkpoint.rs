@@ -311,29 +311,8 @@ pub fn save<M: BlockModel>(
         _ => Ok(()),
     };
     agree(comm, step, prepared, &[])?;
-    let saved = write_and_complete(comm, root, &partial, step, engine, optim, keys, args);
-    // Every rank is past its writes (each stage ends in a collective): what a failed save
-    // wrote is no checkpoint, and would hold the disk the next one needs.
-    if saved.is_err() && rank == 0 && partial.exists() {
-        let _ = fs::remove_dir_all(&partial);
-    }
-    saved
-}
-
-/// [`save`]'s stages after the `partial` directory is made: each rank's file, then rank 0's
-/// `meta.json` and the rename that completes the checkpoint.
-#[allow(clippy::too_many_arguments)]
-fn write_and_complete<M: BlockModel>(
-    comm: &dyn Communicator,
-    root: &Path,
-    partial: &Path,
-    step: usize,
-    engine: &Sharded<'_, M>,
-    optim: &ParamOptimizer,
-    keys: &dyn KeyMap,
-    args: &TrainArgs,
-) -> Result<u64, TrainError> {
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let _unfinished = Unfinished((rank == 0).then_some(&partial));
+    let world = comm.world_size();
     let written = write_rank_file(
         &partial.join(rank_file(rank)),
         step,
@@ -404,7 +383,7 @@ fn write_and_complete<M: BlockModel>(
                     );
                 }
             };
-            complete(partial, &done, &meta)
+            complete(&partial, &done, &meta)
                 .map(pruned)
                 .map_err(TrainError::from)
         }
@@ -412,6 +391,20 @@ fn write_and_complete<M: BlockModel>(
     };
     agree(comm, step, completed, &[])?;
     Ok(all.iter().map(|r| r[0]).sum())
+}
+
+/// Rank 0's `partial` directory of a save, removed if it is still there when the save returns
+/// (it is renamed once complete): a failed save's files are no checkpoint, and would hold
+/// the disk the next save needs. Every rank is past its writes by then (each stage ends in
+/// a collective).
+struct Unfinished<'a>(Option<&'a PathBuf>);
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if let Some(partial) = self.0.filter(|p| p.exists()) {
+            let _ = fs::remove_dir_all(partial);
+        }
+    }
 }
 
 /// Every rank's `mine` once each has its `outcome` of a stage of saving `step` (a
