@@ -118,8 +118,9 @@ pub struct Meta {
     pub params: Vec<SavedTensor>,
     pub states: Vec<SavedState>,
     pub files: Vec<SavedFile>,
-    /// The CRC-32 of this JSON without it ([`json_crc32`]): a value damaged into another
-    /// that still parses (a loss scale, a dropout count) is found. Older checkpoints have none.
+    /// The CRC-32 of this file's JSON without it (every member, in key order, written
+    /// compactly): a value damaged into another that still parses (a loss scale, a dropout
+    /// count) is found. Older checkpoints have none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub crc32: Option<u32>,
 }
