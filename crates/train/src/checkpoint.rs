@@ -469,10 +469,10 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Removes all but the newest `keep` complete checkpoints under `root`, and what interrupted
-/// saves left there: all it can, returning the first failure.
+/// Removes all but the newest `keep` complete checkpoints under `root` (what interrupted
+/// saves left went before the save began): all it can, returning the first failure.
 fn prune(root: &Path, keep: Option<usize>) -> Result<(), CheckpointError> {
-    let mut failed = remove_partials(root);
+    let mut failed = Ok(());
     let complete = complete_checkpoints(root)?;
     let excess = complete.len().saturating_sub(keep.unwrap_or(usize::MAX));
     for (_, path) in complete.into_iter().take(excess) {
@@ -1246,12 +1246,16 @@ pub fn check_held_out(weights: &Path, data: &serde_json::Value) -> Result<(), Tr
     }
 }
 
+/// Where a data record from before its split had a field of its own kept the split's flags:
+/// beside `data`.
+const SPLIT_BESIDE_DATA: [&str; 2] = ["test_fraction", "max_length"];
+
 /// The flags that draw a data record's test split: its `split`, or in a record from before
-/// it had one, the `test_fraction` and `max_length` beside `data`.
+/// it had one, those beside `data` ([`SPLIT_BESIDE_DATA`]).
 fn split_of(data: &serde_json::Value) -> serde_json::Map<String, serde_json::Value> {
     match data.get("split").and_then(|s| s.as_object()) {
         Some(split) => split.clone(),
-        None => ["test_fraction", "max_length"]
+        None => SPLIT_BESIDE_DATA
             .into_iter()
             .filter_map(|key| Some((key.to_string(), data.get(key)?.clone())))
             .collect(),
@@ -1262,7 +1266,7 @@ fn split_of(data: &serde_json::Value) -> serde_json::Map<String, serde_json::Val
 fn dataset_of(data: &serde_json::Value) -> serde_json::Value {
     let mut data = data.clone();
     if let Some(fields) = data.as_object_mut() {
-        for key in ["split", "test_fraction", "max_length"] {
+        for key in SPLIT_BESIDE_DATA.into_iter().chain(["split"]) {
             fields.remove(key);
         }
     }
