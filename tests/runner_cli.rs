@@ -594,3 +594,140 @@ fn ctrl_c_ends_the_run_after_its_step_with_a_checkpoint() {
         "the ranks' scratch files are removed"
     );
 }
+
+/// `mingpt_char` with `args` under a limit of `kib` KiB on the size of any file it writes
+/// (RLIMIT_FSIZE, with SIGXFSZ ignored): a write past it fails with EFBIG ("File too large")
+/// as one on a full disk fails, part written; the process goes on to handle the error.
+fn mingpt_char_with_file_limit(kib: usize, args: &[&str]) -> std::process::Output {
+    Command::new("bash")
+        .args([
+            "-c",
+            &format!("trap '' XFSZ; ulimit -f {kib}; exec \"$0\" \"$@\""),
+        ])
+        .arg(mingpt_char())
+        .args(args)
+        .output()
+        .expect("bash runs mingpt_char")
+}
+
+/// A checkpoint whose files cannot be written fails the run naming the file and the error,
+/// and leaves no `.partial` directory behind to hold the disk the next save needs.
+#[test]
+fn a_checkpoint_that_cannot_be_written_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let out = mingpt_char_with_file_limit(
+        64,
+        &[
+            "--model",
+            "gpt-nano",
+            "--devices",
+            "2",
+            "--strategy",
+            "zero2",
+            "--batch-size",
+            "4",
+            "--eval-batches",
+            "1",
+            "--sample-len",
+            "0",
+            "--max-steps",
+            "2",
+            "--checkpoint-every",
+            "1",
+            "--checkpoint-dir",
+            ckpt.to_str().unwrap(),
+        ],
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("rank-00000.safetensors") && stderr.contains("File too large"),
+        "{stderr}"
+    );
+    let left: Vec<_> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "the failed save left {left:?}: {stderr}");
+}
+
+/// A `--metrics-csv` row that cannot be written stops the run after that step's checkpoint
+/// (not before it); the resumed run then continues the file from its complete rows, leaving
+/// out the row cut short, and every row it holds is whole.
+#[test]
+fn a_metrics_row_that_cannot_be_written_stops_the_run_after_its_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ckpt, csv) = (dir.path().join("ckpt"), dir.path().join("metrics.csv"));
+    // A model of 2,168 parameters: its checkpoint (~21 KiB) fits under the limit, and the
+    // metrics file (~77 bytes a row) passes it after ~300 steps.
+    let run = [
+        "--n-layer",
+        "1",
+        "--n-head",
+        "1",
+        "--n-embd",
+        "8",
+        "--block-size",
+        "8",
+        "--batch-size",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--eval-batches",
+        "1",
+        "--eval-interval",
+        "0",
+        "--sample-len",
+        "0",
+        "--max-steps",
+        "500",
+        "--checkpoint-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--metrics-csv",
+        csv.to_str().unwrap(),
+    ];
+    let out = mingpt_char_with_file_limit(24, &run);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        stderr.contains("metrics.csv") && stderr.contains("File too large"),
+        "{stderr}"
+    );
+    let steps = |text: &str| -> Vec<usize> {
+        text.lines()
+            .skip(1)
+            .map(|row| row.split(',').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert!(!text.ends_with('\n'), "the failing row is cut short");
+    let (whole, _cut) = text.rsplit_once('\n').unwrap();
+    let failed = steps(whole).last().unwrap() + 1;
+    assert!(
+        ckpt.join(format!("step-{failed:08}")).is_dir(),
+        "no checkpoint of step {failed}, whose row failed: {stderr}"
+    );
+
+    let out = Command::new(mingpt_char())
+        .args(run)
+        .arg("--resume")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("cut short"), "{stderr}");
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert!(
+        text.lines().skip(1).all(|row| row.split(',').count() == 9),
+        "a row is not whole"
+    );
+    let expected: Vec<usize> = (1..=500).filter(|&s| s != failed).collect();
+    assert_eq!(steps(&text), expected);
+}

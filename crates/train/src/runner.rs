@@ -1169,9 +1169,9 @@ impl MetricsCsv {
             path: path.to_path_buf(),
             source,
         })?;
-        let mut lines = text.lines();
+        let mut lines = text.split_inclusive('\n');
         // A file of a run started before the validation columns: its rows get empty ones.
-        let padding = match lines.next() {
+        let padding = match lines.next().map(|line| line.trim_end_matches(['\n', '\r'])) {
             None | Some(Self::HEADER) => "",
             Some(Self::HEADER_BEFORE_VALIDATION) => ",,",
             Some(_) => {
@@ -1182,7 +1182,11 @@ impl MetricsCsv {
                 )));
             }
         };
-        Ok(lines
+        // Every row was written with its newline: a last one without it was cut short (a
+        // full disk, a file size limit, a kill mid-write), and its numbers cannot be trusted.
+        let complete = lines.filter(|row| row.ends_with('\n'));
+        let rows: Vec<String> = complete
+            .map(|row| row.trim_end_matches(['\n', '\r']))
             .filter(|row| {
                 row.split(',')
                     .next()
@@ -1190,7 +1194,14 @@ impl MetricsCsv {
                     .is_some_and(|s| s <= step)
             })
             .map(|row| format!("{row}{padding}"))
-            .collect())
+            .collect();
+        if !text.is_empty() && !text.ends_with('\n') {
+            eprintln!(
+                "note: --metrics-csv {}: its last row was cut short when written, and is left out",
+                path.display()
+            );
+        }
+        Ok(rows)
     }
 
     fn write(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
