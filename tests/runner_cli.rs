@@ -731,3 +731,22 @@ fn a_metrics_row_that_cannot_be_written_stops_the_run_after_its_checkpoint() {
     let expected: Vec<usize> = (1..=500).filter(|&s| s != failed).collect();
     assert_eq!(steps(&text), expected);
 }
+
+/// `--devices 2` under mpirun (whose world comes from MPI) is refused before the program's
+/// set-up, as the other flags against the launched world are: nothing is built or read first.
+#[test]
+fn in_process_ranks_under_mpirun_are_refused_before_the_set_up() {
+    let out = Command::new(mingpt_char())
+        .args(["--devices", "2"])
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("drop --devices"), "{stderr}");
+    assert!(!stdout.contains("parameters"), "set up first: {stdout}");
+}

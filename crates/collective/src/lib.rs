@@ -267,7 +267,7 @@ pub fn mpi_nccl_gpu() -> Result<usize, CollectiveError> {
 
 /// `--devices` in-process ranks: at least one, and only one (this process) under mpirun, where
 /// the world comes from MPI.
-fn check_devices(devices: usize) -> Result<(), CollectiveError> {
+pub fn check_devices(devices: usize) -> Result<(), CollectiveError> {
     if devices == 0 {
         return Err(CollectiveError::Invalid(
             "--devices must be at least 1".into(),

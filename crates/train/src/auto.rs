@@ -35,7 +35,8 @@ use crate::{Precision, TrainError};
 pub struct Candidate {
     /// The flags that differ from the run's own, as a user would type them.
     pub flags: String,
-    /// The planned peak of one rank ([`MemoryPlan::rank_share`]).
+    /// The planned peak of one rank ([`MemoryPlan::rank_share`]; on cuda and cubecl-cpu the
+    /// largest of the ranks' dry runs, of their device's pools).
     pub planned_bytes: usize,
 }
 
@@ -261,8 +262,25 @@ pub(crate) fn search<P>(
             )));
         }
     }
+    let weighed = candidates(args, world, device);
+    if weighed.is_empty() {
+        return Err(TrainError::InvalidArgs(format!(
+            "--strategy auto has no configuration it can weigh on --accelerator {}{}: give --strategy and --precision explicitly",
+            args.runs_on().name(),
+            resumed_precision(args)
+                .and_then(|precision| TrainArgs {
+                    precision,
+                    ..args.clone()
+                }
+                .unplannable())
+                .map(|why| format!(
+                    " (a resumed run trains in its checkpoint's precision, and {why})"
+                ))
+                .unwrap_or_default()
+        )));
+    }
     let mut over_budget = Vec::new();
-    for candidate in candidates(args, world, device) {
+    for candidate in weighed {
         let (planned, made_of) = plan(&candidate)?;
         if planned <= budget.bytes {
             let refine = args.strategy == Strategy::Auto
@@ -446,7 +464,10 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                                 .filter(|_| precision.scales_loss()),
                             ..args.clone()
                         };
+                        // A concrete candidate's `validate` asks for a plannable precision
+                        // only when it plans; `auto` plans every candidate it weighs.
                         let runs = candidate.validate().is_ok()
+                            && candidate.unplannable().is_none()
                             && precision.check_device(device).is_ok()
                             && !out
                                 .iter()
@@ -485,14 +506,18 @@ fn resharding(strategy: Strategy, given: Option<bool>) -> Vec<Option<bool>> {
 /// What `auto` chooses, as one number: candidates with the same code run the same way
 /// (a candidate's `--offload-dir` is none or the one given).
 fn choice_code(args: &TrainArgs) -> u64 {
+    let (checkpointing, lowest) = match args.checkpointing() {
+        Checkpointing::None => (0, 0),
+        Checkpointing::All => (1, 0),
+        Checkpointing::Lowest(n) => (2, n as u64),
+    };
+    // The first part may take any value, the others are below 16: no two choices share a
+    // code (ranks that bisected to different block counts must not pass for agreeing).
     [
+        lowest,
         args.strategy as u64,
         args.precision as u64,
-        match args.checkpointing() {
-            Checkpointing::None => 0,
-            Checkpointing::All => 1,
-            Checkpointing::Lowest(_) => 2,
-        },
+        checkpointing,
         u64::from(args.offload_dir.is_some()),
         args.reshard_after_forward.map_or(0, |on| 1 + u64::from(on)),
     ]
@@ -593,6 +618,17 @@ mod tests {
             .iter()
             .map(flags_of)
             .collect()
+    }
+
+    #[test]
+    fn choices_differ_by_how_many_blocks_they_checkpoint() {
+        let blocks = |n: &str| choice_code(&on_cpu(&["--checkpoint-blocks", n]));
+        assert_ne!(blocks("3"), blocks("4"));
+        assert_ne!(
+            blocks("1"),
+            choice_code(&on_cpu(&["--checkpoint-activations"]))
+        );
+        assert_eq!(blocks("3"), blocks("3"));
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The one CLI every training example shares: techniques switch with flags, never with code.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -134,8 +134,9 @@ pub struct TrainArgs {
     #[arg(long, value_enum, default_value = "backend")]
     pub matmul: Matmul,
     /// Parallelism: single, ddp, zero1, zero2, zero3 (alias fsdp), or auto: the fastest
-    /// strategy, checkpointing and offload (and, only when nothing else fits, bf16) that the
-    /// memory planner says fits --memory-budget (on cuda and cubecl-cpu: the device's memory
+    /// strategy and checkpointing (the optimizer state on disk too where --offload-dir is
+    /// given; and, only when nothing else fits, bf16) that the memory planner says fits
+    /// --memory-budget (on cuda and cubecl-cpu: the device's memory
     /// when no budget is given).
     #[arg(long, value_enum, default_value = "single")]
     pub strategy: Strategy,
@@ -281,13 +282,14 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 0)]
     pub eval_interval: usize,
     /// Print the memory planner's predicted per-rank peak, term by term, before the first step
-    /// (and the measured peak beside it at the end; a summary JSON of a CPU run always carries
-    /// both). On --accelerator cuda and cubecl-cpu the plan is the device's, by a dry run of
+    /// (and the measured peak beside it at the end; a summary JSON of a CPU run carries both
+    /// where the program installs the counting allocator, as the examples do). On --accelerator cuda and cubecl-cpu the plan is the device's, by a dry run of
     /// the steps; not on libtorch.
     #[arg(long)]
     pub plan: bool,
     /// The most memory one rank may take (on a CPU: this process's heap over the ranks it
-    /// hosts; on cuda and cubecl-cpu: its device's pools), e.g. 1.5GiB, 800MB, 16G: checked
+    /// hosts; on cuda and cubecl-cpu: its device's pools, which cubecl-cpu's thread ranks
+    /// share), e.g. 1.5GiB, 800MB, 16G: checked
     /// against the memory planner before the first step (a configuration planned above it
     /// stops there, naming what to change), and what --strategy auto chooses within. On cuda
     /// and cubecl-cpu every plan is also checked against the device's memory, which bounds
@@ -636,7 +638,11 @@ impl TrainArgs {
     pub(crate) fn shared_by_ranks(&self) -> Vec<(&'static str, String)> {
         let given = |path: &Option<PathBuf>| path.is_some().to_string();
         vec![
+            ("--accelerator", self.runs_on().name()),
+            ("--matmul", value_name(self.matmul)),
             ("--strategy", value_name(self.strategy)),
+            // On a cubecl device the plan is a dry run of collectives.
+            ("--plan", self.plan.to_string()),
             ("--memory-budget", format!("{:?}", self.memory_budget)),
             ("--precision", self.precision.to_string()),
             ("--grad-reduce-dtype", value_name(self.grad_reduce_dtype)),
@@ -790,6 +796,7 @@ impl TrainArgs {
     /// [`TrainArgs::check_world`] against the world this process was launched into, where it
     /// is known.
     pub(crate) fn check_launched_world(&self) -> Result<(), TrainError> {
+        burnscale_collective::check_devices(self.devices)?;
         match crate::auto::launched_world(self) {
             Some(world) => self.check_world(world),
             None => Ok(()),
@@ -1048,7 +1055,17 @@ impl TrainArgs {
         // Checked before training, not found out after it; where they are written (rank 0's
         // process: another node need not have the directory).
         let written_here = burnscale_collective::launcher_rank() == 0;
-        let mut outputs: Vec<(&str, PathBuf)> = Vec::new();
+        // The checkpoint directory, created at the start: a file given its path could not be
+        // written at the end, and one inside it may be written where it does not exist yet.
+        let checkpoints = self
+            .checkpoint_dir
+            .as_deref()
+            .filter(|_| written_here)
+            .map(resolved_path);
+        let mut outputs: Vec<(&str, PathBuf)> = checkpoints
+            .iter()
+            .map(|dir| ("--checkpoint-dir", dir.clone()))
+            .collect();
         for (flag, path) in [
             ("--save", &self.save),
             ("--summary-json", &self.summary_json),
@@ -1057,17 +1074,16 @@ impl TrainArgs {
             let Some(path) = path.as_ref().filter(|_| written_here) else {
                 continue;
             };
-            let dir = match path.parent() {
-                Some(dir) if !dir.as_os_str().is_empty() => dir,
-                _ => std::path::Path::new("."),
-            };
+            let dir = parent_dir(path);
             if path.is_dir() {
                 return invalid(format!(
                     "{flag} {}: a directory, where a file is to be written",
                     path.display()
                 ));
             }
-            if !dir.is_dir() {
+            // Made, and its writability checked, when the run starts.
+            let in_checkpoints = !dir.exists() && checkpoints.as_ref() == Some(&resolved_path(dir));
+            if !in_checkpoints && !dir.is_dir() {
                 return invalid(format!(
                     "{flag} {}: {} is not a directory",
                     path.display(),
@@ -1084,6 +1100,7 @@ impl TrainArgs {
                         .open(path)
                         .map(drop),
                 ),
+                false if in_checkpoints => (dir, Ok(())),
                 false => (dir, crate::checkpoint::probe_writable(dir)),
             };
             if let Err(e) = writable {
@@ -1093,14 +1110,11 @@ impl TrainArgs {
                     probed.display()
                 ));
             }
-            // One file for two outputs: the later would overwrite the earlier (the weights).
-            let file = dir
-                .canonicalize()
-                .map(|d| d.join(path.file_name().unwrap_or_default()));
-            let file = file.unwrap_or_else(|_| path.clone());
+            // One path for two outputs: the later would overwrite the earlier (the weights).
+            let file = resolved_path(path);
             if let Some((other, _)) = outputs.iter().find(|(_, f)| *f == file) {
                 return invalid(format!(
-                    "{other} and {flag} name the same file, {}: give each its own",
+                    "{other} and {flag} name the same path, {}: give each its own",
                     path.display()
                 ));
             }
@@ -1115,6 +1129,24 @@ impl TrainArgs {
         }
         Ok(())
     }
+}
+
+/// The directory `path` is in (`.` for a bare name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir,
+        _ => Path::new("."),
+    }
+}
+
+/// `path` with its directory resolved (links, `..`), where that directory exists: two paths
+/// to one place compare equal.
+fn resolved_path(path: &Path) -> PathBuf {
+    let name = path.file_name().unwrap_or_default();
+    parent_dir(path)
+        .canonicalize()
+        .map(|dir| dir.join(name))
+        .unwrap_or_else(|_| path.to_path_buf())
 }
 
 /// The name a value has on the command line.
@@ -1648,7 +1680,7 @@ mod tests {
         );
         let err = refused(&["--save", "out.x", "--metrics-csv", "./out.x"]);
         assert!(
-            err.contains("--save and --metrics-csv name the same file"),
+            err.contains("--save and --metrics-csv name the same path"),
             "{err}"
         );
         let err = refused(&[
@@ -1664,6 +1696,34 @@ mod tests {
             .unwrap();
         let err = refused(&["--keep-checkpoints", "2"]);
         assert!(err.contains("need --checkpoint-dir"), "{err}");
+        // The checkpoint directory is the run's too: not a file's path, and a file may go
+        // into it before the run has made it.
+        let err = refused(&["--checkpoint-dir", "out", "--save", "./out"]);
+        assert!(
+            err.contains("--checkpoint-dir and --save name the same path"),
+            "{err}"
+        );
+        let run = std::env::temp_dir().join(format!("burnscale-out-{}", std::process::id()));
+        let inside = run.join("ckpt");
+        let weights = inside.join("model.safetensors");
+        let flags = |save: &Path| {
+            parse(&[
+                "--checkpoint-dir",
+                inside.to_str().unwrap(),
+                "--save",
+                save.to_str().unwrap(),
+            ])
+            .unwrap()
+            .validate()
+        };
+        // The run creates the directory with its parents.
+        flags(&weights).unwrap();
+        std::fs::create_dir(&run).unwrap();
+        flags(&weights).unwrap();
+        let elsewhere = run.join("other").join("model.safetensors");
+        let err = flags(&elsewhere).unwrap_err().to_string();
+        assert!(err.contains("is not a directory"), "{err}");
+        std::fs::remove_dir_all(&run).unwrap();
     }
 
     #[test]

@@ -390,7 +390,7 @@ pub struct MemoryPlan {
     /// The mixed policies' 16-bit copy of what runs at once (the whole model, the root, or a
     /// unit).
     pub compute_copy: usize,
-    /// ZeRO-3: the largest unit gathered at once (compute dtype), with its gradients.
+    /// ZeRO-3: the largest unit gathered at once (compute dtype).
     pub gathered_unit: usize,
     /// ZeRO-3 not resharded after forward: the units gathered and kept by the end of forward
     /// (compute dtype).
@@ -1017,7 +1017,9 @@ impl MemoryPlan {
                 .unwrap_or(0),
             false => trained.largest_param(),
         };
-        let step_temporaries = probe.step * largest_stepped / probe.step_elems.max(1);
+        // In u128: bytes times elements passes u64 at a billion-element parameter.
+        let step_temporaries = (probe.step as u128 * largest_stepped as u128
+            / probe.step_elems.max(1) as u128) as usize;
         phases.push(PhaseBytes::new(
             Phase::Step,
             params + optimizer + (step_grads + shard_copy + step_temporaries).max(gather),

@@ -1233,14 +1233,15 @@ mod tests {
 
     use super::*;
 
-    /// Processes given different flags (rank 2's precision and learning rate) all stop,
+    /// Processes given different flags (rank 2's precision, learning rate and `--plan`, which
+    /// on a cubecl device runs collectives of its own) all stop,
     /// naming those flags and the ranks that differ; alike, they go on.
     #[test]
     fn ranks_given_different_flags_stop_naming_them() {
         let args = |flags: &[&str]| TrainArgs::from_flags(flags).unwrap();
         let ranks = ThreadComm::run(3, DEFAULT_TIMEOUT, |comm| {
             let flags: &[&str] = match comm.rank() {
-                2 => &["--precision", "bf16-mixed", "--lr", "1e-3"],
+                2 => &["--precision", "bf16-mixed", "--lr", "1e-3", "--plan"],
                 _ => &[],
             };
             check_flags_alike(&comm, &args(flags)).map_err(|e| e.to_string())
@@ -1248,7 +1249,10 @@ mod tests {
         for rank in ranks {
             let err = rank.unwrap().unwrap_err();
             assert!(
-                err.contains("--precision") && err.contains("--lr") && err.contains("ranks [2]"),
+                err.contains("--precision")
+                    && err.contains("--lr")
+                    && err.contains("--plan")
+                    && err.contains("ranks [2]"),
                 "{err}"
             );
             assert!(!err.contains("--seed"), "{err}");
