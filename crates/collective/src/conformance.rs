@@ -119,13 +119,19 @@ pub fn run(comm: &dyn Communicator, device: &Device) -> Vec<(String, Result<(), 
             });
             check(format!("reduce_scatter {op:?} {dtype:?}"), {
                 all_of(sizes.iter().chain(&[world - 1]), |&n| {
-                    let chunk = comm
-                        .reduce_scatter(contribution(dtype, rank, n), op)
+                    // Borrowed (into a buffer), then given up: an engine may take either path.
+                    let input = contribution(dtype, rank, n);
+                    let mut borrowed = Buffer::empty(dtype);
+                    comm.reduce_scatter_into(&input, &mut borrowed, op)
                         .map_err(err)?;
+                    let given = comm.reduce_scatter(input, op).map_err(err)?;
                     let full = reference(dtype, world, n, op);
                     let want = &full[shard_range(n, world, rank)];
-                    expect_close(&chunk.to_f32(), want, dtype, roundings)
-                        .map_err(|e| format!("n={n}: {e}"))
+                    for (path, chunk) in [("into", borrowed), ("given", given)] {
+                        expect_close(&chunk.to_f32(), want, dtype, roundings)
+                            .map_err(|e| format!("n={n}, {path}: {e}"))?;
+                    }
+                    Ok(())
                 })
             });
         }

@@ -26,7 +26,7 @@ use mpi::raw::AsRaw;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::{Communicator as _, CommunicatorCollectives, Root};
 
-use crate::guard::{self, Agreement, CALL_LEN, Watchdog};
+use crate::guard::{self, Agreement, CALL_LEN, WatchGuard, Watchdog};
 use crate::{Buffer, CollectiveError, Communicator, DType, ReduceOp, shard_range};
 
 unsafe extern "C" {
@@ -172,42 +172,37 @@ impl Communicator for MpiComm {
         output: &mut Buffer,
         op: ReduceOp,
     ) -> Result<(), CollectiveError> {
-        let _watch = self.watchdog.watch("reduce_scatter");
-        self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
-        let n = input.len();
-        let chunk = n.div_ceil(self.size);
-        // Agreed above: every rank refuses alike.
-        mpi_count("reduce_scatter", chunk * self.size)?;
-        let mine = shard_range(n, self.size, self.rank).len();
-        // MPI wants equal blocks: pad (a copy) only when the size does not divide, and cut
-        // the padding off again.
         *output = match input {
-            Buffer::F32(values) => {
-                let padded;
-                let send: &[f32] = if chunk * self.size == n {
-                    values
-                } else {
-                    let mut values = values.clone();
-                    values.resize(chunk * self.size, 0.0);
-                    padded = values;
-                    &padded
-                };
-                let mut recv = vec![0.0f32; chunk];
-                if chunk > 0 {
-                    self.world
-                        .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
-                }
-                if op == ReduceOp::Mean {
-                    let size = self.size as f32;
-                    recv.iter_mut().for_each(|x| *x /= size);
-                }
-                recv.truncate(mine);
-                Buffer::F32(recv)
+            // Sent as it is: MPI's blocks are whole, and an f32 mean divides after the sum.
+            Buffer::F32(values) if values.len().is_multiple_of(self.size) => {
+                let (_watch, chunk, mine) = self.reduce_scatter_begins(input)?;
+                Buffer::F32(self.reduce_scatter_f32(values, chunk, mine, op))
             }
-            Buffer::F16(send) => Buffer::F16(self.reduce_scatter_half(send, chunk, mine, op)),
-            Buffer::Bf16(send) => Buffer::Bf16(self.reduce_scatter_half(send, chunk, mine, op)),
+            // Padded or divided first: on a copy.
+            _ => self.reduce_scatter(input.clone(), op)?,
         };
         Ok(())
+    }
+
+    /// The input, given up, is padded to MPI's equal blocks (and a 16-bit mean divided) in
+    /// place, not copied.
+    fn reduce_scatter(&self, input: Buffer, op: ReduceOp) -> Result<Buffer, CollectiveError> {
+        let (_watch, chunk, mine) = self.reduce_scatter_begins(&input)?;
+        let len = chunk * self.size;
+        Ok(match input {
+            Buffer::F32(mut values) => {
+                values.resize(len, 0.0);
+                Buffer::F32(self.reduce_scatter_f32(&values, chunk, mine, op))
+            }
+            Buffer::F16(mut values) => {
+                values.resize(len, f16::ZERO);
+                Buffer::F16(self.reduce_scatter_half(values, chunk, mine, op))
+            }
+            Buffer::Bf16(mut values) => {
+                values.resize(len, bf16::ZERO);
+                Buffer::Bf16(self.reduce_scatter_half(values, chunk, mine, op))
+            }
+        })
     }
 
     fn broadcast(&self, buf: &mut Buffer, root: usize) -> Result<(), CollectiveError> {
@@ -316,16 +311,51 @@ impl MpiComm {
 
     /// This rank's `mine` values of the reduction of `send`, zero-padded to `chunk` values
     /// per rank (in a copy, which a mean divides in place).
+    /// A reduce-scatter's watch, once every rank agreed on its dtype and length: each rank's
+    /// chunk of the padded input, and how many of its values are this rank's.
+    fn reduce_scatter_begins(
+        &self,
+        input: &Buffer,
+    ) -> Result<(WatchGuard<'_>, usize, usize), CollectiveError> {
+        let watch = self.watchdog.watch("reduce_scatter");
+        self.agree("reduce_scatter", input.dtype(), Some(input.len()))?;
+        let n = input.len();
+        let chunk = n.div_ceil(self.size);
+        // Agreed above: every rank refuses alike.
+        mpi_count("reduce_scatter", chunk * self.size)?;
+        Ok((watch, chunk, shard_range(n, self.size, self.rank).len()))
+    }
+
+    /// `send`, whole chunks, reduced and scattered: this rank's `mine` values.
+    fn reduce_scatter_f32(
+        &self,
+        send: &[f32],
+        chunk: usize,
+        mine: usize,
+        op: ReduceOp,
+    ) -> Vec<f32> {
+        let mut recv = vec![0.0f32; chunk];
+        if chunk > 0 {
+            self.world
+                .reduce_scatter_block_into(send, &mut recv[..], system_op(op));
+        }
+        if op == ReduceOp::Mean {
+            let size = self.size as f32;
+            recv.iter_mut().for_each(|x| *x /= size);
+        }
+        recv.truncate(mine);
+        recv
+    }
+
+    /// `padded`, whole chunks (divided here for a mean), reduced and scattered in its 16-bit
+    /// dtype: this rank's `mine` values.
     fn reduce_scatter_half<T: Half>(
         &self,
-        send: &[T],
+        mut padded: Vec<T>,
         chunk: usize,
         mine: usize,
         op: ReduceOp,
     ) -> Vec<T> {
-        let mut padded = T::bits(send).to_vec();
-        padded.resize(chunk * self.size, 0);
-        let mut padded = T::from_bits_vec(padded);
         self.divide_for_mean(&mut padded, op);
         let mut recv = vec![0u16; chunk];
         self.world.reduce_scatter_block_into(
