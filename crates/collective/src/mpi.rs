@@ -309,8 +309,6 @@ impl MpiComm {
         self.all_reduce_in_place(T::bits_mut(values), self.half_ops.of::<T>(op))
     }
 
-    /// This rank's `mine` values of the reduction of `send`, zero-padded to `chunk` values
-    /// per rank (in a copy, which a mean divides in place).
     /// A reduce-scatter's watch, once every rank agreed on its dtype and length: each rank's
     /// chunk of the padded input, and how many of its values are this rank's.
     fn reduce_scatter_begins(

@@ -264,20 +264,24 @@ pub(crate) fn search<P>(
     }
     let weighed = candidates(args, world, device);
     if weighed.is_empty() {
-        return Err(TrainError::InvalidArgs(format!(
-            "--strategy auto has no configuration it can weigh on --accelerator {}{}: give --strategy and --precision explicitly",
-            args.runs_on().name(),
-            resumed_precision(args)
-                .and_then(|precision| TrainArgs {
-                    precision,
-                    ..args.clone()
-                }
-                .unplannable())
-                .map(|why| format!(
-                    " (a resumed run trains in its checkpoint's precision, and {why})"
-                ))
-                .unwrap_or_default()
-        )));
+        let on = args.runs_on().name();
+        // The precision --resume keeps, where the planner cannot follow it.
+        let unplannable = resumed_precision(args).filter(|&precision| {
+            TrainArgs {
+                precision,
+                ..args.clone()
+            }
+            .unplannable()
+            .is_some()
+        });
+        return Err(TrainError::InvalidArgs(match unplannable {
+            Some(precision) => format!(
+                "--strategy auto cannot plan the run --resume continues on --accelerator {on}: its checkpoint trains in --precision {precision}, whose steps a dry run cannot follow (the loss scaler reads the gradients' values); give --strategy without --memory-budget or --plan"
+            ),
+            None => format!(
+                "--strategy auto has no configuration it can weigh on --accelerator {on}: give --strategy and --precision explicitly"
+            ),
+        }));
     }
     let mut over_budget = Vec::new();
     for candidate in weighed {

@@ -638,6 +638,8 @@ impl TrainArgs {
     pub(crate) fn shared_by_ranks(&self) -> Vec<(&'static str, String)> {
         let given = |path: &Option<PathBuf>| path.is_some().to_string();
         vec![
+            // cpu against cubecl-cpu; a cuda process is inside NCCL's set-up by then, where
+            // the collectives' own call check stops both sides.
             ("--accelerator", self.runs_on().name()),
             ("--matmul", value_name(self.matmul)),
             ("--strategy", value_name(self.strategy)),
@@ -1112,20 +1114,21 @@ impl TrainArgs {
             }
             // One path for two outputs: the later would overwrite the earlier (the weights).
             let file = resolved_path(path);
-            if let Some((other, _)) = outputs.iter().find(|(_, f)| *f == file) {
-                return invalid(format!(
-                    "{other} and {flag} name the same path, {}: give each its own",
-                    path.display()
-                ));
-            }
+            let mut written = vec![(flag, file.clone())];
             if flag == "--save" {
                 // The configuration written beside the weights.
-                outputs.push((
-                    "--save's configuration",
-                    crate::checkpoint::config_path(&file),
-                ));
+                let config = crate::checkpoint::config_path(&file);
+                written.push(("--save's configuration", config));
             }
-            outputs.push((flag, file));
+            for (flag, file) in written {
+                if let Some((other, _)) = outputs.iter().find(|(_, f)| *f == file) {
+                    return invalid(format!(
+                        "{other} and {flag} name the same path, {}: give each its own",
+                        file.display()
+                    ));
+                }
+                outputs.push((flag, file));
+            }
         }
         Ok(())
     }
@@ -1146,7 +1149,11 @@ fn resolved_path(path: &Path) -> PathBuf {
     parent_dir(path)
         .canonicalize()
         .map(|dir| dir.join(name))
-        .unwrap_or_else(|_| path.to_path_buf())
+        .unwrap_or_else(|_| {
+            path.components()
+                .filter(|c| *c != std::path::Component::CurDir)
+                .collect()
+        })
 }
 
 /// The name a value has on the command line.
@@ -1703,7 +1710,8 @@ mod tests {
             err.contains("--checkpoint-dir and --save name the same path"),
             "{err}"
         );
-        let run = std::env::temp_dir().join(format!("burnscale-out-{}", std::process::id()));
+        let temp = tempfile::tempdir().unwrap();
+        let run = temp.path().join("run");
         let inside = run.join("ckpt");
         let weights = inside.join("model.safetensors");
         let flags = |save: &Path| {
@@ -1723,7 +1731,21 @@ mod tests {
         let elsewhere = run.join("other").join("model.safetensors");
         let err = flags(&elsewhere).unwrap_err().to_string();
         assert!(err.contains("is not a directory"), "{err}");
-        std::fs::remove_dir_all(&run).unwrap();
+        // A directory two levels from being made, given with `./`, is the same path.
+        parse(&["--checkpoint-dir", "a/b", "--save", "./a/b/m.safetensors"])
+            .unwrap()
+            .validate()
+            .unwrap();
+        let err = refused(&[
+            "--checkpoint-dir",
+            "m.config.json",
+            "--save",
+            "m.safetensors",
+        ]);
+        assert!(
+            err.contains("--checkpoint-dir and --save's configuration name the same path"),
+            "{err}"
+        );
     }
 
     #[test]
