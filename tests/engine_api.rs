@@ -21,6 +21,15 @@ fn model() -> Gpt {
     })
 }
 
+/// The values of `model`'s parameters, in visit order (ids differ between builds).
+fn in_order(model: &Gpt) -> Vec<Vec<f32>> {
+    let values = burnscale::shard::host::values(model);
+    burnscale::shard::params::param_ids(model)
+        .iter()
+        .map(|id| values[id].clone())
+        .collect()
+}
+
 /// One micro-step of `engine` (rank `comm.rank()`'s part of a batch of `task`).
 fn micro_step(
     engine: &mut Sharded<'_, Gpt>,
@@ -254,6 +263,84 @@ fn ranks_whose_models_differ_all_stop_naming_them() {
             assert!(
                 err.contains(&format!("rank {rank}: the ranks' models differ: the models of ranks [2] are not rank 0's")),
                 "{strategy:?} rank {rank}: {err}"
+            );
+        }
+    }
+}
+
+/// Under zero3 a model built lazily in bf16 (`init_in`) is sharded from rank 0's values
+/// alike on every rank, whose own copies are never drawn: each rank's shards are f32 (as the
+/// values travel, until `.precision()` casts them), and a step with Burn's SGD gathers and
+/// trains. Rank 0 kept its initialised dtype before, and the first gather stopped on the
+/// dtypes differing.
+#[test]
+fn a_lazy_bf16_model_shards_alike_on_every_rank() {
+    use burn::tensor::{DType, FloatDType};
+    use burnscale::precision::{init_in, param_dtypes};
+    let device = Device::default().autodiff();
+    let outcomes = run_ranks(2, DEFAULT_TIMEOUT, |comm| {
+        let lazy = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
+        let mut engine = Sharded::new(
+            Strategy::Zero3,
+            init_in(lazy, FloatDType::BF16),
+            comm,
+            &device,
+        )?;
+        micro_step(&mut engine, &mut task(), comm, true)?;
+        let mut optim = SgdConfig::new().init();
+        engine.step(0.0, |model, grads| {
+            let grads: GradientsParams = grads.into_gradients(&model);
+            optim.step(0.1, model, grads)
+        })?;
+        Ok::<_, ShardError>(param_dtypes(&engine.full_model()?))
+    })
+    .unwrap();
+    for outcome in outcomes {
+        assert_eq!(outcome.unwrap().unwrap(), vec![DType::F32]);
+    }
+}
+
+/// Burn's own optimizers (AdamW here, through `StepGrads::into_gradients`) step every
+/// strategy's part of the model, and ZeRO-1/2/3's steps equal DDP's: the shards they are
+/// handed are leaves on autodiff, as Burn's optimizers require (a plain shard panicked in
+/// Burn's `is_distributed`).
+#[test]
+fn burns_optimizers_step_every_strategy_alike() {
+    use burn::optim::AdamWConfig;
+    let device = Device::default().autodiff();
+    let stepped = |strategy| {
+        run_ranks(2, DEFAULT_TIMEOUT, |comm| {
+            let mut engine = Sharded::new(strategy, model(), comm, &device).unwrap();
+            let mut optim = AdamWConfig::new().init();
+            for _ in 0..2 {
+                micro_step(&mut engine, &mut task(), comm, true).unwrap();
+                engine
+                    .step(1.0, |model, grads| {
+                        let grads: GradientsParams = grads.into_gradients(&model);
+                        optim.step(1e-2, model, grads)
+                    })
+                    .unwrap();
+            }
+            in_order(&engine.full_model().unwrap())
+        })
+        .unwrap()
+        .remove(0)
+        .unwrap()
+    };
+    let ddp = stepped(Strategy::Ddp);
+    assert!(ddp != in_order(&model()), "DDP's step changed nothing");
+    for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+        let sharded = stepped(strategy);
+        for (i, (want, got)) in ddp.iter().zip(&sharded).enumerate() {
+            // The same f32 sums and updates, in another grouping of the reductions.
+            let worst = want
+                .iter()
+                .zip(got)
+                .map(|(w, g)| (w - g).abs())
+                .fold(0.0f32, f32::max);
+            assert!(
+                worst <= 1e-6,
+                "{strategy:?}: parameter {i} differs from DDP by {worst}"
             );
         }
     }

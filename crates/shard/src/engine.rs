@@ -3,7 +3,7 @@ use std::collections::{HashMap, HashSet};
 use burn::module::{Module, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
-use burn::tensor::{DType as TensorDType, Gradients};
+use burn::tensor::{DType as TensorDType, FloatDType, Gradients};
 use burnscale_collective::{Communicator, DType, ReduceOp, gather_u64s, tensor_dtype};
 use burnscale_nn::{BlockModel, Flops, RootWeights, autocast, autodiff_on, dropout, regather};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
@@ -441,8 +441,16 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         };
         grads.retain(|id, _| reached.contains(id));
         let grads = StepGrads::new(params::to_grads(&target, grads), factor);
+        // Shards are plain between uses; Burn's optimizers step leaves on autodiff (each is
+        // asked whether it is distributed, which a plain tensor cannot answer).
+        let shards = self.sharding.optimizer_state;
+        let target = match shards {
+            true => params::leaves(target, &self.frozen),
+            false => target,
+        };
         let updated = optimize(target, grads);
         self.model = Some(match replica {
+            None if shards => params::detached(&updated),
             None => updated,
             Some(replica) => {
                 let mut shards = params::values(&updated, None);
@@ -843,6 +851,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             drop(full);
             let shard = HashMap::from([(slot.id, shard)]);
             model = params::set_values(model, shard, &device, Track::No);
+        }
+        // Rank 0's parameters were initialised, and keep their dtype through `set_values`
+        // (a lazy model built in bf16 by `init_in`); the other ranks' are new: every rank's
+        // shards in f32, as the values travelled, until `.precision()` casts them.
+        if rank == 0 {
+            model = burnscale_precision::cast(model, FloatDType::F32);
         }
         Ok((model, frozen))
     }

@@ -239,6 +239,28 @@ pub fn fork<M: Module>(module: M, device: &Device) -> M {
     module.map(&mut Fork(device))
 }
 
+/// `module` with each plain parameter (a shard, kept without autodiff between uses) a leaf
+/// on autodiff, tracked unless named in `frozen`: what Burn's optimizers step, which ask each
+/// parameter whether it is distributed. Parameters on autodiff already are left as they are;
+/// [`detached`] takes the leaves back (sharing the values, copying nothing).
+pub fn leaves<M: Module>(module: M, frozen: &HashSet<ParamId>) -> M {
+    struct Leaves<'a>(&'a HashSet<ParamId>);
+    impl ModuleMapper for Leaves<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            if tensor.is_autodiff() {
+                return Param::from_mapped_value(id, tensor, mapper);
+            }
+            let mut tensor = Tensor::from_inner(tensor);
+            if !self.0.contains(&id) {
+                tensor = tensor.require_grad();
+            }
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    module.map(&mut Leaves(frozen))
+}
+
 /// `module` with every parameter without autodiff: a forward through it records no graph
 /// and keeps no activations (shares the values, copies nothing).
 pub fn detached<M: Module>(module: &M) -> M {
