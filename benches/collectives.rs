@@ -1,5 +1,5 @@
 //! Collective bandwidth: the threads engine, the MPI engine, and raw MPI (the `mpi` crate on
-//! `Vec<f32>`), side by side for 1, 16 and 128 MB and 2 and 4 ranks.
+//! `Vec<f32>`), side by side for 1, 16 and 128 MiB and 2 and 4 ranks.
 //!
 //!     cargo bench --features mpi --bench collectives
 //!
@@ -41,7 +41,7 @@ fn bus_factor(op: &str, n: usize) -> f64 {
     }
 }
 
-/// Seconds per call of `op` on `comm` for a full buffer of `mb` MB.
+/// Seconds per call of `op` on `comm` for a full buffer of `mb` MiB.
 fn time_engine(comm: &dyn Communicator, op: &str, mb: usize) -> f64 {
     let n = mb * (1 << 20) / 4;
     let world = comm.world_size();
@@ -73,21 +73,29 @@ fn timed(comm: &dyn Communicator, mb: usize, mut f: impl FnMut()) -> f64 {
 fn row(engine: &str, op: &str, world: usize, mb: usize, secs: f64) -> String {
     let busbw = bus_factor(op, world) * (mb << 20) as f64 / secs / 1e9;
     format!(
-        "{engine:<10} {op:<15} {world:>2} {mb:>5} MB {:>10.3} ms {busbw:>8.2} GB/s",
+        "{engine:<10} {op:<15} {world:>2} {mb:>4} MiB {:>10.3} ms {busbw:>8.2} GB/s",
         secs * 1e3
     )
 }
 
-/// The NCCL engine on `world` GPUs (one thread each), if this machine has them.
+/// The NCCL engine on `world` GPUs (one thread each), if this machine has them; how many of
+/// its measurements failed.
 #[cfg(feature = "cuda")]
-fn nccl_rows(world: usize) {
+fn nccl_rows(world: usize) -> usize {
     use burnscale::collective::nccl::NcclComm;
 
     match NcclComm::device_count() {
         Ok(gpus) if gpus >= world => {}
-        Ok(gpus) => return println!("nccl, N={world}: not run ({gpus} GPUs)"),
-        Err(e) => return println!("nccl, N={world}: not run ({e})"),
+        Ok(gpus) => {
+            println!("nccl, N={world}: not run ({gpus} GPUs)");
+            return 0;
+        }
+        Err(e) => {
+            println!("nccl, N={world}: not run ({e})");
+            return 0;
+        }
     }
+    let mut failed = 0;
     let gpus: Vec<usize> = (0..world).collect();
     for mb in SIZES_MB {
         for op in OPS {
@@ -96,10 +104,14 @@ fn nccl_rows(world: usize) {
             });
             match secs.map(|ranks| ranks.into_iter().next()) {
                 Ok(Some(Ok(secs))) => println!("{}", row("nccl-host", op, world, mb, secs)),
-                other => println!("nccl {op} {world} {mb} MB failed: {other:?}"),
+                other => {
+                    println!("nccl {op} {world} {mb} MiB failed: {other:?}");
+                    failed += 1;
+                }
             }
         }
     }
+    failed
 }
 
 #[cfg(feature = "mpi")]
@@ -172,6 +184,7 @@ fn main() -> ExitCode {
         "{:<10} {:<15} {:>2} {:>8} {:>13} {:>13}",
         "engine", "op", "N", "size", "time", "busbw"
     );
+    let mut failed = 0;
     for world in WORLDS {
         for mb in SIZES_MB {
             for op in OPS {
@@ -180,12 +193,17 @@ fn main() -> ExitCode {
                 });
                 match secs.into_iter().next() {
                     Some(Ok(secs)) => println!("{}", row("threads", op, world, mb, secs)),
-                    other => println!("threads {op} {world} {mb} MB failed: {other:?}"),
+                    other => {
+                        println!("threads {op} {world} {mb} MiB failed: {other:?}");
+                        failed += 1;
+                    }
                 }
             }
         }
         #[cfg(feature = "cuda")]
-        nccl_rows(world);
+        {
+            failed += nccl_rows(world);
+        }
         if cfg!(feature = "mpi") {
             match mpi_rows(world) {
                 Ok(rows) => rows.iter().for_each(|r| println!("{r}")),
@@ -194,6 +212,10 @@ fn main() -> ExitCode {
         } else {
             println!("mpi, N={world}: not run (build with --features mpi)");
         }
+    }
+    if failed > 0 {
+        eprintln!("{failed} measurement(s) failed");
+        return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
 }

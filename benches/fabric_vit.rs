@@ -51,7 +51,8 @@ static ALLOC: CountingAllocator = CountingAllocator;
 /// What every rung after the third keeps: bf16-true at batch 16.
 const BF16_16: &[&str] = &["--precision", "bf16-true", "--batch-size", "16"];
 const ACCUMULATE: &[&str] = &["--batch-size", "4", "--accumulate", "4"];
-/// The article's `torch.optim.SGD(lr=0.01)`: no momentum, so no state.
+/// The article's `torch.optim.SGD(lr=0.01)`: no momentum, so no state; its
+/// `CosineAnnealingLR(T_max=num_steps)` anneals to 0.
 const SGD: &[&str] = &[
     "--optimizer",
     "sgd",
@@ -61,6 +62,8 @@ const SGD: &[&str] = &[
     "0.01",
     "--schedule",
     "cosine",
+    "--min-lr-ratio",
+    "0",
 ];
 const FSDP: &[&str] = &["--strategy", "zero3", "--checkpoint-activations"];
 

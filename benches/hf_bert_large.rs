@@ -207,7 +207,7 @@ fn run() -> Result<()> {
     Table {
         name: if cli.quick { "hf_bert_large_quick" } else { "hf_bert_large" },
         title: format!(
-            "HF article (003): {} parameters, batch of {len} tokens, one device, {} steps a rung",
+            "HF article (003): {} parameters, sequences of {len} tokens, one device, {} steps a rung",
             config.num_params(),
             cli.steps()
         ),

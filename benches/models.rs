@@ -177,6 +177,14 @@ fn run() -> Result<()> {
         c.with_dropout(0.0)
             .with_head(BertHead::SequenceClassification { num_labels: 2 })
     };
+    // As the BERT rows: no dropout (the PyTorch script sets every Dropout's p to 0).
+    let no_dropout = |c: BigBirdConfig| {
+        BigBirdConfig {
+            encoder: c.encoder.with_dropout(0.0),
+            ..c
+        }
+        .with_num_labels(2)
+    };
     let pixels = move |d: &Device| Tensor::<4>::ones([b, 3, 224, 224], d);
     let ours: Vec<(&str, String, Timing)> = vec![
         (
@@ -209,10 +217,7 @@ fn run() -> Result<()> {
             format!("{b} x {big} tokens, block-sparse"),
             time_text(
                 &cli,
-                BigBird::new(
-                    &BigBirdConfig::bigbird_roberta_base().with_num_labels(2),
-                    &device,
-                )?,
+                BigBird::new(&no_dropout(BigBirdConfig::bigbird_roberta_base()), &device)?,
                 big,
             ),
         ),

@@ -29,10 +29,6 @@ impl Machine {
         Self(Accelerator::or_default(chosen))
     }
 
-    pub fn on_cpu(self) -> bool {
-        self.0 == Accelerator::Cpu
-    }
-
     /// Whether the runs take the article's own sizes: on a GPU. (cubecl's CPU runtime, far
     /// slower than Flex, takes the CPU's.)
     pub fn at_article_size(self) -> bool {
