@@ -270,33 +270,39 @@ fn ranks_whose_models_differ_all_stop_naming_them() {
 
 /// Under zero3 a model built lazily in bf16 (`init_in`) is sharded from rank 0's values
 /// alike on every rank, whose own copies are never drawn: each rank's shards are f32 (as the
-/// values travel, until `.precision()` casts them), and a step with Burn's SGD gathers and
-/// trains. Rank 0 kept its initialised dtype before, and the first gather stopped on the
+/// values travel, until `.precision()` casts them), whether each rank built its own or the
+/// ranks share clones of one, and a step with Burn's SGD gathers and trains. A rank whose
+/// parameters were initialised kept their dtype before, and the first gather stopped on the
 /// dtypes differing.
 #[test]
 fn a_lazy_bf16_model_shards_alike_on_every_rank() {
     use burn::tensor::{DType, FloatDType};
     use burnscale::precision::{init_in, param_dtypes};
     let device = Device::default().autodiff();
-    let outcomes = run_ranks(2, DEFAULT_TIMEOUT, |comm| {
-        let lazy = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
-        let mut engine = Sharded::new(
-            Strategy::Zero3,
-            init_in(lazy, FloatDType::BF16),
-            comm,
-            &device,
-        )?;
-        micro_step(&mut engine, &mut task(), comm, true)?;
-        let mut optim = SgdConfig::new().init();
-        engine.step(0.0, |model, grads| {
-            let grads: GradientsParams = grads.into_gradients(&model);
-            optim.step(0.1, model, grads)
-        })?;
-        Ok::<_, ShardError>(param_dtypes(&engine.full_model()?))
-    })
-    .unwrap();
-    for outcome in outcomes {
-        assert_eq!(outcome.unwrap().unwrap(), vec![DType::F32]);
+    let lazy = || {
+        let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();
+        init_in(model, FloatDType::BF16)
+    };
+    // Each rank's own model (as processes have), then clones of one (as thread ranks share
+    // it in the runner): a clone's parameters are initialised once rank 0 reads them.
+    let shared = lazy();
+    let models = std::sync::Mutex::new(vec![shared.clone(), shared, lazy(), lazy()]);
+    for _ in 0..2 {
+        let outcomes = run_ranks(2, DEFAULT_TIMEOUT, |comm| {
+            let model = models.lock().unwrap().pop().unwrap();
+            let mut engine = Sharded::new(Strategy::Zero3, model, comm, &device)?;
+            micro_step(&mut engine, &mut task(), comm, true)?;
+            let mut optim = SgdConfig::new().init();
+            engine.step(0.0, |model, grads| {
+                let grads: GradientsParams = grads.into_gradients(&model);
+                optim.step(0.1, model, grads)
+            })?;
+            Ok::<_, ShardError>(param_dtypes(&engine.full_model()?))
+        })
+        .unwrap();
+        for outcome in outcomes {
+            assert_eq!(outcome.unwrap().unwrap(), vec![DType::F32]);
+        }
     }
 }
 

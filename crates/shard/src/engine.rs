@@ -445,12 +445,17 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         // asked whether it is distributed, which a plain tensor cannot answer).
         let shards = self.sharding.optimizer_state;
         let target = match shards {
-            true => params::leaves(target, &self.frozen),
+            true => params::leaves(target, &self.frozen, &self.device),
             false => target,
         };
         let updated = optimize(target, grads);
         self.model = Some(match replica {
-            None if shards => params::detached(&updated),
+            // Burn's optimizers return each parameter on its gradient's device: offloaded
+            // shards go back where they live.
+            None if shards => match &self.home {
+                Some(home) => params::detached(&updated).to_device(home),
+                None => params::detached(&updated),
+            },
             None => updated,
             Some(replica) => {
                 let mut shards = params::values(&updated, None);
@@ -852,13 +857,12 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             let shard = HashMap::from([(slot.id, shard)]);
             model = params::set_values(model, shard, &device, Track::No);
         }
-        // Rank 0's parameters were initialised, and keep their dtype through `set_values`
-        // (a lazy model built in bf16 by `init_in`); the other ranks' are new: every rank's
-        // shards in f32, as the values travelled, until `.precision()` casts them.
-        if rank == 0 {
-            model = burnscale_precision::cast(model, FloatDType::F32);
-        }
-        Ok((model, frozen))
+        // A parameter initialised here keeps its dtype through `set_values` (a lazy model
+        // built in bf16 by `init_in`: rank 0's, and another rank's whose clone shares rank
+        // 0's values, initialised once rank 0 read them, or whichever rank a loaded model
+        // reached), a new one takes the value's: every rank's shards in f32, as the values
+        // travelled, until `.precision()` casts them.
+        Ok((burnscale_precision::cast(model, FloatDType::F32), frozen))
     }
 
     /// Rank 0's `frozen` parameters, on every rank (a flag per slot, broadcast).

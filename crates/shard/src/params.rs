@@ -240,25 +240,26 @@ pub fn fork<M: Module>(module: M, device: &Device) -> M {
 }
 
 /// `module` with each plain parameter (a shard, kept without autodiff between uses) a leaf
-/// on autodiff, tracked unless named in `frozen`: what Burn's optimizers step, which ask each
-/// parameter whether it is distributed. Parameters on autodiff already are left as they are;
-/// [`detached`] takes the leaves back (sharing the values, copying nothing).
-pub fn leaves<M: Module>(module: M, frozen: &HashSet<ParamId>) -> M {
-    struct Leaves<'a>(&'a HashSet<ParamId>);
+/// on autodiff, with `device`'s gradient checkpointing (where each stays), tracked unless
+/// named in `frozen`: what Burn's optimizers step, which ask each parameter whether it is
+/// distributed. Parameters on autodiff already are left as they are; [`detached`] takes the
+/// leaves back (sharing the values, copying nothing).
+pub fn leaves<M: Module>(module: M, frozen: &HashSet<ParamId>, device: &Device) -> M {
+    struct Leaves<'a>(&'a HashSet<ParamId>, &'a Device);
     impl ModuleMapper for Leaves<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let (id, tensor, mapper) = param.consume();
             if tensor.is_autodiff() {
                 return Param::from_mapped_value(id, tensor, mapper);
             }
-            let mut tensor = Tensor::from_inner(tensor);
+            let mut tensor = autodiff_on(tensor, self.1);
             if !self.0.contains(&id) {
                 tensor = tensor.require_grad();
             }
             Param::from_mapped_value(id, tensor, mapper)
         }
     }
-    module.map(&mut Leaves(frozen))
+    module.map(&mut Leaves(frozen, device))
 }
 
 /// `module` with every parameter without autodiff: a forward through it records no graph
