@@ -305,13 +305,7 @@ fn text_worker(cli: &Cli, run: usize) -> Result<()> {
                     num_random_blocks: 2,
                     num_labels: None,
                 },
-                false => {
-                    let base = BigBirdConfig::bigbird_roberta_base();
-                    BigBirdConfig {
-                        encoder: base.encoder.with_dropout(0.0),
-                        ..base
-                    }
-                }
+                false => BigBirdConfig::bigbird_roberta_base().with_dropout(0.0),
             };
             let config = config.with_num_labels(2);
             let len = if cli.quick { 160 } else { 1024 };

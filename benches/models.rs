@@ -178,13 +178,7 @@ fn run() -> Result<()> {
             .with_head(BertHead::SequenceClassification { num_labels: 2 })
     };
     // As the BERT rows: no dropout (the PyTorch script sets every Dropout's p to 0).
-    let no_dropout = |c: BigBirdConfig| {
-        BigBirdConfig {
-            encoder: c.encoder.with_dropout(0.0),
-            ..c
-        }
-        .with_num_labels(2)
-    };
+    let no_dropout = |c: BigBirdConfig| c.with_dropout(0.0).with_num_labels(2);
     let pixels = move |d: &Device| Tensor::<4>::ones([b, 3, 224, 224], d);
     let ours: Vec<(&str, String, Timing)> = vec![
         (

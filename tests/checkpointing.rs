@@ -306,9 +306,10 @@ fn bigbird_check(name: &str, num_random_blocks: usize, lengths: Range<usize>, sh
     check(
         name,
         |dropout| {
-            let mut config = BigBirdConfig::tiny().with_num_labels(2);
+            let mut config = BigBirdConfig::tiny()
+                .with_num_labels(2)
+                .with_dropout(dropout);
             config.num_random_blocks = num_random_blocks;
-            config.encoder = config.encoder.with_dropout(dropout);
             seeded_model(4, |d| BigBird::new(&config, d).unwrap())
         },
         |batch| TextClassification::<BigBird>::new(text(), text(), 0, batch, 1).unwrap(),

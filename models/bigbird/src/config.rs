@@ -67,6 +67,14 @@ impl BigBirdConfig {
         }
     }
 
+    /// The encoder's dropout (hidden, attention and classifier: BERT's), `p` for each.
+    pub fn with_dropout(self, p: f64) -> Self {
+        Self {
+            encoder: self.encoder.with_dropout(p),
+            ..self
+        }
+    }
+
     pub fn with_attention(self, attention_type: AttentionType) -> Self {
         Self {
             attention_type,
