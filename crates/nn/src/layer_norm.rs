@@ -64,9 +64,16 @@ impl LayerNorm {
             gamma.dims()[0],
             x.dims()
         );
-        // As Burn's: f16 cannot hold the sum of squares, so it normalizes in f32.
+        // As Burn's: f16 cannot hold the sum of squares, so it normalizes in f32; so does
+        // bf16 where the backend would take the row statistics in bf16 (its 8 bits round a
+        // mean of 1000-odd by 4), as PyTorch's kernels do not.
         let dtype = x.dtype();
-        if dtype == DType::F16 {
+        let widens = match dtype {
+            DType::F16 => true,
+            DType::BF16 => takes_statistics_in_bf16(&x.device()),
+            _ => false,
+        };
+        if widens {
             let wide = |t: Tensor<1>| t.cast(FloatDType::F32);
             return apply(
                 x.cast(FloatDType::F32),
@@ -74,9 +81,28 @@ impl LayerNorm {
                 wide(beta),
                 self.epsilon,
             )
-            .cast(FloatDType::F16);
+            .cast(FloatDType::from(dtype));
         }
         apply(x, gamma, beta, self.epsilon)
+    }
+}
+
+/// Whether `device`'s backend computes a bf16 layer norm in bf16: cubecl's runs Burn's
+/// decomposition (mean, centre, variance) in the input's dtype, where Flex's and LibTorch's
+/// kernels accumulate in f32.
+fn takes_statistics_in_bf16(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        use burn::backend::DispatchDevice;
+        matches!(
+            device.clone().without_autodiff().as_dispatch(),
+            DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
     }
 }
 
