@@ -411,3 +411,27 @@ fn sixteen_mixed_stops_after_consecutive_overflows() {
         );
     }
 }
+
+/// A bf16 layer norm (the `*-true` policies' activations, outside autocast) is the f32 one
+/// of the same values rounded once, on every backend built in: cubecl's (a `cubecl-cpu` or
+/// `cuda` build) took its row statistics in bf16, whose 8 bits put this row's mean, 1006,
+/// at 1008 and its outputs a third of a step off.
+#[test]
+fn a_bf16_layer_norm_is_the_f32_one_rounded_once() {
+    use burn::tensor::FloatDType;
+    use burnscale::nn::LayerNormConfig;
+    #[allow(unused_mut)]
+    let mut devices = vec![Device::flex()];
+    #[cfg(feature = "cubecl-cpu")]
+    devices.push(Device::cpu());
+    for device in devices {
+        let norm = LayerNormConfig::new(4).init(&device);
+        let x = Tensor::<2>::from_floats([[1000.0, 1004.0, 1008.0, 1012.0]], &device);
+        let want = norm.forward(x.clone()).cast(FloatDType::BF16);
+        let norm = burnscale::precision::cast(norm, FloatDType::BF16);
+        let got = norm.forward(x.cast(FloatDType::BF16));
+        assert_eq!(got.dtype(), DType::BF16);
+        let (got, want) = (got.into_data(), want.into_data());
+        assert_eq!(got, want, "{device:?}");
+    }
+}
