@@ -124,7 +124,7 @@ pub const KEPT_GATHERED: &[&str] = &["--reshard-after-forward", "false"];
 /// the wrong sign moves an element's update by 200%; one such element among the 2d query and
 /// value elements moves their L2 difference by 2/sqrt(2d) of the update (35% at the tiny
 /// model's d = 16).
-const ADAFACTOR_ATTENTION_BIAS: f64 = 0.125;
+pub const ADAFACTOR_ATTENTION_BIAS: f64 = 0.125;
 
 /// What a check found.
 #[derive(Debug, Clone)]

@@ -102,24 +102,31 @@ fn a_step_before_the_last_micro_step_is_an_error() {
     let device = Device::default().autodiff();
     for strategy in [Strategy::Ddp, Strategy::Zero1] {
         for world in [1, 2] {
-            let outcomes = run_ranks(world, DEFAULT_TIMEOUT, |comm| {
-                let mut engine = Sharded::new(strategy, model(), comm, &device).unwrap();
-                let mut task = task();
-                // The norm is the engine's, whatever the optimizer does with the gradients.
-                let keep = |model: Gpt, _| model;
-                micro_step(&mut engine, &mut task, comm, false).unwrap();
-                let early = engine.step(0.0, keep);
-                micro_step(&mut engine, &mut task, comm, true).unwrap();
-                let stepped = engine.step(0.0, keep).unwrap();
-                (early.err(), stepped.grad_norm)
-            })
-            .unwrap();
-            for outcome in outcomes {
-                let (early, norm) = outcome.unwrap();
+            // Two micro-steps and a step, with the refused step between them or not.
+            let norms = |refused: bool| {
+                run_ranks(world, DEFAULT_TIMEOUT, |comm| {
+                    let mut engine = Sharded::new(strategy, model(), comm, &device).unwrap();
+                    let mut task = task();
+                    // The norm is the engine's, whatever the optimizer does with the gradients.
+                    let keep = |model: Gpt, _| model;
+                    micro_step(&mut engine, &mut task, comm, false).unwrap();
+                    let early = refused.then(|| engine.step(0.0, keep));
+                    micro_step(&mut engine, &mut task, comm, true).unwrap();
+                    let stepped = engine.step(0.0, keep).unwrap();
+                    (early.map(Result::err), stepped.grad_norm)
+                })
+                .unwrap()
+                .into_iter()
+                .map(Result::unwrap)
+            };
+            let clean: Vec<f64> = norms(false).map(|(_, norm)| norm).collect();
+            for ((early, norm), want) in norms(true).zip(clean) {
                 assert!(
-                    matches!(early, Some(ShardError::UnreducedGradients)),
+                    matches!(early, Some(Some(ShardError::UnreducedGradients))),
                     "{strategy:?} x{world}: {early:?}"
                 );
+                // Both micro-steps' gradients, neither lost nor counted twice by the refusal.
+                assert_eq!(norm, want, "{strategy:?} x{world}");
                 assert!(norm > 0.0, "{strategy:?} x{world}: norm {norm}");
             }
         }
@@ -337,13 +344,10 @@ fn burns_optimizers_step_every_strategy_alike() {
     assert!(ddp != in_order(&model()), "DDP's step changed nothing");
     for strategy in [Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let sharded = stepped(strategy);
+        assert_eq!(sharded.len(), ddp.len(), "{strategy:?}: parameters missing");
         for (i, (want, got)) in ddp.iter().zip(&sharded).enumerate() {
             // The same f32 sums and updates, in another grouping of the reductions.
-            let worst = want
-                .iter()
-                .zip(got)
-                .map(|(w, g)| (w - g).abs())
-                .fold(0.0f32, f32::max);
+            let worst = common::worst_abs_diff(want, got);
             assert!(
                 worst <= 1e-6,
                 "{strategy:?}: parameter {i} differs from DDP by {worst}"

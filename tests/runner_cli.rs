@@ -526,9 +526,15 @@ fn summary_reports_every_ranks_memory_and_no_host_transfers() {
     assert_eq!(summary["args"]["schedule"], "cosine", "{text}");
     let ranks = summary["ranks"].as_array().expect("ranks");
     assert_eq!(ranks.len(), 2, "{text}");
+    // The summary's peak is rank 0's (thread ranks read their process's peak, each when it
+    // is done).
+    assert_eq!(
+        summary["peak_mem_bytes"], ranks[0]["peak_mem_bytes"],
+        "{text}"
+    );
     for rank in ranks {
         // On the CPU the device's memory is the process's (read after the training peak).
-        let peak = summary["peak_mem_bytes"].as_u64().expect("peak");
+        let peak = rank["peak_mem_bytes"].as_u64().expect("the rank's peak");
         assert!(peak > 0, "{text}");
         assert!(
             rank["device_peak_mem_bytes"].as_u64() >= Some(peak),
