@@ -13,7 +13,7 @@
 //! another's. On Flex (the CPU backend) 16-bit types are stored in 16 bits but computed
 //! through f32, so the 16-bit rungs save memory, not time.
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use burn::prelude::*;
 use burnscale::bert::{Bert, BertConfig, BertHead};
 use burnscale::mingpt::{Gpt, GptConfig};
@@ -129,33 +129,41 @@ fn run() -> Result<()> {
         cli.model, cli.steps
     );
     println!(
-        "  {:<24} {:>11} {:>6} {:>11} {:>6} {:>13} {:>9} {:>12} {:>8} {:>6}",
+        "  {:<24} {:>11} {:>10} {:>11} {:>6} {:>13} {:>9} {:>12} {:>8} {:>10}",
         "rung",
         "peak",
-        "ratio",
+        "vs 32-true",
         "planned",
         "off",
         "model states",
         "optim B/p",
-        "activations",
+        "above state",
         "step s",
-        "ratio"
+        "vs 32-true"
     );
     let mut base: Option<(f64, f64)> = None;
     for (rung, (label, _)) in RUNGS.iter().enumerate() {
         let r = run_child(&cli, rung)?;
-        let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-        let (peak, step) = (f("peak_bytes"), f("step_s"));
+        let f = |k: &str| {
+            r[k].as_f64()
+                .with_context(|| format!("rung {label}: the worker reported no {k}: {r}"))
+        };
+        let (peak, step, planned, state) = (
+            f("peak_bytes")?,
+            f("step_s")?,
+            f("planned_bytes")?,
+            f("state_bytes")?,
+        );
         let (p0, s0) = *base.get_or_insert((peak, step));
         println!(
-            "  {label:<24} {:>11} {:>6.2} {:>11} {:>+5.1}% {:>13} {:>9.2} {:>12} {step:>8.2} {:>6.2}",
+            "  {label:<24} {:>11} {:>10.2} {:>11} {:>+5.1}% {:>13} {:>9.2} {:>12} {step:>8.2} {:>10.2}",
             human_bytes(peak as usize),
             peak / p0,
-            human_bytes(f("planned_bytes") as usize),
-            100.0 * (f("planned_bytes") / peak - 1.0),
-            human_bytes(f("state_bytes") as usize),
-            f("optimizer_bytes") / f("params"),
-            human_bytes((peak - f("state_bytes")) as usize),
+            human_bytes(planned as usize),
+            100.0 * (planned / peak - 1.0),
+            human_bytes(state as usize),
+            f("optimizer_bytes")? / f("params")?,
+            human_bytes((peak - state) as usize),
             step / s0,
         );
     }

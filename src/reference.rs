@@ -195,9 +195,6 @@ impl PlainConfig {
         (trajectory, model)
     }
 
-    /// One optimizer for the parameters without decay, one with decay for matrices and
-    /// embeddings (Burn's parameter groups); under 8-bit AdamW, a third for the matrices it
-    /// quantizes.
     /// The rate of (1-based) step `step`: transformers' `get_cosine_with_min_lr_schedule_with_warmup`
     /// lambda, written from its definition (a linear warm-up from `lr / warmup`; then
     /// `min + (1 - min) * (1 + cos(pi * progress)) / 2` of `lr`, progress from 0 after the
@@ -214,6 +211,9 @@ impl PlainConfig {
         self.lr * (min + (1.0 - min) * factor)
     }
 
+    /// One optimizer for the parameters without decay, one with decay for matrices and
+    /// embeddings (Burn's parameter groups); under 8-bit AdamW, a third for the matrices it
+    /// quantizes.
     fn optimizer<M: Module>(&self, model: &M) -> ModuleOptimizer {
         let decay =
             (self.weight_decay > 0.0).then(|| WeightDecayConfig::new(self.weight_decay as f32));

@@ -99,6 +99,8 @@ pub struct Table {
 /// A worker's last line: the run's summary as JSON, with `rank_peak` and `rank_planned`, the
 /// largest over the ranks (each MPI process's own; thread ranks share their process's), from
 /// the first process only. The peak is the device's: off the CPU its pool's reserved bytes.
+/// Fails where a peak that can be read was not (a bench without the counting allocator): a
+/// table's measured cell is empty only where the article's row was not run.
 pub fn print_summary(summary: &RunSummary) -> Result<()> {
     if burnscale::collective::launcher_rank() != 0 {
         return Ok(());
@@ -112,7 +114,14 @@ pub fn print_summary(summary: &RunSummary) -> Result<()> {
             _ => (r.device_peak_mem_bytes, r.planned_device_peak_mem_bytes),
         })
         .unzip();
-    out["rank_peak"] = json!(peaks.into_iter().flatten().max());
+    let peak = peaks.into_iter().flatten().max();
+    if peak.is_none() && summary.accelerator != Accelerator::Libtorch {
+        anyhow::bail!(
+            "the run on {} measured no peak memory (is the bench's global allocator burnscale's CountingAllocator?)",
+            summary.accelerator.name()
+        );
+    }
+    out["rank_peak"] = json!(peak);
     out["rank_planned"] = json!(plans.into_iter().flatten().max());
     println!("{out}");
     Ok(())

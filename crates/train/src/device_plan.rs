@@ -106,11 +106,12 @@ fn shares(ranks: &[[u64; 3]]) -> (Vec<usize>, usize) {
 
 #[cfg(feature = "cube")]
 mod dry {
+    use std::collections::HashSet;
     use std::hash::{DefaultHasher, Hash, Hasher};
     use std::time::Instant;
 
     use burn::backend::DispatchDevice;
-    use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
+    use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
     use burn::prelude::*;
     use burn::tensor::DType;
     use burn_cubecl::cubecl::dry_run::DryRun;
@@ -261,8 +262,9 @@ mod dry {
             // hold twice (its engine takes it, or drops it once sharded), so its bytes on
             // this device come off the readings.
             let held = bytes_on(model, device);
+            let frozen = crate::freeze::known_frozen(model, &args.freeze);
             let copy = device.memory_persistent_allocations(model.clone(), |model| {
-                zeros_like(model, init_dtypes(args), device)
+                zeros_like(model, init_dtypes(args), &frozen, device)
             });
             let mut optim = ParamOptimizer::new(args, part.rank, &copy)?;
             let mut engine = runner::build_engine(copy, args, comm, device)?;
@@ -352,12 +354,19 @@ mod dry {
     /// `module` on `device` with every parameter replaced by zeros of its shape and dtype,
     /// under the same id; a lazy one stays lazy (initialised in `dtypes.0`, never through the
     /// original's initialiser, which it would share), an initialised one takes `dtypes.1`
-    /// where given. Under a dry run the zeros are never written.
-    fn zeros_like<M: Module>(module: M, dtypes: (DType, Option<DType>), device: &Device) -> M {
-        struct Zeros<'a>((DType, Option<DType>), &'a Device);
+    /// where given; those in `frozen` stay frozen (the engine trains what is tracked). Under a
+    /// dry run the zeros are never written.
+    fn zeros_like<M: Module>(
+        module: M,
+        dtypes: (DType, Option<DType>),
+        frozen: &HashSet<ParamId>,
+        device: &Device,
+    ) -> M {
+        struct Zeros<'a>((DType, Option<DType>), &'a HashSet<ParamId>, &'a Device);
         impl ModuleMapper for Zeros<'_> {
             fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
                 let shape = param.lazy_shape();
+                let trains = !self.1.contains(&param.id);
                 if !param.is_initialized() {
                     let (dtype, dims) = (self.0.0, shape.clone());
                     // Initialised where burn-nn's initialisers put parameters.
@@ -370,14 +379,14 @@ mod dry {
                             false => zeros,
                         }
                     };
-                    return Param::uninitialized(param.id, init, self.1.clone(), true, shape);
+                    return Param::uninitialized(param.id, init, self.2.clone(), trains, shape);
                 }
                 let dtype = self.0.1.unwrap_or_else(|| param.val().dtype());
-                let zeros = Tensor::zeros(shape, (self.1, dtype)).require_grad();
+                let zeros = Tensor::zeros(shape, (self.2, dtype)).set_require_grad(trains);
                 Param::initialized(param.id, zeros)
             }
         }
-        module.map(&mut Zeros(dtypes, device))
+        module.map(&mut Zeros(dtypes, frozen, device))
     }
 }
 

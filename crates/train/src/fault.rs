@@ -26,9 +26,7 @@ pub(crate) fn kill_if_asked(point: Point, step: usize, rank: usize) {
         Point::Save => "save",
     };
     if *asked == format!("{name}:{step}:{rank}") {
-        let pid = std::process::id().to_string();
-        let _ = std::process::Command::new("kill")
-            .args(["-9", &pid])
-            .status();
+        // SAFETY: a signal to this process; SIGKILL cannot be caught, so nothing runs after.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
     }
 }

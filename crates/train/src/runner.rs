@@ -663,7 +663,7 @@ fn run_rank<T: TrainTask>(
         ],
     )?;
     let saved = match &args.save {
-        Some(path) => Some(save(&engine, path, &*keys, args, lead)?),
+        Some(path) => Some(save(&engine, comm, path, &*keys, args, lead)?),
         None => None,
     };
     if let (Some(error), Some(saved)) = (last_checkpoint_failed, args.save.clone()) {
@@ -860,14 +860,16 @@ fn release_free_pages(device: &Device) {
 /// gathers, rank 0 (`lead`) writes each parameter as it arrives. Returns what the save took.
 fn save<M: BlockModel>(
     engine: &Sharded<'_, M>,
+    comm: &dyn Communicator,
     path: &std::path::Path,
     keys: &dyn KeyMap,
     args: &TrainArgs,
     lead: bool,
 ) -> Result<SaveReport, TrainError> {
     let start = Instant::now();
+    // Thread ranks share the process's counter: reset once all are here, by one of them.
+    peak_then_reset(comm)?;
     let before = memory::live_bytes();
-    memory::reset_peak();
     let mut saver = match lead {
         true => Some(Saver::create(path, keys, &engine.parameter_shapes())?),
         false => None,
