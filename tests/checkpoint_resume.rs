@@ -1216,7 +1216,11 @@ fn a_consolidated_checkpoint_is_the_saved_model() {
     assert_eq!(got.len(), want.len());
     for (got, want) in got.iter().zip(&want) {
         assert_eq!(got.key, want.key);
-        let scale = want.values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let scale = want
+            .values
+            .iter()
+            .map(|v| v.abs())
+            .fold(0.0, common::nan_max);
         let worst = common::worst_abs_diff(&got.values, &want.values);
         assert!(
             worst <= 1e-4 * scale,
