@@ -6,8 +6,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 use burn::module::Module;
 use burn::prelude::*;
@@ -672,16 +672,26 @@ pub fn seeded_model<M: Module>(seed: u64, build: impl FnOnce(&Device) -> M) -> M
     seeded_model_on(seed, &Device::default().autodiff(), build)
 }
 
-/// Builds a model on `device` with its generator seeded. Flex seeds one process-wide
-/// generator, and ranks that are threads (or tests running in parallel) build models at once,
-/// so builds take turns.
+/// Flex's random generator, held. Flex seeds one process-wide generator, and ranks that are
+/// threads (or tests running in parallel) draw from it at once: a draw on one thread between
+/// another's seed and its build changes that build. Whatever draws in a process that also
+/// builds seeded models (an unseeded build, a lazy parameter's first read) holds this while it
+/// draws, as [`seeded_model_on`] does. Not reentrant: a seeded build under it waits forever.
+pub fn hold_generator() -> MutexGuard<'static, ()> {
+    static GENERATOR: Mutex<()> = Mutex::new(());
+    GENERATOR
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Builds a model on `device` with its generator seeded, holding the generator
+/// ([`hold_generator`]) from the seed until every parameter is drawn.
 pub fn seeded_model_on<M: Module>(
     seed: u64,
     device: &Device,
     build: impl FnOnce(&Device) -> M,
 ) -> M {
-    static INIT: Mutex<()> = Mutex::new(());
-    let _init = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _generator = hold_generator();
     device.seed(seed);
     let model = build(device);
     burnscale_shard::params::materialize(&model);

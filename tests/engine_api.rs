@@ -248,6 +248,8 @@ fn an_empty_parameter_is_refused_naming_it() {
 /// and, told nothing, waited for the others in the next collective.
 #[test]
 fn ranks_whose_models_differ_all_stop_naming_them() {
+    // Unseeded builds, drawn on the rank threads.
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     for strategy in [Strategy::Ddp, Strategy::Zero3] {
         let outcomes = run_ranks(3, DEFAULT_TIMEOUT, |comm| {
@@ -285,6 +287,8 @@ fn ranks_whose_models_differ_all_stop_naming_them() {
 fn a_lazy_bf16_model_shards_alike_on_every_rank() {
     use burn::tensor::{DType, FloatDType};
     use burnscale::precision::{init_in, param_dtypes};
+    // Rank 0 draws its lazy parameters when the engine first reads them.
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     let lazy = || {
         let model = Gpt::new(&GptConfig::tiny().with_dropout(0.0), &device).unwrap();

@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::sync::{Mutex, MutexGuard};
-
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
@@ -33,15 +31,8 @@ fn run(extra: &[&str]) -> (Gpt, RunSummary) {
     run_with_dropout(0.0, extra)
 }
 
-/// Flex seeds one process-wide generator: runs on parallel test threads would interleave
-/// their draws, so each test holds the generator for its whole init and training.
-fn hold_rng() -> MutexGuard<'static, ()> {
-    static RNG: Mutex<()> = Mutex::new(());
-    RNG.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
 fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     device.seed(7);
     let model = Gpt::new(&GptConfig::tiny().with_dropout(dropout), &device).unwrap();
@@ -58,7 +49,7 @@ fn run_with_dropout(dropout: f64, extra: &[&str]) -> (Gpt, RunSummary) {
 /// Smaller batches train (a short last batch counts for its items).
 #[test]
 fn a_task_built_for_another_batch_is_refused() {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
     for extra in [&[][..], &["--strategy", "zero2", "--devices", "2"]] {
@@ -92,7 +83,7 @@ fn a_task_built_for_another_batch_is_refused() {
 /// panicked inside the run).
 #[test]
 fn a_model_that_tracks_no_gradients_is_refused() {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default();
     let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
     let Err(e) = train(model, &mut task(8), &args(&["--max-steps", "1"]), &device) else {
@@ -105,7 +96,7 @@ fn a_model_that_tracks_no_gradients_is_refused() {
 /// every term: `--plan` and `--memory-budget` are refused, naming what to install.
 #[test]
 fn a_plan_needs_the_counting_allocator() {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     for extra in [
         &["--plan"][..],
@@ -128,7 +119,7 @@ fn a_plan_needs_the_counting_allocator() {
 /// before its checkpoint: none is written of weights the step made NaN or inf.
 #[test]
 fn gradients_that_overflow_stop_the_run_before_its_checkpoint() {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     let mut model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
     model.lm_head.weight = model.lm_head.weight.map(|w| w * 1e20);
@@ -165,7 +156,7 @@ fn gradients_that_overflow_stop_the_run_before_its_checkpoint() {
 /// or file is left that looks whole.
 #[test]
 fn weights_an_update_made_nan_are_not_saved() {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     let dir = tempfile::tempdir().unwrap();
     let (ckpt, saved) = (
@@ -254,7 +245,7 @@ fn without_the_counting_allocator_no_peak_reads_as_measured() {
 /// signals' own flag replaced it, and the program's request went unread).
 #[test]
 fn a_programs_stop_flag_stops_a_run_that_stops_on_signals_too() {
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
     let mut args = args(&["--max-steps", "5"]);
@@ -415,7 +406,7 @@ fn frozen_parameters_hold_no_gradients_or_state() {
             "freezes every parameter of the model",
         ),
     ] {
-        let _rng = hold_rng();
+        let _generator = common::hold_generator();
         let device = Device::default().autodiff();
         let model = Gpt::new(&GptConfig::tiny(), &device).unwrap();
         let args = args(&["--freeze", freeze]);
@@ -424,7 +415,7 @@ fn frozen_parameters_hold_no_gradients_or_state() {
         };
         assert!(e.to_string().contains(expected), "{e}");
     }
-    let _rng = hold_rng();
+    let _generator = common::hold_generator();
     let device = Device::default().autodiff();
     // A model frozen by its own code: the engine finds nothing to train.
     let model = Gpt::new(&GptConfig::tiny(), &device).unwrap().no_grad();
@@ -455,7 +446,7 @@ fn frozen_parameters_hold_no_gradients_or_state() {
 #[test]
 fn collectives_move_the_zero_papers_volumes() {
     let slots = {
-        let _rng = hold_rng();
+        let _generator = common::hold_generator();
         let model = Gpt::new(&GptConfig::tiny(), &Device::default()).unwrap();
         burnscale::shard::layout::slots(&model, 2)
     };

@@ -51,7 +51,7 @@ pub fn max_abs_diff<const D: usize>(ours: Tensor<D>, reference: &Weight) -> f32 
 }
 
 #[allow(unused_imports)]
-pub use burnscale::equivalence::seeded_model;
+pub use burnscale::equivalence::{hold_generator, seeded_model};
 
 /// Runs [`burnscale::equivalence::check`] of `strategy` on `world` thread ranks with
 /// `flags`; panics with every rank's differences from the plain reference.
