@@ -16,6 +16,7 @@
 //! `0.5·x·(1 + tanh(z/2))` is `x·σ(z)`.
 
 use burn::backend::Backend;
+use burn::backend::TensorMetadata;
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::CheckpointStrategy};
 use burn::backend::autodiff::grads::Gradients;
@@ -23,6 +24,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::ops::ActivationOps as BurnActivationOps;
 use burn::backend::tensor::FloatTensor;
 use burn::prelude::*;
+use burn::tensor::FloatDType;
 
 /// `exp(x) / sum(exp(x))` along `dim`.
 pub fn softmax<const D: usize>(x: Tensor<D>, dim: usize) -> Tensor<D> {
@@ -136,6 +138,15 @@ impl<B: Backend, C: CheckpointStrategy> ActivationOps for Autodiff<B, C> {
                 let dy = grads.consume::<B>(&ops.node);
                 let [x_node] = ops.parents;
                 if let Some(node) = x_node {
+                    // In f32 for 16-bit inputs: f16's x² overflows from |x| = 256, and the slope
+                    // x·σ(1-σ)·z' would be 0·inf, NaN, where the gradient is 1 or 0.
+                    let dtype = FloatDType::from(x.dtype());
+                    let widens = !matches!(dtype, FloatDType::F32 | FloatDType::F64);
+                    let cast = |t: FloatTensor<B>, to: FloatDType| match widens {
+                        true => B::float_cast(t, to),
+                        false => t,
+                    };
+                    let (x, dy) = (cast(x, FloatDType::F32), cast(dy, FloatDType::F32));
                     let square = B::float_mul(x.clone(), x.clone());
                     let s = B::sigmoid(gelu_z::<B>(x.clone(), square.clone()));
                     // z'(x) = 2√(2/π)·(1 + 3·0.044715·x²)
@@ -149,7 +160,8 @@ impl<B: Backend, C: CheckpointStrategy> ActivationOps for Autodiff<B, C> {
                     let one_minus_s = B::float_add_scalar(B::float_neg(s.clone()), 1.0.into());
                     let slope =
                         B::float_mul(B::float_mul(x, B::float_mul(s.clone(), one_minus_s)), dz);
-                    grads.register::<B>(node.id, B::float_mul(dy, B::float_add(s, slope)));
+                    let dx = B::float_mul(dy, B::float_add(s, slope));
+                    grads.register::<B>(node.id, cast(dx, dtype));
                 }
             }
         }
@@ -243,5 +255,30 @@ mod tests {
             Tolerance::rel_abs(1e-5, 1e-6),
             "gelu_tanh",
         );
+    }
+
+    /// In f16 far out on the curve, where it is flat (x² overflows f16 from |x| = 256), the
+    /// gradient is 0 on the left and 1 on the right, not NaN; nearer in, f32's within f16's
+    /// rounding.
+    #[test]
+    fn gelu_tanh_has_a_gradient_far_out_in_f16() {
+        let device = Device::default().autodiff();
+        let xs = [-300.0, -3.0, 0.5, 3.0, 300.0];
+        let gradient = |dtype: FloatDType| -> Vec<f32> {
+            let x = Tensor::<1>::from_floats(xs, &device)
+                .cast(dtype)
+                .require_grad();
+            let grads = gelu_tanh(x.clone()).sum().backward();
+            let dx = x.grad(&grads).expect("dx").cast(FloatDType::F32);
+            dx.into_data().try_to_vec().expect("f32")
+        };
+        let (half, full) = (gradient(FloatDType::F16), gradient(FloatDType::F32));
+        assert_eq!((half[0], half[4]), (0.0, 1.0), "{half:?}");
+        for (h, f) in half.iter().zip(&full) {
+            assert!(
+                (h - f).abs() <= 4.0 * f32::from(half::f16::EPSILON),
+                "{half:?} against {full:?}"
+            );
+        }
     }
 }
