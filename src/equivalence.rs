@@ -85,9 +85,10 @@ pub const ADAM8BIT: &[&str] = &[
 /// an element whose gradient is near zero (tiny-minGPT's `h.1.attn.c_proj.bias`) steps the
 /// way bf16's rounding points: 2.7x the bf16 tolerance on one rank, alike under every
 /// strategy (measured 2026-11-29; 1e-4: up to 1.5x in f16 and bf16). With 1e-3 an element's
-/// step is proportional to a gradient below it, as SGD's, and at most 0.42 of the tolerance
+/// step is proportional to a gradient below it, as SGD's, and at most 0.23 of the tolerance
 /// is used, for AdamW and 8-bit AdamW under bf16-mixed, bf16-true and 16-mixed, on 1 to 3
-/// ranks. It also makes Adam see the gradient's scale: a gradient left multiplied by the loss
+/// ranks, with each tensor's most differing element checked apart
+/// ([`Tolerance::one_element_apart`]; 0.72 without, 2026-12-02). It also makes Adam see the gradient's scale: a gradient left multiplied by the loss
 /// scale steps by its sign again, which the 1e-8 check cannot tell from the right one.
 pub const ABOVE_16_BIT_ROUNDING: &[&str] = &["--adam-epsilon", "1e-3"];
 
@@ -432,8 +433,8 @@ pub struct Tolerance {
     /// In 16 bits the engine rounds every activation and gradient to 16 bits, where the
     /// loop does not (mixed policies, against the f32 loop) or at other places (`*-true`:
     /// each rank rounds its part of the batch): each operation rounds once, through some
-    /// tens of operations, so `2^6 u` (f16 3.1%, bf16 25%; measured: 21 u for f16, 12 u for
-    /// bf16). bf16 cannot go looser: a gradient of the wrong scale (2x, the least a
+    /// tens of operations, so `2^6 u` (f16 3.1%, bf16 25%; measured 2026-12-02: at most 15 u
+    /// for f16, 19 u for bf16). bf16 cannot go looser: a gradient of the wrong scale (2x, the least a
     /// sum-for-mean or a missing `1/accumulate` gives) moves the update by 100%.
     ///
     /// Computed in f32 and only reduced in 16 bits (`--grad-reduce-dtype`), each rank's
@@ -462,15 +463,18 @@ pub struct Tolerance {
     /// The paths of the parameters `--optimizer adam8bit` keeps 8-bit state for (none under
     /// another optimizer).
     pub eight_bit: HashSet<String>,
-    /// Under Adafactor computing in 16 bits, one element of each tensor (the one differing
-    /// most) is checked apart, within twice the largest movement of any element of the
-    /// tensor in the plain run, and the rest against `relative`. A relative step moves every
-    /// element of a vector by about the same amount, `lr · max(RMS, 1e-3)` a step, its sign
-    /// the gradient's: an element whose gradient is near zero steps the way 16-bit rounding
-    /// points (seen: one of `h.1.attn.c_proj.bias`'s 16 elements, zero at the start, two steps
-    /// of 1e-5 from the plain run once GELU's backward computed in f32, 15.7% of the tensor's
-    /// update, the other 15 within 1e-8). A missed or doubled step moves every element, which
-    /// the rest still shows.
+    /// Under an adaptive optimizer (AdamW, 8-bit AdamW, Adafactor) computing in 16 bits, one
+    /// element of each tensor (the one differing most) is checked apart, within twice the
+    /// largest movement of any element of the tensor in the plain run, and the rest against
+    /// `relative`. These optimizers divide each gradient by its own running RMS (plus
+    /// epsilon): an element whose gradient is near zero steps the way 16-bit rounding points,
+    /// by up to a whole step (Adafactor's relative step moves every element of a vector by
+    /// about `lr · max(RMS, 1e-3)`, sign-like). Seen: one of `h.1.attn.c_proj.bias`'s 16
+    /// elements, zero at the start, under 16-mixed once GELU's backward computed in f32:
+    /// Adafactor two steps of 1e-5 from the plain run (15.7% of the tensor's update, the other
+    /// 15 within 1e-8; 5.0 of the tolerance), AdamW 0.72 of it (0.2 with the element apart).
+    /// A missed or doubled step moves every element, which the rest still shows (an engine
+    /// one step short fails in six tensors under bf16-mixed Adafactor).
     pub one_element_apart: bool,
 }
 
@@ -505,7 +509,7 @@ impl Tolerance {
             storage: 2.0 * roundoff(args.precision.param_dtype()) * STEPS as f64,
             element: args.lr() * STEPS as f64,
             eight_bit: eight_bit_paths(model, args),
-            one_element_apart: args.optimizer == OptimizerKind::Adafactor
+            one_element_apart: args.optimizer != OptimizerKind::Sgd
                 && roundoff(computed) > roundoff(FloatDType::F32),
         }
     }
@@ -526,7 +530,7 @@ impl Tolerance {
 /// value element, in either direction in each run, so within 3x that element's movement of
 /// each other (a fixed `lr · steps` would allow a thousand times it under a relative step).
 ///
-/// Under Adafactor in 16 bits one element of each tensor is checked apart
+/// Under an adaptive optimizer in 16 bits one element of each tensor is checked apart
 /// ([`Tolerance::one_element_apart`]).
 ///
 /// A tensor that `must_see` names is also a difference when what it is allowed is at least
