@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::sync::Mutex;
+
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
@@ -11,11 +13,16 @@ use burnscale::train::{TrainArgs, train};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
+/// The counters are the process's: one test allocates (and the probe resets the peak) while
+/// another reads them, so the tests take turns.
+static TURNS: Mutex<()> = Mutex::new(());
+
 /// `--plan`'s probe draws batches before any step: a training batch above `--batch-size`, and an
 /// empty validation batch, are refused there (the empty one ended the process in the probe's
 /// forward).
 #[test]
 fn the_plans_probe_refuses_the_batches_a_run_refuses() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
     let device = Device::default().autodiff();
     let tokens: Vec<i64> = (0..500).map(|i| (i * 7 % 11) as i64).collect();
     let task = |batch| {
@@ -42,6 +49,7 @@ fn the_plans_probe_refuses_the_batches_a_run_refuses() {
 
 #[test]
 fn peak_sees_a_tensor_and_reset_forgets_it() {
+    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
     let device = Device::default();
     memory::reset_peak();
     let before = memory::live_bytes();
