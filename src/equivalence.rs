@@ -88,8 +88,9 @@ pub const ADAM8BIT: &[&str] = &[
 /// step is proportional to a gradient below it, as SGD's, and at most 0.23 of the tolerance
 /// is used, for AdamW and 8-bit AdamW under bf16-mixed, bf16-true and 16-mixed, on 1 to 3
 /// ranks, with each tensor's most differing element checked apart
-/// ([`Tolerance::one_element_apart`]; 0.72 without, 2026-12-02). It also makes Adam see the gradient's scale: a gradient left multiplied by the loss
-/// scale steps by its sign again, which the 1e-8 check cannot tell from the right one.
+/// ([`Tolerance::one_element_apart`]; 0.72 without, 2026-12-02). It also makes Adam see the
+/// gradient's scale: a gradient left multiplied by the loss scale steps by its sign again,
+/// which the 1e-8 check cannot tell from the right one.
 pub const ABOVE_16_BIT_ROUNDING: &[&str] = &["--adam-epsilon", "1e-3"];
 
 /// Adafactor with a relative step (capped at 1e-2, scaled by each parameter's RMS) and
@@ -434,8 +435,8 @@ pub struct Tolerance {
     /// loop does not (mixed policies, against the f32 loop) or at other places (`*-true`:
     /// each rank rounds its part of the batch): each operation rounds once, through some
     /// tens of operations, so `2^6 u` (f16 3.1%, bf16 25%; measured 2026-12-02: at most 15 u
-    /// for f16, 19 u for bf16). bf16 cannot go looser: a gradient of the wrong scale (2x, the least a
-    /// sum-for-mean or a missing `1/accumulate` gives) moves the update by 100%.
+    /// for f16, 19 u for bf16). bf16 cannot go looser: a gradient of the wrong scale (2x, the
+    /// least a sum-for-mean or a missing `1/accumulate` gives) moves the update by 100%.
     ///
     /// Computed in f32 and only reduced in 16 bits (`--grad-reduce-dtype`), each rank's
     /// gradient is rounded once before the mean: SGD `2^3 u` (bf16 3.1%: a mean over 3 ranks
@@ -559,37 +560,28 @@ fn parameter_differences(
         };
         let attention_bias = path.ends_with("c_attn.bias");
         let key_bias = |i: usize| attention_bias && (d..2 * d).contains(&i);
+        // The most any element (besides the key bias) moved in the plain run.
+        let moved = (want.values.iter().zip(&init.values).enumerate())
+            .filter(|&(i, _)| !key_bias(i))
+            .map(|(_, (&y, &y0))| (y - y0).abs())
+            .fold(0f32, f32::max);
         let (relative, drift) = match attention_bias && adafactor {
-            true => {
-                let moved = (want.values.iter().zip(&init.values).enumerate())
-                    .filter(|&(i, _)| !key_bias(i))
-                    .map(|(_, (&y, &y0))| (y - y0).abs())
-                    .fold(0f32, f32::max);
-                (
-                    tolerance.relative.max(ADAFACTOR_ATTENTION_BIAS),
-                    3.0 * moved,
-                )
-            }
+            true => (
+                tolerance.relative.max(ADAFACTOR_ATTENTION_BIAS),
+                3.0 * moved,
+            ),
             false => (tolerance.relative, drift),
         };
-        // The element differing most, and the most any element moved in the plain run.
-        let apart = tolerance.one_element_apart.then(|| {
-            let checked = || {
-                (got.values
-                    .iter()
-                    .zip(&want.values)
-                    .zip(&init.values)
-                    .enumerate())
-                .filter(|&(i, _)| !key_bias(i))
-            };
-            let worst = checked().max_by(|(_, ((x, y), _)), (_, ((a, b), _))| {
-                (*x - *y).abs().total_cmp(&(*a - *b).abs())
-            });
-            let moved = checked()
-                .map(|(_, ((_, &y), &y0))| (y - y0).abs())
-                .fold(0f32, f32::max);
-            (worst.map(|(i, _)| i), moved)
-        });
+        // The element differing most, checked apart.
+        let apart = tolerance
+            .one_element_apart
+            .then(|| {
+                (got.values.iter().zip(&want.values).enumerate())
+                    .filter(|&(i, _)| !key_bias(i))
+                    .max_by(|(_, (x, y)), (_, (a, b))| (*x - *y).abs().total_cmp(&(*a - *b).abs()))
+                    .map(|(i, _)| i)
+            })
+            .flatten();
         let (mut error, mut update, mut norm) = (0f64, 0f64, 0f64);
         let values = got.values.iter().zip(&want.values).zip(&init.values);
         for (i, ((&x, &y), &x0)) in values.enumerate() {
@@ -599,9 +591,7 @@ fn parameter_differences(
                 }
                 continue;
             }
-            if let Some((Some(apart), moved)) = apart
-                && apart == i
-            {
+            if apart == Some(i) {
                 let allowed = 2.0 * moved;
                 if allowed > 0.0 || x != y {
                     worst = worse(worst, f64::from((x - y).abs() / allowed));
