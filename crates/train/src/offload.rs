@@ -69,20 +69,64 @@ fn live_dirs() -> std::sync::MutexGuard<'static, Vec<PathBuf>> {
 
 /// `--offload-dir`, which the rank that finds it missing makes and marks with [`MADE`]: the
 /// last rank to leave a marked root with nothing else in it removes it (whichever rank that
-/// is, thread or process).
+/// is, thread or process). Ranks enter under a shared lock on the root directory and remove
+/// it under an exclusive one, so that a run starting in a root that another is leaving
+/// neither finds the root gone under it nor leaves it unmarked (where the filesystem has no
+/// directory locks, NFS, they go unlocked and can still meet so).
 struct MadeRoot(PathBuf);
 
 /// The file that says a run made its `--offload-dir`.
 const MADE: &str = ".burnscale-made";
 
+impl MadeRoot {
+    /// Makes and marks `root` where it is missing, then makes this rank's directory in it
+    /// by `enter`, under a shared lock on `root`: a root that a rank leaving it removes
+    /// meanwhile is made again.
+    fn enter<T>(root: &Path, enter: impl Fn() -> io::Result<T>) -> io::Result<(Self, T)> {
+        loop {
+            if let Some(parent) = root.parent().filter(|p| !p.as_os_str().is_empty()) {
+                fs::create_dir_all(parent)?;
+            }
+            match fs::create_dir(root) {
+                Ok(()) => fs::write(root.join(MADE), [])?,
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(e),
+            }
+            // A root removed since is made again.
+            let held = match File::open(root) {
+                Ok(held) => held,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(e),
+            };
+            let _ = held.lock_shared();
+            if is_at(&held, root) {
+                return Ok((Self(root.to_path_buf()), enter()?));
+            }
+        }
+    }
+}
+
+/// Whether `held` is still the directory at `path` (not one removed since it was opened).
+fn is_at(held: &File, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (held.metadata(), fs::metadata(path)) {
+        (Ok(held), Ok(now)) => (held.dev(), held.ino()) == (now.dev(), now.ino()),
+        _ => false,
+    }
+}
+
 impl Drop for MadeRoot {
     fn drop(&mut self) {
-        let only_marked = fs::read_dir(&self.0).is_ok_and(|entries| {
-            let names: Vec<_> = entries.flatten().map(|e| e.file_name()).collect();
-            names.len() == 1 && names[0] == MADE
-        });
+        let Ok(held) = File::open(&self.0) else {
+            return;
+        };
+        let _ = held.lock();
+        let only_marked = is_at(&held, &self.0)
+            && fs::read_dir(&self.0).is_ok_and(|entries| {
+                let names: Vec<_> = entries.flatten().map(|e| e.file_name()).collect();
+                names.len() == 1 && names[0] == MADE
+            });
         if only_marked {
-            // Fails, as it should, if another rank's directory came meanwhile.
             let _ = fs::remove_file(self.0.join(MADE)).and_then(|()| fs::remove_dir(&self.0));
         }
     }
@@ -112,20 +156,16 @@ impl DiskStates {
             path: root.to_path_buf(),
             source,
         };
-        if !root.exists() {
-            fs::create_dir_all(root)
-                .and_then(|()| fs::write(root.join(MADE), []))
-                .map_err(io)?;
-        }
-        let made_root = MadeRoot(root.to_path_buf());
+        let (made_root, dir) = MadeRoot::enter(root, || {
+            tempfile::Builder::new()
+                .prefix(&format!("rank{rank}-"))
+                .tempdir_in(root)
+        })
+        .map_err(io)?;
         let host = host_name();
         if let Some(host) = &host {
             remove_dead_runs(root, host);
         }
-        let dir = tempfile::Builder::new()
-            .prefix(&format!("rank{rank}-"))
-            .tempdir_in(root)
-            .map_err(io)?;
         let live = Live::new(dir.path());
         let in_dir = |source| TrainError::Offload {
             path: dir.path().to_path_buf(),
@@ -463,6 +503,24 @@ mod tests {
             ranks.clear();
             assert!(!root.exists(), "rank {first} left first");
         }
+    }
+
+    /// Runs starting in a root that others are leaving: none finds the root gone under it,
+    /// and the last to leave removes it.
+    #[test]
+    fn runs_entering_a_root_others_leave_all_start_and_the_last_removes_it() {
+        let root = std::env::temp_dir().join(format!("burnscale-busy-{}", std::process::id()));
+        std::thread::scope(|s| {
+            for rank in 0..4 {
+                let root = &root;
+                s.spawn(move || {
+                    for _ in 0..200 {
+                        drop(DiskStates::create(root, rank).expect("the run starts"));
+                    }
+                });
+            }
+        });
+        assert!(!root.exists(), "the root the runs made is gone");
     }
 
     /// SGD without momentum keeps no tensor: no file is written (or synced) at each step.
