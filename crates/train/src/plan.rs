@@ -821,8 +821,9 @@ impl MemoryPlan {
                 // backward's own peak (its gradients among them); then those gradients, in the
                 // compute dtype, moved one parameter at a time into the unit's sums (empty unless
                 // carried over micro-steps: then each is cast beside its sum), and per unit held
-                // whole until its reduce-scatter, which packs a copy once the unit is dropped. One
-                // after another, not all at once. The gradient of its output from the unit above
+                // whole until its reduce-scatter, which packs a copy once the unit is dropped
+                // (beside it, then cast from it into `--grad-reduce-dtype` where that differs).
+                // One after another, not all at once. The gradient of its output from the unit above
                 // goes into its backward, which then adds as much less than the probe's (whose
                 // own gradient of the output is new); after it, the gradient of its input, as
                 // large, waits for the unit below.
@@ -832,11 +833,15 @@ impl MemoryPlan {
                         false => grads_moved_in(slots, c, w),
                         true => c * elems + cast_into_sums(elems),
                     };
-                    let whole = if per_unit { w * elems } else { 0 };
+                    let (whole, packed) = match (per_unit, world > 1) {
+                        (false, _) => (0, 0),
+                        (true, false) => (w * elems, w * elems),
+                        (true, true) => (w * elems, w.max(r) * elems),
+                    };
                     let grad_in = probe.block_output;
                     (copy + kept + backward)
                         .max(copy + summed + grad_in)
-                        .max(2 * whole + grad_in)
+                        .max(whole + packed + grad_in)
                 };
                 // The top block's backward: its copy gathered again unless kept (then it counts in
                 // `copies_kept`), its activations recomputed unless forward kept its graph (then
