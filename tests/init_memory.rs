@@ -14,14 +14,6 @@ static ALLOC: CountingAllocator = CountingAllocator;
 
 static TURNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-/// Peak bytes above what was live before, while `create` builds a model.
-fn init_peak(create: impl FnOnce() -> Gpt) -> (usize, Gpt) {
-    let before = memory::live_bytes();
-    memory::reset_peak();
-    let model = create();
-    (memory::peak_bytes() - before, model)
-}
-
 #[test]
 fn init_in_bf16_peaks_at_half_of_f32_then_cast() {
     let _turn = TURNS.lock().unwrap_or_else(|p| p.into_inner());
@@ -29,13 +21,13 @@ fn init_in_bf16_peaks_at_half_of_f32_then_cast() {
     // ~6.8M parameters; the largest tensor (wte, 512 x 256) is 2% of them.
     let config = GptConfig::new(8, 4, 256, 512, 128);
     let build = || Gpt::new(&config, &device).unwrap();
-    let (f32_then_cast, a) = init_peak(|| {
+    let (a, f32_then_cast) = memory::peak_added_by(|| {
         let model = build();
         materialize(&model);
         cast(model, FloatDType::BF16)
     });
     drop(a);
-    let (direct, b) = init_peak(|| {
+    let (b, direct) = memory::peak_added_by(|| {
         let model = init_in(build(), FloatDType::BF16);
         materialize(&model);
         model
@@ -91,7 +83,7 @@ fn zero3_shards_a_lazy_model_without_any_rank_holding_it_whole() {
         let model = models.lock().unwrap().pop().unwrap();
         let engine = Sharded::new(Strategy::Zero3, model, comm, &device).unwrap();
         comm.barrier().unwrap();
-        let setup_peak = memory::peak_bytes() - before;
+        let setup_peak = memory::peak_bytes().saturating_sub(before);
         comm.barrier().unwrap();
         (setup_peak, in_order(&engine.full_model().unwrap()))
     })
