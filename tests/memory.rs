@@ -22,50 +22,52 @@ static TURNS: Mutex<()> = Mutex::new(());
 /// forward).
 #[test]
 fn the_plans_probe_refuses_the_batches_a_run_refuses() {
-    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
-    let device = Device::default().autodiff();
-    let tokens: Vec<i64> = (0..500).map(|i| (i * 7 % 11) as i64).collect();
-    let task = |batch| {
-        NextToken::new(tokens.clone(), 8, batch, 7)
-            .and_then(|t| t.with_validation(tokens.clone(), 8, 2))
-            .unwrap()
-    };
-    let args = TrainArgs::from_flags(&["--plan", "--batch-size", "8", "--max-steps", "1"]).unwrap();
-    let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
-    let err = train(model(), &mut task(16), &args, &device).unwrap_err();
-    assert!(err.to_string().contains("holds 16 sequences"), "{err}");
-    let err = train(
-        model(),
-        &mut common::EmptyValidation(task(8)),
-        &args,
-        &device,
-    )
-    .unwrap_err();
-    assert!(
-        err.to_string().contains("validation batch holds no"),
-        "{err}"
-    );
+    common::in_turn(&TURNS, || {
+        let device = Device::default().autodiff();
+        let tokens: Vec<i64> = (0..500).map(|i| (i * 7 % 11) as i64).collect();
+        let task = |batch| {
+            NextToken::new(tokens.clone(), 8, batch, 7)
+                .and_then(|t| t.with_validation(tokens.clone(), 8, 2))
+                .unwrap()
+        };
+        let args =
+            TrainArgs::from_flags(&["--plan", "--batch-size", "8", "--max-steps", "1"]).unwrap();
+        let model = || Gpt::new(&GptConfig::tiny(), &device).unwrap();
+        let err = train(model(), &mut task(16), &args, &device).unwrap_err();
+        assert!(err.to_string().contains("holds 16 sequences"), "{err}");
+        let err = train(
+            model(),
+            &mut common::EmptyValidation(task(8)),
+            &args,
+            &device,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("validation batch holds no"),
+            "{err}"
+        );
+    })
 }
 
 /// The tensor alone is live at some moment after the reset, so the peak holds at least it. Not
-/// "what was live before plus the tensor": the previous test's thread frees its own memory after
-/// it gives up the turn, so bytes live before may be gone when the tensor is made (CI saw 0.5
-/// MiB freed so).
+/// "what was live before plus the tensor": bytes live before may be freed meanwhile (libtest
+/// frees a finished test's captured output after its turn).
 #[test]
 fn peak_sees_a_tensor_and_reset_forgets_it() {
-    let _turn = TURNS.lock().unwrap_or_else(|e| e.into_inner());
-    let device = Device::default();
-    let tensor_bytes = 16 << 20;
-    memory::reset_peak();
-    let before = memory::live_bytes();
-    assert!(before < tensor_bytes / 2, "live before {before}");
-    let t = Tensor::<2>::ones([4096, 1024], &device) * 2.0; // 16 MiB
-    let sum = t.clone().sum().into_scalar::<f32>();
-    assert_eq!(sum, 2.0 * 4096.0 * 1024.0);
-    let peak = memory::peak_bytes();
-    assert!(peak >= tensor_bytes, "peak {peak} live-before {before}");
-    drop(t);
-    memory::reset_peak();
-    assert!(memory::peak_bytes() < peak);
-    assert!(memory::is_counting());
+    common::in_turn(&TURNS, || {
+        let device = Device::default();
+        let tensor_bytes = 16 << 20;
+        memory::reset_peak();
+        let before = memory::live_bytes();
+        assert!(before < tensor_bytes / 2, "live before {before}");
+        let t = Tensor::<2>::ones([4096, 1024], &device) * 2.0; // 16 MiB
+        let sum = t.clone().sum().into_scalar::<f32>();
+        assert_eq!(sum, 2.0 * 4096.0 * 1024.0);
+        let peak = memory::peak_bytes();
+        assert!(peak >= tensor_bytes, "peak {peak} live-before {before}");
+        drop(t);
+        memory::reset_peak();
+        assert!(memory::peak_bytes() < peak);
+        assert!(memory::is_counting());
+    })
 }

@@ -56,13 +56,18 @@ fn a_rank_that_panics_fails_the_others_with_its_rank() {
 
 #[test]
 fn a_rank_that_never_comes_times_out_the_others() {
-    let timeout = Duration::from_millis(300);
+    let timeout = Duration::from_secs(1);
+    // Ranks 0 and 1 enter the barrier together: on a loaded machine one of them starting late
+    // by the timeout would be timed out too, and blamed.
+    let together = std::sync::Barrier::new(2);
     let results = ThreadComm::run(3, timeout, |comm| {
         if comm.rank() == 2 {
             // Slow, not stuck: it arrives after the others gave up (long after, as a loaded
             // machine may start their wait late), and fails too; well within STUCK_GRACE,
             // after which it would end the process.
-            std::thread::sleep(Duration::from_millis(3000));
+            std::thread::sleep(Duration::from_secs(5));
+        } else {
+            together.wait();
         }
         comm.barrier()
     });
