@@ -14,11 +14,9 @@ use burnscale::train::memory::{self, CountingAllocator};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-static TURNS: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 #[test]
 fn init_in_bf16_peaks_at_half_of_f32_then_cast() {
-    common::in_turn(&TURNS, || {
+    common::in_turn(|| {
         let device = Device::default();
         // ~6.8M parameters; the largest tensor (wte, 512 x 256) is 2% of them.
         let config = GptConfig::new(8, 4, 256, 512, 128);
@@ -51,7 +49,7 @@ fn init_in_bf16_peaks_at_half_of_f32_then_cast() {
 
 #[test]
 fn zero3_shards_a_lazy_model_without_any_rank_holding_it_whole() {
-    common::in_turn(&TURNS, || {
+    common::in_turn(|| {
         use burnscale::collective::run_ranks;
         use burnscale::collective::threads::DEFAULT_TIMEOUT;
         use burnscale::shard::{Sharded, Strategy, host, params};

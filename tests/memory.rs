@@ -2,8 +2,6 @@
 
 mod common;
 
-use std::sync::Mutex;
-
 use burn::prelude::*;
 use burnscale::mingpt::{Gpt, GptConfig};
 use burnscale::tasks::NextToken;
@@ -13,16 +11,12 @@ use burnscale::train::{TrainArgs, train};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
-/// The counters are the process's: one test allocates (and the probe resets the peak) while
-/// another reads them, so the tests take turns.
-static TURNS: Mutex<()> = Mutex::new(());
-
 /// `--plan`'s probe draws batches before any step: a training batch above `--batch-size`, and an
 /// empty validation batch, are refused there (the empty one ended the process in the probe's
 /// forward).
 #[test]
 fn the_plans_probe_refuses_the_batches_a_run_refuses() {
-    common::in_turn(&TURNS, || {
+    common::in_turn(|| {
         let device = Device::default().autodiff();
         let tokens: Vec<i64> = (0..500).map(|i| (i * 7 % 11) as i64).collect();
         let task = |batch| {
@@ -54,7 +48,7 @@ fn the_plans_probe_refuses_the_batches_a_run_refuses() {
 /// frees a finished test's captured output after its turn).
 #[test]
 fn peak_sees_a_tensor_and_reset_forgets_it() {
-    common::in_turn(&TURNS, || {
+    common::in_turn(|| {
         let device = Device::default();
         let tensor_bytes = 16 << 20;
         memory::reset_peak();

@@ -6,8 +6,6 @@
 
 mod common;
 
-use std::sync::Mutex;
-
 use burnscale::collective::threads::{DEFAULT_TIMEOUT, ThreadComm};
 use burnscale::plan_check::{ONE_RANK, TOLERANCE, run, setup};
 use burnscale::shard::Checkpointing;
@@ -18,9 +16,6 @@ use burnscale::train::{RunSummary, TrainError, train_on};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
-
-/// The peak is the process's: one test measures at a time.
-static MEASURING: Mutex<()> = Mutex::new(());
 
 /// The per-rank peak planned for `flags` (resolved as a run would be).
 fn planned(flags: &[&str]) -> usize {
@@ -34,7 +29,7 @@ fn planned(flags: &[&str]) -> usize {
 
 #[test]
 fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let plain = planned(&[]);
         let checkpointed = planned(&["--checkpoint-activations"]);
         assert!(checkpointed < plain, "{checkpointed} {plain}");
@@ -107,7 +102,7 @@ fn auto_runs_the_fastest_configuration_planned_within_the_budget() {
 /// accepts, whatever its own `--precision` (auto's first candidate otherwise), and says so.
 #[test]
 fn auto_resumes_in_the_checkpoints_precision() {
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let dir = tempfile::tempdir().unwrap();
         let dir = dir.path().to_str().unwrap();
         let saving = ["--checkpoint-dir", dir, "--checkpoint-every", "1"];
@@ -143,7 +138,7 @@ fn auto_resumes_in_the_checkpoints_precision() {
 /// in-memory candidates before it does not.
 #[test]
 fn auto_plans_the_optimizer_state_on_disk_from_its_own_probe() {
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let dir = tempfile::tempdir().unwrap();
         let disk = ["--offload-dir", dir.path().to_str().unwrap()];
         let in_memory = planned(&["--checkpoint-activations"]);
@@ -167,7 +162,7 @@ fn auto_plans_the_optimizer_state_on_disk_from_its_own_probe() {
 /// the first block it measures keeps (which the plan multiplies by the depth).
 #[test]
 fn the_probe_counts_what_a_block_keeps_not_what_the_backend_keeps_for_good() {
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let (first, second) = std::thread::spawn(|| {
             let (model, task, args, device) = setup(&[]).unwrap();
             let probe = || Probe::measure(&model, &task, &args, &device).unwrap();
@@ -219,7 +214,7 @@ fn planned_against_measured(flags: &[&str], summary: &RunSummary) -> (f64, Strin
 #[test]
 fn train_on_refuses_a_host_memory_plan() {
     // Its set-up allocates beside the other tests' readings.
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let (model, mut task, args, device) = setup(&[]).unwrap();
         assert!(args.plan);
         let comm = ThreadComm::group(1, DEFAULT_TIMEOUT).remove(0);
@@ -230,7 +225,7 @@ fn train_on_refuses_a_host_memory_plan() {
 
 #[test]
 fn the_planned_peak_is_within_five_percent_of_the_measured_one() {
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let mut worst = (0.0f64, String::new());
         let mut failures = Vec::new();
         for flags in ONE_RANK {
@@ -290,7 +285,7 @@ const THREAD_RUNS: usize = 30;
 /// [`THREAD_RUNS`] runs must come within it below.
 #[test]
 fn the_planned_peak_of_two_thread_ranks_is_within_five_percent() {
-    common::in_turn(&MEASURING, || {
+    common::in_turn(|| {
         let mut failures = Vec::new();
         let reduction = |strategy| {
             [

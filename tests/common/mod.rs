@@ -9,12 +9,15 @@ use burn::module::Module;
 use burn::prelude::*;
 use burnscale::nn::weights::{self, Weight};
 
-/// Runs `f` on a thread of its own while holding `turns`: the tests of a binary that read the
-/// process-wide memory counters take turns, and a test's thread-locals (gemm's packing buffer,
-/// the cached attention masks) are freed when its thread ends, inside its turn, not while the
-/// next test measures (CI saw 0.5 MiB freed so, after a test had given up its turn).
-pub fn in_turn<T: Send>(turns: &Mutex<()>, f: impl FnOnce() -> T + Send) -> T {
-    let _turn = turns.lock().unwrap_or_else(|e| e.into_inner());
+/// The memory counters are the process's: a binary's tests that read them take turns.
+static MEMORY_TURNS: Mutex<()> = Mutex::new(());
+
+/// Runs `f` in its turn on the memory counters, on a thread of its own: a test's thread-locals
+/// (gemm's packing buffer, the cached attention masks) are freed when its thread ends, inside
+/// its turn, not while the next test measures (CI saw 0.5 MiB freed so, after a test had given
+/// up its turn).
+pub fn in_turn<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    let _turn = MEMORY_TURNS.lock().unwrap_or_else(|e| e.into_inner());
     std::thread::scope(|s| s.spawn(f).join())
         .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
