@@ -1,7 +1,8 @@
 //! Per-block activation checkpointing on minGPT: activation memory (process peak minus model
 //! states, counting allocator) and median step time without checkpointing, with
-//! `--checkpoint-activations` (ours, per block), with `--checkpoint-blocks` half the depth (the
-//! lower half recomputed, the upper keeping its graphs), and with Burn's own device-level gradient
+//! `--checkpoint-activations` (ours, per block; and with `--checkpoint-mode selective`, each
+//! block keeping its linears' outputs), with `--checkpoint-blocks` half the depth (the lower
+//! half recomputed, the upper keeping its graphs), and with Burn's own device-level gradient
 //! checkpointing (`Device::gradient_checkpointing`, which recomputes memory-bound operations
 //! and keeps compute-bound ones), side by side in one run, for several depths.
 //!
@@ -23,6 +24,10 @@ use serde_json::{Value, json};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator;
 
+/// What is compared with no checkpointing: every block checkpointed (`per-block`), every block
+/// keeping its linears' outputs too (`selective`), the lower half (`half`), Burn's own.
+const MODES: [&str; 4] = ["per-block", "selective", "half", "burn"];
+
 #[derive(Parser)]
 struct Cli {
     /// Depths to compare, comma-separated.
@@ -38,8 +43,7 @@ struct Cli {
     batch_size: usize,
     #[arg(long, default_value_t = 4)]
     steps: usize,
-    /// Worker mode (set by the driver): one run, `layers[0]` blocks, plain / per-block / half /
-    /// burn.
+    /// Worker mode (set by the driver): one run, `layers[0]` blocks, plain or one of [`MODES`].
     #[arg(long, hide = true)]
     worker: Option<String>,
     // `cargo bench` passes `--bench` to every bench target.
@@ -71,6 +75,7 @@ fn worker(cli: &Cli, mode: &str) -> Result<()> {
     let half = (n_layer / 2).max(1).to_string();
     match mode {
         "per-block" => flags.push("--checkpoint-activations"),
+        "selective" => flags.extend(["--checkpoint-activations", "--checkpoint-mode", "selective"]),
         "half" => flags.extend(["--checkpoint-blocks", &half]),
         _ => {}
     }
@@ -122,47 +127,41 @@ fn run() -> Result<()> {
         "minGPT width {}, {} heads, batch {} x {} tokens, {} steps (median step time)",
         cli.n_embd, cli.n_head, cli.batch_size, cli.block_size, cli.steps
     );
-    println!(
-        "  {:>6} {:>11} {:>12} {:>12} {:>6} {:>12} {:>6} {:>12} {:>6} {:>6} {:>8} {:>6} {:>6} {:>6}",
-        "blocks",
-        "params",
-        "activations",
-        "per-block",
-        "ratio",
-        "half",
-        "ratio",
-        "burn",
-        "ratio",
-        "1.5/L",
-        "step s",
-        "ratio",
-        "half",
-        "burn"
-    );
+    let mut header = format!("  {:>6} {:>11} {:>12}", "blocks", "params", "activations");
+    for mode in MODES {
+        header += &format!(" {mode:>12} {:>6}", "ratio");
+    }
+    header += &format!(" {:>6} {:>8}", "1.5/L", "step s");
+    for mode in MODES {
+        header += &format!(" {:>9}", mode);
+    }
+    println!("{header}");
     for &layers in &cli.layers {
         let plain = run_child(&cli, layers, "plain")?;
-        let ckpt = run_child(&cli, layers, "per-block")?;
-        let half = run_child(&cli, layers, "half")?;
-        let burn = run_child(&cli, layers, "burn")?;
+        let runs = MODES
+            .iter()
+            .map(|mode| run_child(&cli, layers, mode))
+            .collect::<Result<Vec<_>>>()?;
         let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
         let act = |v: &Value| f(v, "activation_bytes");
-        let (a, b, h, c) = (act(&plain), act(&ckpt), act(&half), act(&burn));
-        let s = f(&plain, "step_s");
-        println!(
-            "  {layers:>6} {:>11} {:>12} {:>12} {:>6.2} {:>12} {:>6.2} {:>12} {:>6.2} {:>6.2} {s:>8.3} {:>6.2} {:>6.2} {:>6.2}",
+        let (a, s) = (act(&plain), f(&plain, "step_s"));
+        let mut line = format!(
+            "  {layers:>6} {:>11} {:>12}",
             f(&plain, "params"),
-            human_bytes(a as usize),
-            human_bytes(b as usize),
-            b / a,
-            human_bytes(h as usize),
-            h / a,
-            human_bytes(c as usize),
-            c / a,
-            1.5 / layers as f64,
-            f(&ckpt, "step_s") / s,
-            f(&half, "step_s") / s,
-            f(&burn, "step_s") / s,
+            human_bytes(a as usize)
         );
+        for run in &runs {
+            line += &format!(
+                " {:>12} {:>6.2}",
+                human_bytes(act(run) as usize),
+                act(run) / a
+            );
+        }
+        line += &format!(" {:>6.2} {s:>8.3}", 1.5 / layers as f64);
+        for run in &runs {
+            line += &format!(" {:>9.2}", f(run, "step_s") / s);
+        }
+        println!("{line}");
     }
     Ok(())
 }

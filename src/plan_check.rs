@@ -73,6 +73,23 @@ pub const ONE_RANK: &[&[&str]] = &[
     &["--checkpoint-activations"],
     // The lowest two blocks checkpointed, the two above keeping their graphs.
     &["--checkpoint-blocks", "2"],
+    // Checkpointed blocks keeping their linears' outputs too.
+    &["--checkpoint-activations", "--checkpoint-mode", "selective"],
+    &[
+        "--checkpoint-blocks",
+        "2",
+        "--checkpoint-mode",
+        "selective",
+        "--precision",
+        "bf16-mixed",
+    ],
+    &[
+        "--strategy",
+        "zero3",
+        "--checkpoint-activations",
+        "--checkpoint-mode",
+        "selective",
+    ],
     &["--checkpoint-blocks", "2", "--precision", "bf16-mixed"],
     // One step: its forward and backward run before the optimizer has made its state.
     &["--max-steps", "1"],

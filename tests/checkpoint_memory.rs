@@ -28,14 +28,24 @@ fn activation_peak(flags: &[&str]) -> usize {
 /// Checkpointing all 6 blocks keeps their inputs and one block's graph at a time; the lowest
 /// 3 only, half of what checkpointing saves (measured: plain 60.6 MB, lowest 3 37.5 MB, all
 /// 21.8 MB, 0.36x plain). All must stay under 0.45x plain, below what half would give.
+///
+/// Selective checkpointing keeps each block's linears' outputs beside its input: more than
+/// full checkpointing, less than none.
 #[test]
 fn checkpointing_keeps_only_block_inputs() {
     let plain = activation_peak(&[]);
     let checkpointed = activation_peak(&["--checkpoint-activations"]);
     let lowest_half = activation_peak(&["--checkpoint-blocks", "3"]);
+    let selective =
+        activation_peak(&["--checkpoint-activations", "--checkpoint-mode", "selective"]);
     eprintln!(
-        "activation peak: plain {plain} B, lowest 3 blocks checkpointed {lowest_half} B, all {checkpointed} B ({:.2}x)",
-        checkpointed as f64 / plain as f64
+        "activation peak: plain {plain} B, lowest 3 blocks checkpointed {lowest_half} B, all {checkpointed} B ({:.2}x), all selectively {selective} B ({:.2}x)",
+        checkpointed as f64 / plain as f64,
+        selective as f64 / plain as f64
+    );
+    assert!(
+        checkpointed < selective && selective < plain,
+        "selective checkpointing kept {selective} B, full {checkpointed} B, none {plain} B"
     );
     assert!(
         (checkpointed as f64) < 0.45 * plain as f64,

@@ -1,5 +1,5 @@
-//! Per-block activation checkpointing (`--checkpoint-activations`) gives the gradients of the
-//! plain Burn step, for every model that exposes its block list, alone and with strategies.
+//! Per-block activation checkpointing (`--checkpoint-activations`, full or selective) gives the
+//! gradients of the plain Burn step, for every model that exposes its block list, alone and with strategies.
 //!
 //! One SGD step with learning rate 1 and nothing else (no momentum, decay or clipping) moves
 //! each parameter by exactly its gradient, so comparing parameters after it compares
@@ -139,12 +139,14 @@ fn check<T: TrainTask>(
     }
 }
 
-/// No block checkpointed, every one, and the lowest alone (the blocks above it keeping their
-/// graphs: both kinds in one backward).
-const CHECKPOINTING: [&[&str]; 3] = [
+/// No block checkpointed, every one, the lowest alone (the blocks above it keeping their
+/// graphs: both kinds in one backward), and every one keeping its linears' outputs (its
+/// re-run taking them back).
+const CHECKPOINTING: [&[&str]; 4] = [
     &[],
     &["--checkpoint-activations"],
     &["--checkpoint-blocks", "1"],
+    &["--checkpoint-activations", "--checkpoint-mode", "selective"],
 ];
 
 /// How far two gradients of the same batch may differ, as a fraction of the largest element:

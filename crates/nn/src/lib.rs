@@ -20,6 +20,7 @@ pub mod init;
 pub mod layer_norm;
 mod loss;
 pub mod regather;
+pub mod selective;
 pub mod weights;
 
 pub use activation::{ActivationOps, gelu_tanh, softmax};

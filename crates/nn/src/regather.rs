@@ -36,15 +36,16 @@ thread_local! {
 }
 
 /// `layer` applied to `x` (`[.., d_in]` -> `[.., d_out]`): [`gemm::linear`](crate::gemm::linear)
-/// (`Linear::forward`, or cuBLAS's product where asked), or inside [`forward`] the same
-/// through [`RegatherOps::regathered_linear`].
+/// (`Linear::forward`, or cuBLAS's product where asked), its output kept or taken back in
+/// [`selective`](crate::selective) checkpointing, or inside [`forward`] the same through
+/// [`RegatherOps::regathered_linear`].
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> {
     match ON.with(Cell::get) {
         true => {
             let gemm = crate::gemm::takes(&x, &layer.weight.val());
             regathered_linear(layer, x, gemm)
         }
-        false => crate::gemm::linear(layer, x),
+        false => crate::selective::linear(layer, x),
     }
 }
 

@@ -5,12 +5,16 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{DType as TensorDType, FloatDType, Gradients};
 use burnscale_collective::{Communicator, DType, ReduceOp, gather_u64s, tensor_dtype};
-use burnscale_nn::{BlockModel, Flops, RootWeights, autocast, autodiff_on, dropout, regather};
+use burnscale_nn::{
+    BlockModel, Flops, RootWeights, autocast, autodiff_on, dropout, regather, selective,
+};
 use burnscale_precision::{LossScaler, Precision, ScalerConfig};
 
 use crate::layout::{self, Slot};
 use crate::params::{self, Flat, Track};
-use crate::{Checkpointing, ShardError, Sharding, Share, StepGrads, Strategy, host};
+use crate::{
+    CheckpointMode, Checkpointing, ShardError, Sharding, Share, StepGrads, Strategy, host,
+};
 
 /// The root's units: the embeddings', then the rest (the head's); blocks follow them.
 const EMBEDDINGS: usize = 0;
@@ -78,8 +82,10 @@ pub struct Sharded<'c, M: BlockModel> {
     /// This step's micro-step losses (each its share of the step's), on the device:
     /// read once, when the step ends, so that nothing waits for the device mid-step.
     losses: Vec<Tensor<1>>,
-    /// How many blocks, from the lowest, are checkpointed (keep only their input).
+    /// How many blocks, from the lowest, are checkpointed (keep only their input, and under
+    /// [`CheckpointMode::Selective`] their linears' outputs).
     checkpointed: usize,
+    checkpoint_mode: CheckpointMode,
     precision: Precision,
     /// Where the parameter shards live between uses when offloaded (else the device).
     home: Option<Device>,
@@ -192,6 +198,7 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
             grad_bytes: 0,
             losses: Vec::new(),
             checkpointed: 0,
+            checkpoint_mode: CheckpointMode::Full,
             precision: Precision::F32True,
             home: None,
             reduce_dtype: DType::F32,
@@ -217,14 +224,16 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
     }
 
     /// Per-block activation checkpointing of the blocks `checkpointing` names: each keeps
-    /// only its input in forward and is recomputed in backward (sharded, from its parameters
-    /// gathered again, or kept gathered when not resharded after forward); the others keep
-    /// their graphs.
+    /// only its input in forward (and, `mode` selective, its linears' outputs) and is
+    /// recomputed in backward (sharded, from its parameters gathered again, or kept gathered
+    /// when not resharded after forward); the others keep their graphs.
     pub fn checkpoint_activations(
         mut self,
         checkpointing: Checkpointing,
+        mode: CheckpointMode,
     ) -> Result<Self, ShardError> {
         self.checkpointed = checkpointing.blocks(self.units.len() - FIRST_BLOCK)?;
+        self.checkpoint_mode = mode;
         Ok(self)
     }
 
@@ -1149,8 +1158,16 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                             None => self.unit(block, &unit, false)?,
                         };
                         let input = x.clone();
-                        x = root.block_forward(&block, x, &inner_mask);
-                        Saved::Input(input, at, gathered)
+                        let forward = || root.block_forward(&block, x, &inner_mask);
+                        let kept = match self.checkpoint_mode {
+                            CheckpointMode::Full => (forward(), None),
+                            CheckpointMode::Selective => {
+                                let (y, kept) = selective::record(forward);
+                                (y, Some(kept))
+                            }
+                        };
+                        x = kept.0;
+                        Saved::Input(input, at, gathered, kept.1)
                     }
                     Keep::Graphs => {
                         let block = self.unit(block, &unit, true)?;
@@ -1199,14 +1216,18 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
         }
         for (i, block) in blocks.iter().enumerate().skip(frozen_below).rev() {
             let (block, input, y, weights) = match saved.pop().expect("one saved part per block") {
-                Saved::Input(x, at, gathered) => {
+                Saved::Input(x, at, gathered, kept) => {
                     let block = match gathered {
                         Some(gathered) => gathered,
                         None => self.unit(block, &[FIRST_BLOCK + i], true)?,
                     };
                     dropout::rewind(at);
                     let input = autodiff_on(x, &self.device).set_require_grad(input_grad(i));
-                    let y = root.block_forward(&block, input.clone(), &mask);
+                    let forward = || root.block_forward(&block, input.clone(), &mask);
+                    let y = match kept {
+                        Some(kept) => selective::replay(kept, forward),
+                        None => forward(),
+                    };
                     (block, input, y, Vec::new())
                 }
                 Saved::Graph {
@@ -1337,8 +1358,9 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
 /// What a blockwise forward keeps of each block for backward.
 #[derive(Debug, Clone, Copy)]
 enum Keep {
-    /// Only its input (and, not resharded after forward, its gathered parameters): backward
-    /// recomputes it (activation checkpointing).
+    /// Only its input (and, not resharded after forward, its gathered parameters; under
+    /// [`CheckpointMode::Selective`] its linears' outputs): backward recomputes it
+    /// (activation checkpointing).
     Inputs,
     /// Its whole graph: backward goes through it as it is.
     Graphs,
@@ -1350,9 +1372,15 @@ enum Keep {
     reason = "one per block, for one micro-step: the handles' bytes do not matter"
 )]
 enum Saved<B> {
-    /// Its input (outside autodiff), where the dropout stream stood when it ran, and its
-    /// gathered parameters (tracked) when they stay gathered until its backward.
-    Input(Tensor<3>, dropout::StreamPosition, Option<B>),
+    /// Its input (outside autodiff), where the dropout stream stood when it ran, its gathered
+    /// parameters (tracked) when they stay gathered until its backward, and its linears'
+    /// outputs under [`CheckpointMode::Selective`].
+    Input(
+        Tensor<3>,
+        dropout::StreamPosition,
+        Option<B>,
+        Option<selective::Kept>,
+    ),
     /// The block as it ran (its compute copy, less the weights its graph reads in backward
     /// from [`regather`]), its input leaf and its output, tracked, and those weights' ids.
     Graph {

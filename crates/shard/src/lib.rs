@@ -100,6 +100,17 @@ impl Checkpointing {
     }
 }
 
+/// What a checkpointed block keeps of its forward for its re-run in backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CheckpointMode {
+    /// Its input alone: backward runs its whole forward again.
+    #[default]
+    Full,
+    /// Its input and its linear layers' outputs ([`burnscale_nn::selective`], torchtitan's
+    /// op-level selective checkpointing): backward runs all but their products again.
+    Selective,
+}
+
 /// Which model states each rank keeps only its shard of. Optimizer state is sharded whenever
 /// gradients are, and gradients whenever parameters are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -24,7 +24,7 @@ use serde::Serialize;
 
 use crate::accelerator::Accelerator;
 use crate::checkpoint::Checkpoint;
-use crate::cli::{Offload, Strategy, TrainArgs, value_name};
+use crate::cli::{CheckpointMode, Offload, Strategy, TrainArgs, value_name};
 use crate::memory::{self, human_bytes};
 use crate::plan::{MemoryPlan, Probe, ranks_in_process};
 use crate::runner::TrainTask;
@@ -381,6 +381,11 @@ fn unused_by(chosen: &TrainArgs, given: &TrainArgs) -> Vec<String> {
             given.checkpoint_blocks.is_some() && chosen.checkpoint_blocks.is_none(),
         ),
         (
+            "--checkpoint-mode (the plan fits without checkpointing)",
+            given.checkpoint_mode != CheckpointMode::Full
+                && chosen.checkpointing() == Checkpointing::None,
+        ),
+        (
             "--init-on-device (the weights stay f32, as built)",
             given.init_on_device && !chosen.init_on_device,
         ),
@@ -580,6 +585,12 @@ fn flags_of(args: &TrainArgs) -> String {
         Checkpointing::None => {}
         Checkpointing::All => flags.push("--checkpoint-activations".into()),
         Checkpointing::Lowest(n) => flags.push(format!("--checkpoint-blocks {n}")),
+    }
+    if args.checkpointing() != Checkpointing::None && args.checkpoint_mode != CheckpointMode::Full {
+        flags.push(format!(
+            "--checkpoint-mode {}",
+            value_name(args.checkpoint_mode)
+        ));
     }
     if let Some(on) = args.reshard_after_forward {
         flags.push(format!("--reshard-after-forward {on}"));

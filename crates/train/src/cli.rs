@@ -45,6 +45,26 @@ impl Strategy {
     }
 }
 
+/// What a checkpointed block keeps for its re-run in backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckpointMode {
+    /// Its input alone.
+    Full,
+    /// Its input and its linear layers' outputs.
+    Selective,
+}
+
+impl CheckpointMode {
+    /// The engine's mode.
+    pub fn engine(self) -> burnscale_shard::CheckpointMode {
+        match self {
+            CheckpointMode::Full => burnscale_shard::CheckpointMode::Full,
+            CheckpointMode::Selective => burnscale_shard::CheckpointMode::Selective,
+        }
+    }
+}
+
 /// Whose kernels compute the models' linear layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -182,6 +202,12 @@ pub struct TrainArgs {
     /// none checkpointed and all, and recomputes only N blocks' forward
     #[arg(long, value_name = "N", conflicts_with = "checkpoint_activations")]
     pub checkpoint_blocks: Option<usize>,
+    /// What a checkpointed block keeps for its re-run in backward: full (its input alone;
+    /// backward runs its whole forward again) or selective (its input and its linear layers'
+    /// outputs, torchtitan's op-level selective checkpointing: backward runs again all but
+    /// the matrix products, for more memory than full and less than none)
+    #[arg(long, value_enum, default_value = "full")]
+    pub checkpoint_mode: CheckpointMode,
     /// zero3: whether each unit's gathered parameters are dropped after its forward and
     /// gathered again for its backward (true, FSDP2's default: a block's graph keeps its
     /// activations, not its weights), or kept gathered with their graph until the unit's
@@ -665,6 +691,7 @@ impl TrainArgs {
                 "--checkpoint-blocks",
                 format!("{:?}", self.checkpoint_blocks),
             ),
+            ("--checkpoint-mode", value_name(self.checkpoint_mode)),
             (
                 "--reshard-after-forward",
                 format!("{:?}", self.reshard_after_forward),
@@ -859,6 +886,15 @@ impl TrainArgs {
                 "--checkpoint-blocks 0 checkpoints nothing: leave it out, or give at least 1"
                     .into(),
             );
+        }
+        if self.checkpoint_mode != CheckpointMode::Full
+            && self.checkpointing() == burnscale_shard::Checkpointing::None
+            && self.strategy != Strategy::Auto
+        {
+            return invalid(format!(
+                "--checkpoint-mode {} says what checkpointed blocks keep: give --checkpoint-activations or --checkpoint-blocks N",
+                value_name(self.checkpoint_mode)
+            ));
         }
         if self.adafactor_relative_step && self.optimizer != OptimizerKind::Adafactor {
             return invalid(format!(

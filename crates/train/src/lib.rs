@@ -27,9 +27,9 @@ mod stop;
 
 pub use burnscale_precision::Precision;
 pub use cli::{
-    ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAMW_WEIGHT_DECAY, AdamSettings, LR, MIN_8BIT_SIZE,
-    MIN_LR_RATIO, Matmul, Offload, OptimizerKind, RELATIVE_STEP_LR, ReduceDtype, SGD_MOMENTUM,
-    Schedule, Strategy, TrainArgs, parse_seconds, value_name,
+    ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON, ADAMW_WEIGHT_DECAY, AdamSettings, CheckpointMode, LR,
+    MIN_8BIT_SIZE, MIN_LR_RATIO, Matmul, Offload, OptimizerKind, RELATIVE_STEP_LR, ReduceDtype,
+    SGD_MOMENTUM, Schedule, Strategy, TrainArgs, parse_seconds, value_name,
 };
 pub use error::TrainError;
 pub use optim::{LrSchedule, ParamOptimizer, eight_bit_paths};

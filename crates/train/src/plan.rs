@@ -19,7 +19,7 @@ use std::collections::{BTreeSet, HashSet};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::prelude::*;
 use burn::tensor::{DType, Gradients};
-use burnscale_nn::{BlockModel, Mask, autocast, dropout, regather};
+use burnscale_nn::{BlockModel, Mask, autocast, dropout, regather, selective};
 use burnscale_shard::layout::{self, Slot};
 use burnscale_shard::{BUCKET_ELEMS, StepGrads, params};
 use serde::Serialize;
@@ -29,7 +29,7 @@ use crate::memory::{self, human_bytes};
 use crate::optim::{self, ParamOptimizer};
 use crate::report::aligned;
 use crate::runner::{self, BatchPart, TrainTask};
-use crate::{TrainArgs, TrainError};
+use crate::{CheckpointMode, TrainArgs, TrainError};
 
 /// What the backend adds, measured once on the run's largest micro-batch (bytes), and the
 /// parameters that get no gradient.
@@ -46,6 +46,15 @@ pub struct Probe {
     pub block: usize,
     /// One block's output: what a checkpointed block keeps of its forward.
     pub block_output: usize,
+    /// What a block checkpointed selectively keeps beside its input: its linears' outputs
+    /// ([`selective::record`]).
+    pub block_tape: usize,
+    /// What its re-run under autodiff then adds above them ([`selective::replay`]): the rest
+    /// of its graph, where a fully checkpointed block's re-run adds `block`.
+    pub block_replayed: usize,
+    /// `block_backward` through that re-run, whose linears' backward is
+    /// [`selective::ReplayOps`]'s.
+    pub replayed_backward: usize,
     /// What a frozen block (every parameter untracked) keeps for backward when its input is
     /// tracked, as a block between units that train keeps it: the gradient of its input
     /// only, none of its weights'.
@@ -102,7 +111,17 @@ impl Probe {
         let task_bytes = memory::live_bytes().saturating_sub(live);
         let (input, target) = copy.largest_batch(device, BatchPart::WHOLE);
         runner::check_rows(model.extent(&input)[0], Some(args.batch_size))?;
-        let (baseline, embed, block_bytes, block_output, head, parts, unreached, frozen_block) = {
+        let (
+            baseline,
+            embed,
+            block_bytes,
+            block_output,
+            head,
+            parts,
+            unreached,
+            frozen_block,
+            (block_tape, block_replayed, replayed_backward),
+        ) = {
             let _autocast = autocast::scope(args.precision.is_mixed());
             let _training = dropout::training_scope();
             // The forward through the embeddings, the block and the head, with `mark` called
@@ -161,22 +180,44 @@ impl Probe {
                 drop(y.sum().backward());
                 kept
             };
-            let (block_backward, regathered_backward, held_input, frozen_block) = match &block {
-                Some(block) => {
-                    let y = root.block_forward(block, leaf(), &mask);
+            // A block's forward outside autodiff keeping its linears' outputs, and its re-run
+            // from `input` under autodiff taking them back: the bytes each keeps.
+            let selective_block =
+                |block: &<T::Model as BlockModel>::Block, input: Tensor<3>, mask: &Mask| {
+                    let (plain, inner_mask) =
+                        (params::detached(block), mask.clone().map(|m| m.inner()));
+                    let at = dropout::position();
+                    let live = memory::live_bytes();
+                    let forward = || root.block_forward(&plain, input.clone().inner(), &inner_mask);
+                    let (y, kept) = selective::record(forward);
+                    drop(y);
+                    let tape = memory::live_bytes().saturating_sub(live);
+                    dropout::rewind(at);
+                    let live = memory::live_bytes();
+                    let y = selective::replay(kept, || root.block_forward(block, input, mask));
+                    let replayed = memory::live_bytes().saturating_sub(live);
                     let backward = memory::peak_added_by(|| y.sum().backward()).1;
-                    let held = from_leaf(block);
-                    let held_input = held.saturating_sub(blocked.saturating_sub(embedded));
-                    let frozen = from_leaf(&block.clone().no_grad()).saturating_sub(held_input);
-                    (
-                        backward,
-                        regathered(block, leaf(), &mask),
-                        held_input,
-                        frozen,
-                    )
-                }
-                None => (0, 0, 0, 0),
-            };
+                    (tape, replayed, backward)
+                };
+            let (block_backward, regathered_backward, held_input, frozen_block, selective) =
+                match &block {
+                    Some(block) => {
+                        let y = root.block_forward(block, leaf(), &mask);
+                        let backward = memory::peak_added_by(|| y.sum().backward()).1;
+                        let selective = selective_block(block, leaf(), &mask);
+                        let held = from_leaf(block);
+                        let held_input = held.saturating_sub(blocked.saturating_sub(embedded));
+                        let frozen = from_leaf(&block.clone().no_grad()).saturating_sub(held_input);
+                        (
+                            backward,
+                            regathered(block, leaf(), &mask),
+                            held_input,
+                            frozen,
+                            selective,
+                        )
+                    }
+                    None => (0, 0, 0, 0, (0, 0, 0)),
+                };
             let (x, _) = root.embed(input);
             let embed_backward = match x.is_tracked() {
                 true => {
@@ -206,6 +247,7 @@ impl Probe {
                 ],
                 unreached,
                 frozen_block,
+                selective,
             )
         };
         let [
@@ -245,6 +287,9 @@ impl Probe {
             embed,
             block: block_bytes,
             block_output,
+            block_tape,
+            block_replayed,
+            replayed_backward,
             frozen_block,
             held_input,
             head,
@@ -676,12 +721,30 @@ impl MemoryPlan {
             true => probe.block_output,
             false => probe.embed,
         };
+        // What a checkpointed block keeps of its forward (its input; selective, its linears'
+        // outputs too), and what its re-run in backward adds: with its kept outputs where no
+        // phase counts them otherwise (`rerun_alone`), or beside them (`rerun`); then the
+        // backward through it.
+        let (checkpoint_kept, rerun_alone, rerun, rerun_backward) = match args.checkpoint_mode {
+            CheckpointMode::Full => (
+                probe.block_output,
+                probe.block,
+                probe.block,
+                probe.block_backward,
+            ),
+            CheckpointMode::Selective => (
+                probe.block_output + probe.block_tape,
+                probe.block_tape + probe.block_replayed,
+                probe.block_replayed,
+                probe.replayed_backward,
+            ),
+        };
         // What forward keeps when the blocks from `from` up keep their graphs, and those below
         // (down to the lowest that trains) their inputs.
         let kept_above = |from: usize| {
             let (graphs, frozen) = (depth - from, frozen_above(from));
             embed_kept
-                + (from - frozen_below) * probe.block_output
+                + (from - frozen_below) * checkpoint_kept
                 + (graphs - frozen) * probe.block
                 + frozen * probe.frozen_block
                 + probe.head
@@ -854,13 +917,16 @@ impl MemoryPlan {
                 // or passes a gradient on).
                 let top_recomputed = checkpointed == depth && frozen_below < depth;
                 let top_activations = match top_recomputed {
-                    true => probe.block + probe.held_input,
+                    true => rerun + probe.held_input,
                     false => 0,
                 };
                 // Resharded, the blocks' graphs run through regathered linears.
-                let block_backward = |graph: bool| match sharding.reshards() && graph {
-                    true => probe.regathered_backward,
-                    false => probe.block_backward,
+                // Resharded, the blocks' graphs run through regathered linears; a recomputed
+                // block's backward is its re-run's.
+                let block_backward = |graph: bool| match (graph, sharding.reshards()) {
+                    (true, true) => probe.regathered_backward,
+                    (true, false) => probe.block_backward,
+                    (false, _) => rerun_backward,
                 };
                 let top_backward = block_backward(!top_recomputed);
                 let block_slots = trained.largest_block_slots();
@@ -876,10 +942,14 @@ impl MemoryPlan {
                 // head's input, held to the end of the micro-step.
                 let head_input = probe.block_output;
                 let bottom_backward = block_backward(graphs_from == frozen_below);
+                let bottom_activations = match graphs_from == frozen_below {
+                    true => probe.block,
+                    false => rerun_alone,
+                };
                 let bottom_block = unit_backward(
                     block_slots,
                     unit_copy(block),
-                    probe.block + probe.held_input,
+                    bottom_activations + probe.held_input,
                     bottom_backward,
                 );
                 let embed_gathered = match kept_copies {
@@ -928,19 +998,19 @@ impl MemoryPlan {
                 // recomputed blocks below it still kept.
                 if graph_depth > 0 && graphs_from > frozen_below + 1 {
                     let below: Vec<Slot> = trained.blocks[..graphs_from].concat();
-                    let inputs_below = (graphs_from - frozen_below - 1) * probe.block_output;
+                    let inputs_below = (graphs_from - frozen_below - 1) * checkpoint_kept;
                     let recomputed = unit_backward(
                         block_slots,
                         unit_copy(block),
-                        probe.block + probe.held_input,
-                        probe.block_backward,
+                        rerun_alone + probe.held_input,
+                        rerun_backward,
                     );
                     phases.push(block_phase(
                         Phase::BackwardRecomputed,
                         inputs_below,
                         recomputed,
                         &below,
-                        probe.block_backward,
+                        rerun_backward,
                     ));
                 }
                 phases.push(block_phase(
@@ -1104,9 +1174,10 @@ impl MemoryPlan {
             (
                 "activations per block".into(),
                 format!(
-                    "{} ({} checkpointed)",
+                    "{} ({} checkpointed, {} selectively)",
                     human_bytes(self.probe.block),
-                    human_bytes(self.probe.block_output)
+                    human_bytes(self.probe.block_output),
+                    human_bytes(self.probe.block_output + self.probe.block_tape)
                 ),
             ),
             (

@@ -758,7 +758,7 @@ pub(crate) fn build_engine<'c, M: BlockModel>(
             .map_or_else(ScalerConfig::default, ScalerConfig::starting_at)
     };
     let mut engine = Sharded::new(args.strategy.engine()?, model, comm, device)?
-        .checkpoint_activations(args.checkpointing())?
+        .checkpoint_activations(args.checkpointing(), args.checkpoint_mode.engine())?
         .precision(args.precision, scaler)
         .reduce_dtype(args.grad_reduce_dtype.dtype());
     if args.offload == Offload::Params {
