@@ -161,6 +161,13 @@ pub const SHARDED: &[&[&str]] = &[
         "2",
     ],
     &["--strategy", "zero2", "--checkpoint-activations"],
+    &[
+        "--strategy",
+        "zero2",
+        "--checkpoint-activations",
+        "--checkpoint-mode",
+        "selective",
+    ],
     &["--strategy", "zero2", "--checkpoint-blocks", "2"],
     &["--strategy", "zero3", "--checkpoint-blocks", "2"],
     &[

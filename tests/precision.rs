@@ -298,14 +298,18 @@ fn sixteen_bit_policies_compose_with_adafactor_and_clipping() {
     }
 }
 
+/// Both modes: a selective re-run takes back 16-bit linear outputs, made under autocast.
 #[test]
 fn checkpointing_composes_with_mixed_precision() {
-    let flags = [
-        &["--precision", "bf16-mixed", "--checkpoint-activations"],
-        SGD,
-    ]
-    .concat();
-    assert_matches_plain("zero2", 2, &flags);
+    for mode in ["full", "selective"] {
+        let flags = [
+            &["--precision", "bf16-mixed", "--checkpoint-activations"],
+            &["--checkpoint-mode", mode][..],
+            SGD,
+        ]
+        .concat();
+        assert_matches_plain("zero2", 2, &flags);
+    }
 }
 
 /// ZeRO-3 kept gathered from forward to backward gathers 16-bit copies and keeps their

@@ -216,6 +216,24 @@ fn checkpointed_blocks_take_the_plain_steps() {
     }
 }
 
+/// Blocks keeping their linears' outputs (`--checkpoint-mode selective`), under AdamW: every
+/// strategy on 3 ranks; and frozen parts, a block's MLP (its linears' weights take no gradient
+/// through the re-run's op) and everything below the second block's first linear (which reads
+/// an input that needs no gradient).
+#[test]
+fn selectively_checkpointed_blocks_take_the_plain_steps() {
+    let selective = ["--checkpoint-activations", "--checkpoint-mode", "selective"];
+    for strategy in ["ddp", "zero1", "zero2", "zero3"] {
+        assert_matches_plain(strategy, 3, &[ADAMW, &selective].concat());
+    }
+    for freeze in ["h.1.mlp", "wte,wpe,h.0,h.1.ln_1"] {
+        for strategy in ["ddp", "zero3"] {
+            let flags = [ADAMW, &selective, &["--freeze", freeze]].concat();
+            assert_matches_plain(strategy, 2, &flags);
+        }
+    }
+}
+
 /// ZeRO-3 keeping each unit gathered from its forward to its backward; with checkpointing it
 /// recomputes from the parameters it kept, without gathering them again. (A rank alone in
 /// f32 gathers nothing, and is refused the flag.)
