@@ -136,6 +136,11 @@ fn bad_flags_are_named() {
         &["--checkpoint-blocks", "0"],
         "--checkpoint-blocks 0 checkpoints nothing",
     );
+    fails_with(
+        &["--checkpoint-mode", "selective"],
+        "--checkpoint-mode selective says what checkpointed blocks keep: give --checkpoint-activations or --checkpoint-blocks N",
+    );
+    fails_with(&["--checkpoint-mode", "ops"], "invalid value 'ops'");
     fails_with(&["--strategy", "zero9"], "invalid value 'zero9'");
     fails_with(&["--accelerator", "tpu"], "invalid value 'tpu'");
     // An accelerator the build lacks (a cuda build on a machine without a GPU says so instead).

@@ -1159,15 +1159,15 @@ impl<'c, M: BlockModel> Sharded<'c, M> {
                         };
                         let input = x.clone();
                         let forward = || root.block_forward(&block, x, &inner_mask);
-                        let kept = match self.checkpoint_mode {
+                        let (y, kept) = match self.checkpoint_mode {
                             CheckpointMode::Full => (forward(), None),
                             CheckpointMode::Selective => {
                                 let (y, kept) = selective::record(forward);
                                 (y, Some(kept))
                             }
                         };
-                        x = kept.0;
-                        Saved::Input(input, at, gathered, kept.1)
+                        x = y;
+                        Saved::Input(input, at, gathered, kept)
                     }
                     Keep::Graphs => {
                         let block = self.unit(block, &unit, true)?;

@@ -453,6 +453,7 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                 for &strategy in strategies {
                     let resharding = resharding(strategy, args.reshard_after_forward);
                     for reshard_after_forward in resharding {
+                        let checkpoint_blocks = args.checkpoint_blocks.filter(|_| !checkpoint);
                         let candidate = TrainArgs {
                             strategy,
                             precision,
@@ -460,7 +461,13 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                             init_on_device: args.init_on_device && precision.has_16bit_weights(),
                             checkpoint_activations: checkpoint,
                             // Every block checkpointed, or as given.
-                            checkpoint_blocks: args.checkpoint_blocks.filter(|_| !checkpoint),
+                            checkpoint_blocks,
+                            // The mode given, for the blocks checkpointed (`validate` refuses
+                            // one other than full where none are).
+                            checkpoint_mode: match checkpoint || checkpoint_blocks.is_some() {
+                                true => args.checkpoint_mode,
+                                false => CheckpointMode::Full,
+                            },
                             reshard_after_forward,
                             offload_dir: offload_dir.clone(),
                             // A precision without a loss scaler is weighed without its flags
@@ -644,6 +651,31 @@ mod tests {
             choice_code(&on_cpu(&["--checkpoint-activations"]))
         );
         assert_eq!(blocks("3"), blocks("3"));
+    }
+
+    /// `--checkpoint-mode` goes to the candidates that checkpoint, and those that do not are
+    /// weighed too, in full mode (`validate` refuses another mode without checkpointing: they
+    /// were left out, and auto checkpointed where nothing needed it).
+    #[test]
+    fn the_checkpoint_mode_given_goes_to_the_candidates_that_checkpoint() {
+        let auto = ["--strategy", "auto", "--memory-budget", "1G"];
+        let full = order(&auto, 4);
+        let selective = order(
+            &[&auto[..], &["--checkpoint-mode", "selective"]].concat(),
+            4,
+        );
+        let checkpointing = "--checkpoint-activations";
+        let expected: Vec<String> = full
+            .iter()
+            .map(|c| {
+                c.replace(
+                    checkpointing,
+                    &format!("{checkpointing} --checkpoint-mode selective"),
+                )
+            })
+            .collect();
+        assert_eq!(selective, expected);
+        assert!(selective.iter().any(|c| !c.contains(checkpointing)));
     }
 
     #[test]
