@@ -80,16 +80,32 @@ pub fn linear_forward<B: GemmOps>(
     B::float_reshape(y, out)
 }
 
-/// [`linear_forward`]'s gradient for `x`: `dy @ weight^T`, in `dy`'s shape but its last axis.
-pub fn linear_x_backward<B: GemmOps>(weight: FloatTensor<B>, dy: FloatTensor<B>) -> FloatTensor<B> {
+/// A linear layer's gradient for `x`: `dy @ weight^T`, in `dy`'s shape but its last axis;
+/// through [`GemmOps::gemm`] where `gemm` (as [`linear_forward`]), else the backend's linear op.
+pub fn linear_x_backward<B: GemmOps>(
+    weight: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    gemm: bool,
+) -> FloatTensor<B> {
+    if !gemm {
+        return B::linear_x_backward(weight, dy);
+    }
     let d_in = weight.shape()[0];
     let out = with_last(dy.shape(), d_in);
     B::float_reshape(B::gemm(rows::<B>(dy), weight, false, true), out)
 }
 
-/// [`linear_forward`]'s gradient for the weight: `x^T @ dy` over every row.
-pub fn linear_weight_backward<B: GemmOps>(x: FloatTensor<B>, dy: FloatTensor<B>) -> FloatTensor<B> {
-    B::gemm(rows::<B>(x), rows::<B>(dy), true, false)
+/// A linear layer's gradient for the weight: `x^T @ dy` over every row; through
+/// [`GemmOps::gemm`] where `gemm`, else the backend's linear op.
+pub fn linear_weight_backward<B: GemmOps>(
+    x: FloatTensor<B>,
+    dy: FloatTensor<B>,
+    gemm: bool,
+) -> FloatTensor<B> {
+    match gemm {
+        true => B::gemm(rows::<B>(x), rows::<B>(dy), true, false),
+        false => B::linear_weight_backward(x, dy),
+    }
 }
 
 /// `t` (`[.., d]`) as `[rows, d]`.

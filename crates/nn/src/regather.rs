@@ -189,10 +189,7 @@ where
                     .unwrap_or_else(|| panic!("weight {id} was not staged for its backward"));
                 let weight = primitive::<B>(weight);
                 if weight_grad {
-                    let grad_weight = match gemm {
-                        true => linear_weight_backward::<B>(x, grad.clone()),
-                        false => B::linear_weight_backward(x, grad.clone()),
-                    };
+                    let grad_weight = linear_weight_backward::<B>(x, grad.clone(), gemm);
                     GRADS.with(|g| {
                         let mut g = g.borrow_mut();
                         let sum = match g.remove(&id) {
@@ -207,10 +204,7 @@ where
                     grads.register::<B>(node.id, B::linear_bias_backward(grad.clone()));
                 }
                 if let Some(node) = x_node {
-                    let dx = match gemm {
-                        true => linear_x_backward::<B>(weight, grad),
-                        false => B::linear_x_backward(weight, grad),
-                    };
+                    let dx = linear_x_backward::<B>(weight, grad, gemm);
                     grads.register::<B>(node.id, dx);
                 }
             }

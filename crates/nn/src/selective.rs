@@ -189,17 +189,11 @@ impl<B: GemmOps, C: CheckpointStrategy> ReplayOps for Autodiff<B, C> {
                     grads.register::<B>(node.id, B::linear_bias_backward(grad.clone()));
                 }
                 if let Some(node) = weight_node {
-                    let grad_weight = match gemm {
-                        true => linear_weight_backward::<B>(x, grad.clone()),
-                        false => B::linear_weight_backward(x, grad.clone()),
-                    };
+                    let grad_weight = linear_weight_backward::<B>(x, grad.clone(), gemm);
                     grads.register::<B>(node.id, grad_weight);
                 }
                 if let Some(node) = x_node {
-                    let dx = match gemm {
-                        true => linear_x_backward::<B>(weight, grad),
-                        false => B::linear_x_backward(weight, grad),
-                    };
+                    let dx = linear_x_backward::<B>(weight, grad, gemm);
                     grads.register::<B>(node.id, dx);
                 }
             }
