@@ -1,5 +1,6 @@
-//! Selective activation checkpointing (torchtitan's op-level `selective` mode, PyTorch's
-//! `create_selective_checkpoint_contexts` with the matrix products on its save list): a
+//! Selective activation checkpointing by op (PyTorch's `create_selective_checkpoint_contexts`
+//! with every linear's product on its save list; torchtitan's `op` mode saves every second
+//! one and attention's outputs): a
 //! checkpointed block's forward keeps its linear layers' outputs beside its input, and the
 //! backward's re-run of the block takes each from there instead of computing its product
 //! again. Norms, activations, attention and dropout (its masks rewound) are recomputed.
@@ -7,7 +8,8 @@
 //! Under [`record`] every [`linear`](crate::regather::linear) of the models keeps a handle to
 //! its output, in the order the layers ran. Under [`replay`] each takes the next kept output
 //! and makes it a node of the graph whose backward is the linear's
-//! ([`ReplayOps::replayed_linear`]): it keeps the input and the weight, as Burn's product does.
+//! ([`ReplayOps::replayed_linear`]): it keeps what Burn's linear keeps, the input where the
+//! weight takes a gradient and the weight where the input does.
 //! So a block's linears run forward once, as without checkpointing (full checkpointing runs
 //! them twice), and the block keeps about half its graph instead of its input alone (minGPT:
 //! 9 of the ~17 widths per token a block's graph keeps, the products' outputs
@@ -21,6 +23,7 @@ use burn::backend::autodiff::checkpoint::{base::Checkpointer, strategy::Checkpoi
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
+use burn::module::ParamId;
 use burn::nn::Linear;
 use burn::prelude::*;
 
@@ -34,15 +37,17 @@ thread_local! {
 enum Tape {
     Off,
     /// Keep them, in order ([`record`]).
-    Record(Vec<Tensor<2>>),
+    Record(Vec<Output>),
     /// Take them back, in order ([`replay`]).
-    Replay(VecDeque<Tensor<2>>),
+    Replay(VecDeque<Output>),
 }
 
-/// The outputs a block's linears made under [`record`] (`[rows, d_out]` each, outside
-/// autodiff), for its [`replay`].
+/// A linear's output (`[rows, d_out]`, outside autodiff) and the id of its layer's weight.
+type Output = (ParamId, Tensor<2>);
+
+/// The outputs a block's linears made under [`record`], for its [`replay`].
 #[derive(Debug)]
-pub struct Kept(Vec<Tensor<2>>);
+pub struct Kept(Vec<Output>);
 
 /// Puts `tape` in place for the time of `f` and returns `f`'s result with the tape as `f`
 /// left it; the earlier tape is put back however `f` ends.
@@ -94,14 +99,19 @@ pub(crate) fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> 
         ),
         _ => None,
     });
-    if let Some(y) = replayed {
+    if let Some((id, y)) = replayed {
+        assert_eq!(
+            id, layer.weight.id,
+            "a replayed block ran its linears in another order than its forward"
+        );
         return replayed_linear(layer, x, y);
     }
     let y = crate::gemm::linear(layer, x);
     TAPE.with(|t| {
         if let Tape::Record(kept) = &mut *t.borrow_mut() {
             let d_out = y.dims()[D - 1];
-            kept.push(y.clone().reshape([y.shape().num_elements() / d_out, d_out]));
+            let rows = y.shape().num_elements() / d_out;
+            kept.push((layer.weight.id, y.clone().reshape([rows, d_out])));
         }
     });
     y
@@ -112,11 +122,13 @@ pub(crate) fn linear<const D: usize>(layer: &Linear, x: Tensor<D>) -> Tensor<D> 
 fn replayed_linear<const D: usize>(layer: &Linear, x: Tensor<D>, y: Tensor<2>) -> Tensor<D> {
     let weight = layer.weight.val(); // [d_in, d_out]
     let mut shape = x.shape();
-    shape[D - 1] = weight.dims()[1];
+    let d_out = weight.dims()[1];
+    shape[D - 1] = d_out;
     assert_eq!(
-        y.shape().num_elements(),
-        shape.num_elements(),
-        "a replayed linear's kept output does not fit its input {:?}",
+        y.dims(),
+        [shape.num_elements() / d_out, d_out],
+        "a replayed linear's kept output does not fit its layer ({:?} -> {d_out}) and input {:?}",
+        weight.dims(),
         x.dims()
     );
     let device = x.device();
@@ -173,8 +185,9 @@ impl<B: GemmOps, C: CheckpointStrategy> ReplayOps for Autodiff<B, C> {
         struct ReplayedLinear;
 
         impl<B: GemmOps> Backward<B, 3> for ReplayedLinear {
-            /// `x`, the weight, whether the products go through [`GemmOps`].
-            type State = (FloatTensor<B>, FloatTensor<B>, bool);
+            /// `x` where the weight takes a gradient, the weight where `x` does, whether the
+            /// products go through [`GemmOps`].
+            type State = (Option<FloatTensor<B>>, Option<FloatTensor<B>>, bool);
 
             fn backward(
                 self,
@@ -188,11 +201,11 @@ impl<B: GemmOps, C: CheckpointStrategy> ReplayOps for Autodiff<B, C> {
                 if let Some(node) = bias_node {
                     grads.register::<B>(node.id, B::linear_bias_backward(grad.clone()));
                 }
-                if let Some(node) = weight_node {
+                if let (Some(node), Some(x)) = (weight_node, x) {
                     let grad_weight = linear_weight_backward::<B>(x, grad.clone(), gemm);
                     grads.register::<B>(node.id, grad_weight);
                 }
-                if let Some(node) = x_node {
+                if let (Some(node), Some(weight)) = (x_node, weight) {
                     let dx = linear_x_backward::<B>(weight, grad, gemm);
                     grads.register::<B>(node.id, dx);
                 }
@@ -200,7 +213,13 @@ impl<B: GemmOps, C: CheckpointStrategy> ReplayOps for Autodiff<B, C> {
         }
 
         let nodes = [x.node(), weight.node(), bias.node()];
-        let state = (x.into_primitive(), weight.into_primitive(), gemm);
+        // Each operand is read only for the other's gradient, as Burn's linear keeps them.
+        let (x_tracked, weight_tracked) = (x.is_tracked(), weight.is_tracked());
+        let state = (
+            weight_tracked.then(|| x.into_primitive()),
+            x_tracked.then(|| weight.into_primitive()),
+            gemm,
+        );
         let kept = kept.into_primitive();
         match ReplayedLinear
             .prepare::<C>(nodes)
@@ -222,6 +241,14 @@ mod tests {
 
     use crate::{DropoutConfig, gelu_tanh, regather};
 
+    /// `layer` with its parameters outside autodiff (sharing their values and ids).
+    fn detached(layer: &Linear) -> Linear {
+        Linear {
+            weight: Param::initialized(layer.weight.id, layer.weight.val().inner()),
+            bias: (layer.bias.as_ref()).map(|b| Param::initialized(b.id, b.val().inner())),
+        }
+    }
+
     /// A block in small: two linears around a GELU and a dropout, and a residual.
     struct Tiny {
         up: Linear,
@@ -240,13 +267,6 @@ mod tests {
 
         /// The same block with its parameters outside autodiff (sharing their values).
         fn detached(&self) -> Self {
-            let detached = |layer: &Linear| Linear {
-                weight: Param::from_tensor(layer.weight.val().inner()),
-                bias: layer
-                    .bias
-                    .as_ref()
-                    .map(|b| Param::from_tensor(b.val().inner())),
-            };
             Self {
                 up: detached(&self.up),
                 down: detached(&self.down),
@@ -303,7 +323,7 @@ mod tests {
             let plain = tiny.detached();
             record(|| plain.forward(x.clone().inner()))
         };
-        let dims: Vec<[usize; 2]> = kept.0.iter().map(Tensor::dims).collect();
+        let dims: Vec<[usize; 2]> = kept.0.iter().map(|(_, y)| y.dims()).collect();
         assert_eq!(
             dims,
             [[6, 8], [6, 4]],
@@ -326,7 +346,10 @@ mod tests {
         let device = Device::flex().autodiff();
         let layer = LinearConfig::new(4, 5).init(&device);
         let x = Tensor::<3>::random([2, 3, 4], Distribution::Default, &device).require_grad();
-        let kept = Kept(vec![Tensor::ones([6, 5], &Device::flex())]);
+        let kept = Kept(vec![(
+            layer.weight.id,
+            Tensor::ones([6, 5], &Device::flex()),
+        )]);
         let y = replay(kept, || regather::linear(&layer, x));
         y.inner().into_data().assert_eq(
             &Tensor::<3>::ones([2, 3, 5], &Device::flex()).into_data(),
@@ -340,7 +363,44 @@ mod tests {
         let device = Device::flex().autodiff();
         let layer = LinearConfig::new(4, 5).init(&device);
         let x = Tensor::<3>::random([2, 3, 4], Distribution::Default, &device).require_grad();
-        let kept = Kept(vec![Tensor::ones([6, 5], &Device::flex()); 2]);
-        replay(kept, || regather::linear(&layer, x));
+        let output = (layer.weight.id, Tensor::ones([6, 5], &Device::flex()));
+        replay(Kept(vec![output; 2]), || regather::linear(&layer, x));
+    }
+
+    /// Two layers of one shape (q's and k's) taken back in another order are an error, not
+    /// each other's outputs.
+    #[test]
+    #[should_panic(expected = "in another order than its forward")]
+    fn a_replay_in_another_order_fails() {
+        let device = Device::flex().autodiff();
+        let [a, b] = [0, 1].map(|_| LinearConfig::new(4, 5).init(&device));
+        let x = Tensor::<3>::random([2, 3, 4], Distribution::Default, &device).require_grad();
+        let output = |layer: &Linear| (layer.weight.id, Tensor::ones([6, 5], &Device::flex()));
+        replay(Kept(vec![output(&a), output(&b)]), || {
+            regather::linear(&b, x.clone()) + regather::linear(&a, x)
+        });
+    }
+
+    /// A frozen weight gets no gradient through the re-run's op, and the input still does.
+    #[test]
+    fn a_replayed_frozen_linear_passes_its_inputs_gradient() {
+        let device = Device::flex().autodiff();
+        let mut layer = LinearConfig::new(4, 5).init(&device);
+        layer.weight = layer.weight.set_require_grad(false);
+        let x = Tensor::<3>::random([2, 3, 4], Distribution::Default, &device);
+        let r = Tensor::<3>::random([2, 3, 5], Distribution::Default, &device);
+        let grad_x = |f: &dyn Fn(Tensor<3>) -> Tensor<3>| {
+            let x = x.clone().require_grad();
+            let grads = (f(x.clone()) * r.clone()).sum().backward();
+            assert!(
+                layer.weight.val().grad(&grads).is_none(),
+                "a frozen weight's gradient"
+            );
+            x.grad(&grads).expect("x").into_data()
+        };
+        let want = grad_x(&|x| layer.forward(x));
+        let (_, kept) = record(|| regather::linear(&detached(&layer), x.clone().inner()));
+        let got = replay(kept, || grad_x(&|x| regather::linear(&layer, x)));
+        got.assert_approx_eq::<f32>(&want, Tolerance::default());
     }
 }

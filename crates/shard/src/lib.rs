@@ -106,8 +106,8 @@ pub enum CheckpointMode {
     /// Its input alone: backward runs its whole forward again.
     #[default]
     Full,
-    /// Its input and its linear layers' outputs ([`burnscale_nn::selective`], torchtitan's
-    /// op-level selective checkpointing): backward runs all but their products again.
+    /// Its input and its linear layers' outputs ([`burnscale_nn::selective`]: selective
+    /// checkpointing by op): backward runs all but their products again.
     Selective,
 }
 

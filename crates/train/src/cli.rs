@@ -204,8 +204,9 @@ pub struct TrainArgs {
     pub checkpoint_blocks: Option<usize>,
     /// What a checkpointed block keeps for its re-run in backward: full (its input alone;
     /// backward runs its whole forward again) or selective (its input and its linear layers'
-    /// outputs, torchtitan's op-level selective checkpointing: backward runs again all but
-    /// the matrix products, for more memory than full and less than none)
+    /// outputs, selective checkpointing by op: backward runs again all but the linears'
+    /// products, for more memory than full and less than none). With --strategy auto, the
+    /// mode of the checkpointing it chooses
     #[arg(long, value_enum, default_value = "full")]
     pub checkpoint_mode: CheckpointMode,
     /// zero3: whether each unit's gathered parameters are dropped after its forward and
