@@ -1284,7 +1284,8 @@ mod tests {
         let flags = "--accelerator cpu --matmul cublas --strategy zero3 --devices 3 \
              --collective-timeout 2.5 --precision bf16-mixed --grad-reduce-dtype bf16 \
              --initial-loss-scale 1024 --max-consecutive-skips 9 --init-on-device \
-             --checkpoint-activations --reshard-after-forward false --offload optimizer \
+             --checkpoint-activations --checkpoint-mode selective --reshard-after-forward false \
+             --offload optimizer \
              --offload-dir /tmp/off --optimizer adam8bit --min-8bit-size 77 \
              --adafactor-relative-step --embedding-state-32bit --freeze wte,h.0 --lr 0.00123 --weight-decay \
              0.05 --beta1 0.8 --beta2 0.99 --adam-epsilon 1e-6 --momentum 0.5 --schedule \
