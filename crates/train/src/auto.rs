@@ -453,21 +453,14 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                 for &strategy in strategies {
                     let resharding = resharding(strategy, args.reshard_after_forward);
                     for reshard_after_forward in resharding {
-                        let checkpoint_blocks = args.checkpoint_blocks.filter(|_| !checkpoint);
-                        let candidate = TrainArgs {
+                        let mut candidate = TrainArgs {
                             strategy,
                             precision,
                             // Weights that stay f32 are built so: nothing to create in place.
                             init_on_device: args.init_on_device && precision.has_16bit_weights(),
                             checkpoint_activations: checkpoint,
                             // Every block checkpointed, or as given.
-                            checkpoint_blocks,
-                            // The mode given, for the blocks checkpointed (`validate` refuses
-                            // one other than full where none are).
-                            checkpoint_mode: match checkpoint || checkpoint_blocks.is_some() {
-                                true => args.checkpoint_mode,
-                                false => CheckpointMode::Full,
-                            },
+                            checkpoint_blocks: args.checkpoint_blocks.filter(|_| !checkpoint),
                             reshard_after_forward,
                             offload_dir: offload_dir.clone(),
                             // A precision without a loss scaler is weighed without its flags
@@ -480,6 +473,11 @@ fn candidates(args: &TrainArgs, world: usize, device: &Device) -> Vec<TrainArgs>
                                 .filter(|_| precision.scales_loss()),
                             ..args.clone()
                         };
+                        // The mode given is for the blocks checkpointed (`validate` refuses
+                        // one other than full where none are).
+                        if candidate.checkpointing() == Checkpointing::None {
+                            candidate.checkpoint_mode = CheckpointMode::Full;
+                        }
                         // A concrete candidate's `validate` asks for a plannable precision
                         // only when it plans; `auto` plans every candidate it weighs.
                         let runs = candidate.validate().is_ok()
